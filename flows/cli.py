@@ -1,0 +1,164 @@
+"""The `rlpipe` command line (typer). Every command fails with one line and a non-zero exit on bad input."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+# Prefect keeps its state in the project folder (ignored by git) unless the user points it elsewhere.
+os.environ.setdefault("PREFECT_HOME", str(Path.cwd() / ".prefect"))
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: LLM RL post-training as a Prefect DAG over Parquet stages.")
+console = Console(stderr=True)
+
+DEMO_CONFIG = "infra/configs/demo.yaml"
+SetOpt = typer.Option(None, "--set", help="Override a config value: --set a.b=value (repeatable).")
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from flows.inspect import QueryError
+    from schemas.config import ConfigError
+    from schemas.tables import TableError
+    from storage import LayoutError
+    from tasks.batch import EmptyBatchError
+    from tasks.datasets import DatasetError
+    from tasks.engines.launch import WorkerError
+    from tasks.rewards import RewardError
+    from tasks.policy import ModelPathError
+    from tasks.rollouts import ContextLengthError
+
+    return (ConfigError, ModelPathError, TableError, LayoutError, EmptyBatchError, DatasetError, WorkerError, RewardError,
+            ContextLengthError, QueryError, FileNotFoundError, PermissionError)
+
+
+def _guard(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except _known_errors() as exc:
+        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def prepare_run(config: str, overrides: list[str] | None, run_id: str):
+    """Validate the config, create the run folder and save the resolved config. Returns (cfg, layout)."""
+    from schemas.config import dump_config, load_config
+    from storage import RunLayout
+    from storage.stage_io import write_bytes_atomic
+
+    cfg = load_config(config, overrides)
+    layout = RunLayout(Path(cfg.storage_root), run_id)
+    try:
+        write_bytes_atomic(layout.config_path, dump_config(cfg).encode())
+    except OSError as exc:
+        raise PermissionError(f"cannot write to storage root {cfg.storage_root!r}: {exc.strerror}") from None
+    return cfg, layout
+
+
+@app.command("init-model")
+def init_model_cmd(
+    config: str = typer.Option(DEMO_CONFIG, help="Run config naming the recipe and the output folder."),
+    overrides: Optional[list[str]] = SetOpt,
+    force: bool = typer.Option(False, help="Rebuild even if the folder exists."),
+) -> None:
+    """Build the small Llama + character tokenizer from the recipe into model.base_path."""
+    from schemas.config import load_config
+
+    def run():
+        from tasks.model_init import init_model
+
+        cfg = load_config(config, overrides)
+        out = init_model(cfg.model.recipe, cfg.model.base_path, force=force)
+        console.print(f"model: {out}")
+
+    _guard(run)
+
+
+@app.command()
+def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("sft", "--run-id")) -> None:
+    """Supervised warm start on generated demonstrations (DeepSpeed); exports to model.path."""
+
+    def run():
+        from flows.sft import sft_flow
+
+        cfg, _ = prepare_run(config, overrides, run_id)
+        result = sft_flow(run_id, cfg.storage_root)
+        console.print(f"sft checkpoint: {result['checkpoint']} (exported to {result['exported_to']})")
+
+    _guard(run)
+
+
+@app.command()
+def run(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("rl", "--run-id")) -> None:
+    """Run (or resume) RL: one Prefect flow run per iteration. Re-running the same command resumes."""
+
+    def go():
+        cfg, _ = prepare_run(config, overrides, run_id)
+        from tasks.policy import model_fingerprint
+
+        model_fingerprint(cfg.model.path)  # fail now, not inside a flow, if the model is missing
+        from flows.rl import rl_run
+
+        summary = rl_run(run_id, cfg.storage_root)
+        _print_summary(summary)
+
+    _guard(go)
+
+
+@app.command()
+def demo(
+    run_id: str = typer.Option("demo", "--run-id"),
+    overrides: Optional[list[str]] = SetOpt,
+) -> None:
+    """init-model → SFT → RL → eval into runs/demo, with progress and a summary table."""
+    from flows.demo import run_demo
+
+    summary = _guard(run_demo, DEMO_CONFIG, overrides or [], run_id, console)
+    _print_summary(summary)
+
+
+@app.command()
+def sql(run: list[str] = typer.Argument(..., help="RUN [RUN ...] QUERY"), root: str = typer.Option("runs", "--root")) -> None:
+    """Query stage tables with DuckDB: each stage is a view; `iteration` is a column."""
+    if len(run) < 2:
+        _fail("usage: rlpipe sql RUN [RUN ...] \"QUERY\"")
+    from flows.inspect import run_sql
+
+    _guard(run_sql, run[:-1], run[-1], root, console)
+
+
+@app.command()
+def show(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
+    """Each stage's status per iteration, and the key metrics."""
+    from flows.inspect import show_run
+
+    _guard(show_run, run_id, root, console)
+
+
+def _print_summary(summary: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"rlpipe run {summary.get('run_id')}")
+    table.add_column("key")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        if isinstance(value, (dict, list)):
+            continue
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # vLLM spawns processes: keep the guard
+    sys.exit(app())

@@ -1,0 +1,111 @@
+"""`rlpipe sql` and `rlpipe show`: read-only views over a run's complete stage data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+READ_ONLY_STATEMENTS = {"SELECT", "EXPLAIN"}
+
+
+class QueryError(ValueError):
+    pass
+
+
+def connect(run_ids: list[str], root: str):
+    """An in-memory DuckDB with one view per stage. With several runs, views union them with a run_id column."""
+    import duckdb
+
+    from storage import RunLayout, complete_files
+
+    con = duckdb.connect(":memory:")
+    stages: dict[str, list[tuple[str, list[Path]]]] = {}
+    for run_id in run_ids:
+        layout = RunLayout(Path(root), run_id)
+        if not layout.run_dir.is_dir():
+            raise FileNotFoundError(f"run {run_id!r} not found under {root}")
+        for stage in layout.stages():
+            files = complete_files(layout, stage)
+            if files:
+                stages.setdefault(stage, []).append((run_id, files))
+    for stage, runs in stages.items():
+        selects = [
+            f"SELECT *, '{rid}' AS run_id FROM read_parquet({[str(f) for f in files]!r}, union_by_name=true)"
+            for rid, files in runs
+        ]
+        con.execute(f'CREATE VIEW "{stage}" AS ' + " UNION ALL BY NAME ".join(selects))
+    return con
+
+
+def check_read_only(query: str) -> None:
+    import duckdb
+
+    try:
+        statements = duckdb.extract_statements(query)
+    except duckdb.Error as exc:
+        raise QueryError(f"invalid SQL: {str(exc).splitlines()[0]}") from None
+    for st in statements:
+        kind = st.type.name
+        if kind not in READ_ONLY_STATEMENTS:
+            raise QueryError(f"refused: {kind} statements are not allowed (rlpipe sql is read-only)")
+
+
+def run_sql(run_ids: list[str], query: str, root: str, console: Console) -> None:
+    import duckdb
+
+    check_read_only(query)
+    con = connect(run_ids, root)
+    try:
+        rel = con.sql(query)
+    except duckdb.Error as exc:
+        raise QueryError(f"query failed: {str(exc).splitlines()[0]}") from None
+    table = Table()
+    for col in rel.columns:
+        table.add_column(col)
+    for row in rel.fetchall():
+        table.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
+    Console().print(table)
+
+
+def show_run(run_id: str, root: str, console: Console) -> None:
+    from storage import RunLayout, read_manifest, scan
+
+    layout = RunLayout(Path(root), run_id)
+    if not layout.run_dir.is_dir():
+        raise FileNotFoundError(f"run {run_id!r} not found under {root}")
+    stages = layout.stages()
+    iterations = sorted({it for s in stages for it in layout.iterations(s)})
+    status = Table(title=f"{run_id}: stages")
+    status.add_column("iteration")
+    for s in stages:
+        status.add_column(s)
+    for it in iterations:
+        cells = []
+        for s in stages:
+            m = read_manifest(layout, s, it, verify=False) if it in layout.iterations(s) else None
+            cells.append(f"complete ({m['wall_seconds']:.1f}s)" if m else ("missing" if it in layout.iterations(s) else ""))
+        status.add_row(str(it), *cells)
+    Console().print(status)
+    metrics = scan(run_id, "train_metrics", root).collect()
+    if metrics.height:
+        keys = [c for c in ("iteration", "reward_mean", "score_accuracy_mean", "kl_ref", "entropy", "clip_frac_high",
+                            "response_length_mean", "seconds_optimize") if c in metrics.columns]
+        t = Table(title="train_metrics")
+        for k in keys:
+            t.add_column(k)
+        for row in metrics.sort("iteration").select(keys).iter_rows():
+            t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
+        Console().print(t)
+    evals = scan(run_id, "eval", root).collect()
+    if evals.height:
+        import polars as pl
+
+        agg = evals.group_by("iteration").agg(pl.col("greedy_correct").mean().alias("accuracy"), pl.col("pass_at_k").mean()).sort("iteration")
+        t = Table(title="eval")
+        for k in agg.columns:
+            t.add_column(k)
+        for row in agg.iter_rows():
+            t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
+        Console().print(t)

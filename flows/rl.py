@@ -1,0 +1,57 @@
+"""The RL flow: one `rl-iteration` flow run per iteration, one task per stage (DESIGN §2).
+
+Flows only order stages and pass fingerprints; every stage reads and writes through storage, so a restart
+of the same run skips what is complete and recomputes the rest.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from tasks.advantages import advantages_task
+from tasks.batch import batch_task
+from tasks.common import plan_task
+from tasks.evaluate import eval_task
+from tasks.logprobs import logprobs_task
+from tasks.optimize import optimize_task
+from tasks.prompts import prompts_task
+from tasks.rollouts import release_engines_task, rollouts_task
+from tasks.scores import scores_task
+from tasks.summary import summary_task
+
+
+@flow(name="rl-iteration", flow_run_name="{run_id}-iter-{iteration}")
+def rl_iteration(run_id: str, iteration: int, storage_root: str = "runs") -> dict:
+    # Dynamic sampling: rounds of prompts → rollouts → scores until the batch task says the batch is full
+    # (it alone knows target_groups and max_rounds, and it returns None while another round is needed).
+    scores_fps: list[str] = []
+    round_ = 0
+    while True:
+        prompts = prompts_task(storage_root, run_id, iteration, round_)
+        rollouts = rollouts_task(storage_root, run_id, iteration, round_, prompts.fingerprint)
+        scores = scores_task(storage_root, run_id, iteration, round_, rollouts.fingerprint)
+        scores_fps.append(scores.fingerprint)
+        batch = batch_task(storage_root, run_id, iteration, round_, scores_fps)
+        if batch is not None:
+            break
+        round_ += 1
+    logprobs = logprobs_task(storage_root, run_id, iteration, batch.fingerprint)
+    advantages = advantages_task(storage_root, run_id, iteration, logprobs.fingerprint, batch.fingerprint)
+    metrics = optimize_task(storage_root, run_id, iteration, advantages.fingerprint, logprobs.fingerprint)
+    return {"iteration": iteration, "rounds": round_ + 1, "checkpoint": metrics.extra.get("checkpoint")}
+
+
+@flow(name="rl", flow_run_name="{run_id}")
+def rl_run(run_id: str, storage_root: str = "runs") -> dict:
+    """Eval the starting model, run every iteration (eval every N and at the end), write summary.json."""
+    plan = plan_task(storage_root, run_id)
+    n, every = plan["iterations"], plan["eval_every"]
+    try:
+        eval_task(storage_root, run_id, 0)
+        for k in range(1, n + 1):
+            rl_iteration(run_id, k, storage_root)
+            if k % every == 0 or k == n:
+                eval_task(storage_root, run_id, k)
+    finally:
+        release_engines_task()
+    return summary_task(storage_root, run_id)

@@ -1,0 +1,205 @@
+"""The one validated run configuration.
+
+Loaded once from YAML (plus `--set a.b=value` overrides), frozen, and saved resolved as
+`runs/{run_id}/config.yaml`. Every option with a fixed set of values is a `Literal`, so a typo fails at load
+time with a message naming the key, never deep inside a stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message is one line and names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    recipe: str = "infra/model/demo_llama.yaml"
+    base_path: str = "models/demo-base"  # written by `rlpipe init-model`, the SFT starting point
+    path: str = "models/demo-sft"  # the RL policy's starting point and its frozen reference
+
+
+class TaskConfig(Section):
+    name: Literal["arithmetic"] = "arithmetic"
+    data_dir: str = "data/arithmetic"
+    max_operand: int = Field(99, ge=1, le=99_999)
+    operations: str = Field("+-", pattern=r"^[+\-*]+$")
+    n_eval: int = Field(256, ge=1)
+    seed: int = 1234
+
+
+class RewardConfig(Section):
+    kind: Literal["rule"] = "rule"
+    # Each reward function writes its own score column; the total is the weighted sum.
+    weights: dict[Literal["accuracy", "format"], float] = {"accuracy": 1.0, "format": 0.1}
+    timeout_s: float = Field(5.0, gt=0)
+
+
+class RolloutConfig(Section):
+    group_size: int = Field(8, ge=1)
+    prompts_per_round: int = Field(64, ge=1)
+    max_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    kv_cache_gib: float = Field(1.0, gt=0)
+
+
+class BatchConfig(Section):
+    target_groups: int = Field(32, ge=1)
+    max_rounds: int = Field(3, ge=1)
+    drop_zero_variance: bool = True
+
+
+class AdvantageConfig(Section):
+    estimator: Literal["grpo"] = "grpo"
+    eps: float = 1e-6
+
+
+class LossConfig(Section):
+    objective: Literal["clip"] = "clip"
+    aggregation: Literal["token-mean"] = "token-mean"
+    clip_eps_low: float = Field(0.2, ge=0)
+    clip_eps_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+
+
+class KLConfig(Section):
+    estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+    placement: Literal["loss", "none"] = "loss"
+    beta: float = Field(0.04, ge=0)
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, ge=1)
+    minibatches: int = Field(4, ge=1)
+    micro_batch_size: int = Field(64, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = 1
+
+
+class RLConfig(Section):
+    iterations: int = Field(10, ge=1)
+    eval_every: int = Field(5, ge=1)
+
+
+class EvalConfig(Section):
+    samples: int = Field(8, ge=1)  # sampled completions per prompt for pass@k
+    pass_k: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> "EvalConfig":
+        if self.pass_k > self.samples:
+            raise ValueError(f"pass_k ({self.pass_k}) exceeds samples ({self.samples})")
+        return self
+
+
+class SFTConfig(Section):
+    n_demos: int = Field(20_000, ge=1)
+    steps: int = Field(600, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(30, ge=0)
+    zero_stage: Literal[0, 1, 2, 3] = 1
+
+
+class RunConfig(Section):
+    seed: int = 0
+    storage_root: str = "runs"
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    batch: BatchConfig = BatchConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    loss: LossConfig = LossConfig()
+    kl: KLConfig = KLConfig()
+    optim: OptimConfig = OptimConfig()
+    rl: RLConfig = RLConfig()
+    eval: EvalConfig = EvalConfig()
+    sft: SFTConfig = SFTConfig()
+
+    @model_validator(mode="after")
+    def _batch_fits(self) -> "RunConfig":
+        if self.batch.target_groups > self.rollout.prompts_per_round * self.batch.max_rounds:
+            raise ValueError(
+                f"batch.target_groups ({self.batch.target_groups}) can never be reached with "
+                f"{self.batch.max_rounds} rounds of {self.rollout.prompts_per_round} prompts"
+            )
+        return self
+
+    def section_hash(self, *sections: str) -> str:
+        """A stable hash of some sections: part of a stage's fingerprint."""
+        payload = {name: getattr(self, name).model_dump(mode="json") for name in sections}
+        payload["seed"] = self.seed
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "<root>"
+    msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"invalid config: {key}: {msg}{more}"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value), with the value read as YAML (so 3 is an int, true a bool)."""
+    if "=" not in item:
+        raise ConfigError(f"invalid --set {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"invalid --set {item!r}: empty key segment")
+    return parts, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"invalid --set {item!r}: {p} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def build_config(data: dict, overrides: list[str] | None = None) -> RunConfig:
+    try:
+        return RunConfig.model_validate(apply_overrides(data or {}, overrides or []))
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read config {path}: {str(err).splitlines()[0]}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"invalid config {path}: the top level must be a mapping")
+    return build_config(data or {}, overrides)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,138 @@
+"""Every Parquet table rlpipe writes, declared once.
+
+A table is a name, a version and ordered columns (Polars dtypes). The pyarrow schema is derived from it.
+Token-level data is `list<float32>` / `list<int32>`. Tables marked `open` (metrics) must hold their declared
+columns but may carry extra float columns, so a new metric does not need a schema version bump.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+I32, I64, F32, F64, STR, BOOL = pl.Int32, pl.Int64, pl.Float32, pl.Float64, pl.Utf8, pl.Boolean
+LIST_I32, LIST_F32 = pl.List(pl.Int32), pl.List(pl.Float32)
+
+
+class TableError(ValueError):
+    """A frame that does not fit its table's schema; the message is one line and names the problem."""
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    name: str
+    version: int
+    columns: dict[str, pl.DataType]
+    open: bool = False
+    unique: tuple[str, ...] = field(default=())  # columns that together must be unique
+
+    @property
+    def polars(self) -> pl.Schema:
+        return pl.Schema(self.columns)
+
+    @property
+    def arrow(self):
+        return pl.DataFrame(schema=self.columns).to_arrow().schema
+
+    def validate(self, df: pl.DataFrame, what: str | None = None) -> pl.DataFrame:
+        """Check columns and dtypes; return the frame with declared columns first, in order."""
+        what = what or f"table {self.name!r}"
+        missing = [c for c in self.columns if c not in df.columns]
+        if missing:
+            raise TableError(f"{what}: missing column(s) {', '.join(missing)}")
+        for col, dtype in self.columns.items():
+            if df.schema[col] != dtype:
+                raise TableError(f"{what}: column {col!r} has dtype {df.schema[col]}, expected {dtype}")
+        extra = [c for c in df.columns if c not in self.columns]
+        if extra and not self.open:
+            raise TableError(f"{what}: unexpected column(s) {', '.join(extra)}")
+        if self.unique and df.height and df.select(self.unique).is_duplicated().any():
+            raise TableError(f"{what}: duplicate rows for key ({', '.join(self.unique)})")
+        return df.select([*self.columns, *extra])
+
+
+def _table(name: str, version: int, columns: dict, **kw) -> TableSchema:
+    return TableSchema(name, version, columns, **kw)
+
+
+# Input dataset (prompt sources): what a user's Parquet or JSONL must provide.
+PROMPT_DATASET = _table("prompt_dataset", 1, {"prompt_id": STR, "text": STR, "answer": STR}, unique=("prompt_id",))
+
+SFT_DATA = _table("sft_data", 1, {"prompt_id": STR, "text": STR, "response": STR}, unique=("prompt_id",))
+
+SFT_METRICS = _table("sft_metrics", 1, {"step": I32, "loss": F64, "lr": F64}, open=True)
+
+PROMPTS = _table(
+    "prompts", 1,
+    {"iteration": I32, "round": I32, "prompt_id": STR, "text": STR, "answer": STR},
+    unique=("iteration", "prompt_id"),
+)
+
+ROLLOUTS = _table(
+    "rollouts", 1,
+    {
+        "iteration": I32, "round": I32, "prompt_id": STR, "sample_idx": I32,
+        "prompt_token_ids": LIST_I32, "token_ids": LIST_I32, "text": STR,
+        "sampler_logprobs": LIST_F32, "finish_reason": STR, "truncated": BOOL, "length": I32,
+        "policy_version": I32,
+    },
+    unique=("iteration", "prompt_id", "sample_idx"),
+)
+
+SCORES = _table(
+    "scores", 1,
+    {
+        "iteration": I32, "round": I32, "prompt_id": STR, "sample_idx": I32,
+        "reward": F64, "error": STR,
+    },
+    open=True,  # one `score_<fn>` column per reward function, plus its `error_<fn>`
+    unique=("iteration", "prompt_id", "sample_idx"),
+)
+
+BATCH = _table(
+    "batch", 1,
+    {
+        "iteration": I32, "round": I32, "prompt_id": STR, "group_size": I32, "reward_mean": F64,
+        "reward_std": F64, "kept": BOOL, "filter_reason": STR, "rounds_used": I32,
+    },
+    unique=("iteration", "prompt_id"),
+)
+
+LOGPROBS = _table(
+    "logprobs", 1,
+    {
+        "iteration": I32, "prompt_id": STR, "sample_idx": I32,
+        "old_logprobs": LIST_F32, "ref_logprobs": LIST_F32, "entropy": LIST_F32,
+    },
+    unique=("iteration", "prompt_id", "sample_idx"),
+)
+
+ADVANTAGES = _table(
+    "advantages", 1,
+    {
+        "iteration": I32, "prompt_id": STR, "sample_idx": I32, "reward": F64,
+        "advantage": F64, "token_advantages": LIST_F32, "returns": LIST_F32,
+    },
+    unique=("iteration", "prompt_id", "sample_idx"),
+)
+
+TRAIN_METRICS = _table(
+    "train_metrics", 1,
+    {"iteration": I32, "policy_version": I32, "optimizer_steps": I32, "loss": F64},
+    open=True,
+)
+
+EVAL = _table(
+    "eval", 1,
+    {
+        "iteration": I32, "prompt_id": STR, "answer": STR, "greedy_text": STR, "greedy_correct": BOOL,
+        "greedy_length": I32, "n_samples": I32, "n_correct": I32, "pass_at_k": F64,
+    },
+    unique=("iteration", "prompt_id"),
+)
+
+TABLES: dict[str, TableSchema] = {
+    t.name: t
+    for t in (SFT_DATA, SFT_METRICS, PROMPTS, ROLLOUTS, SCORES, BATCH, LOGPROBS, ADVANTAGES, TRAIN_METRICS, EVAL)
+}

@@ -1,0 +1,21 @@
+"""Run storage: the path layout and the stage contract (atomic parts, manifests, fingerprints)."""
+
+from storage.layout import LayoutError, RunLayout, check_name
+from storage.stage_io import (
+    StageOutput,
+    commit_dir,
+    complete_files,
+    find_complete,
+    fingerprint,
+    package_versions,
+    read_manifest,
+    read_stage,
+    scan,
+    write_json_atomic,
+    write_stage,
+)
+
+__all__ = [
+    "LayoutError", "RunLayout", "StageOutput", "check_name", "commit_dir", "complete_files", "find_complete",
+    "fingerprint", "package_versions", "read_manifest", "read_stage", "scan", "write_json_atomic", "write_stage",
+]

@@ -1,0 +1,80 @@
+"""The run layout: a pure path builder. Nothing outside `storage/` builds run paths.
+
+    {root}/{run_id}/config.yaml
+    {root}/{run_id}/{stage}/iter={k:05d}/part-{n:05d}.parquet
+    {root}/{run_id}/{stage}/iter={k:05d}/_manifest.json
+    {root}/{run_id}/checkpoints/iter={k:05d}/
+    {root}/{run_id}/summary.json
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+class LayoutError(ValueError):
+    pass
+
+
+def check_name(kind: str, name: str) -> str:
+    """Run ids and stage names become folder names: refuse anything that could leave the run folder."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise LayoutError(f"invalid {kind} {name!r}: use letters, digits, '_', '-', '.' (no '/' or '..')")
+    return name
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+    run_id: str
+
+    def __post_init__(self):
+        check_name("run id", self.run_id)
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / self.run_id
+
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "config.yaml"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.run_dir / "summary.json"
+
+    @property
+    def scratch_dir(self) -> Path:
+        """Worker processes exchange files here before a stage commits them."""
+        return self.run_dir / "_scratch"
+
+    def log_path(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{check_name('log name', name)}.log"
+
+    def stage_root(self, stage: str) -> Path:
+        return self.run_dir / check_name("stage name", stage)
+
+    def stage_dir(self, stage: str, iteration: int) -> Path:
+        return self.stage_root(stage) / f"iter={iteration:05d}"
+
+    def manifest_path(self, stage: str, iteration: int) -> Path:
+        return self.stage_dir(stage, iteration) / "_manifest.json"
+
+    def part_path(self, stage: str, iteration: int, part: int) -> Path:
+        return self.stage_dir(stage, iteration) / f"part-{part:05d}.parquet"
+
+    def checkpoint_dir(self, iteration: int) -> Path:
+        return self.run_dir / "checkpoints" / f"iter={iteration:05d}"
+
+    def stages(self) -> list[str]:
+        if not self.run_dir.is_dir():
+            return []
+        return sorted(p.name for p in self.run_dir.iterdir() if p.is_dir() and any(p.glob("iter=*")))
+
+    def iterations(self, stage: str) -> list[int]:
+        return sorted(int(p.name.split("=", 1)[1]) for p in self.stage_root(stage).glob("iter=*"))

@@ -1,0 +1,231 @@
+"""The stage contract: atomic Parquet parts, a manifest written last, fingerprints, validation.
+
+A stage-iteration folder is complete when its `_manifest.json` exists; the manifest lists every part with its
+row count and sha256. Parts are written to a temporary name and renamed, then the manifest is rewritten the
+same way, so a crash at any point leaves either the old complete state or nothing visible.
+
+A stage may hold several parts (dynamic-sampling rounds). Each part carries its own fingerprint; writing
+part n drops parts after n, because later rounds were drawn knowing the earlier ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import time
+import warnings
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import polars as pl
+
+from schemas.tables import TABLES, TableSchema
+from storage.layout import RunLayout
+
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """What a stage task returns: never a DataFrame, only where the data is and what it is."""
+
+    stage: str
+    iteration: int
+    path: str
+    rows: int
+    fingerprint: str
+    skipped: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def fingerprint(stage: str, config_hash: str, inputs: dict[str, str]) -> str:
+    payload = json.dumps({"stage": stage, "config": config_hash, "inputs": inputs}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Publish a folder written under a temporary name (a checkpoint) by renaming it into place."""
+    if final.exists():
+        old = final.with_name(final.name + f".old-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        _rmtree(old)
+    else:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, final)
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@functools.cache
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def package_versions(*names: str) -> dict[str, str | None]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def read_manifest(layout: RunLayout, stage: str, iteration: int, verify: bool = True) -> dict | None:
+    """The manifest, or None if the stage-iteration is missing or (with verify) its files are damaged."""
+    path = layout.manifest_path(stage, iteration)
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        parts = manifest["parts"]
+    except (OSError, ValueError, KeyError):
+        warnings.warn(f"{path}: unreadable manifest; the stage will be recomputed", stacklevel=2)
+        return None
+    if verify:
+        for part in parts:
+            file = path.parent / part["file"]
+            if not file.exists() or sha256_file(file) != part["sha256"]:
+                warnings.warn(f"{file}: missing or sha256 mismatch; the stage will be recomputed", stacklevel=2)
+                return None
+    return manifest
+
+
+def find_complete(layout: RunLayout, stage: str, iteration: int, fp: str, part: int = 0) -> StageOutput | None:
+    """A StageOutput if part `part` of this stage-iteration is complete with fingerprint `fp`."""
+    manifest = read_manifest(layout, stage, iteration)
+    if manifest is None:
+        return None
+    entry = next((p for p in manifest["parts"] if p["index"] == part), None)
+    if entry is None or entry["fingerprint"] != fp:
+        return None
+    return _output(layout, stage, iteration, manifest, fp, skipped=True)
+
+
+def _output(layout, stage, iteration, manifest, fp: str, skipped=False) -> StageOutput:
+    """`fingerprint` is the part's own: what a later round or stage chains on."""
+    return StageOutput(
+        stage=stage, iteration=iteration, path=str(layout.stage_dir(stage, iteration)),
+        rows=manifest["rows"], fingerprint=fp, skipped=skipped, extra=manifest.get("extra", {}),
+    )
+
+
+def write_stage(
+    layout: RunLayout,
+    stage: str,
+    iteration: int,
+    df: pl.DataFrame,
+    *,
+    fp: str,
+    inputs: dict[str, str],
+    config_hash: str,
+    started: float,
+    part: int = 0,
+    engines: dict | None = None,
+    extra: dict | None = None,
+    table: TableSchema | None = None,
+) -> StageOutput:
+    """Validate `df` against its table schema, write it as part `part`, then rewrite the manifest."""
+    table = table or TABLES[stage]
+    df = table.validate(df, what=f"{stage} iter {iteration}")
+    folder = layout.stage_dir(stage, iteration)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = layout.part_path(stage, iteration, part)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    df.write_parquet(tmp, compression="zstd", statistics=True)
+    os.replace(tmp, final)
+
+    previous = read_manifest(layout, stage, iteration, verify=False)
+    kept = [p for p in (previous or {}).get("parts", []) if p["index"] < part]
+    kept.append({"index": part, "file": final.name, "rows": df.height, "sha256": sha256_file(final), "fingerprint": fp})
+    for stale in folder.glob("part-*.parquet"):  # parts after this one are no longer valid
+        if stale.name not in {p["file"] for p in kept}:
+            stale.unlink()
+    ended = time.time()
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "stage": stage,
+        "iteration": iteration,
+        "schema": {"name": table.name, "version": table.version},
+        "rows": sum(p["rows"] for p in kept),
+        "parts": kept,
+        "fingerprint": fp if len(kept) == 1 else fingerprint(stage, "", {str(p["index"]): p["fingerprint"] for p in kept}),
+        "inputs": inputs,
+        "config_hash": config_hash,
+        "package": {"rlpipe": package_versions("rlpipe")["rlpipe"], "git_sha": git_sha()},
+        "engines": {**package_versions("torch", "polars", "pyarrow"), **(engines or {})},
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "ended_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(ended)),
+        "wall_seconds": round(ended - started, 3),
+        "extra": {**(previous or {}).get("extra", {}), **(extra or {})},
+    }
+    write_json_atomic(layout.manifest_path(stage, iteration), manifest)
+    return _output(layout, stage, iteration, manifest, fp)
+
+
+def part_files(layout: RunLayout, stage: str, iteration: int) -> list[Path]:
+    manifest = read_manifest(layout, stage, iteration, verify=False)
+    if manifest is None:
+        return []
+    return [layout.stage_dir(stage, iteration) / p["file"] for p in manifest["parts"]]
+
+
+def read_stage(layout: RunLayout, stage: str, iteration: int) -> pl.DataFrame:
+    files = part_files(layout, stage, iteration)
+    if not files:
+        raise FileNotFoundError(f"stage {stage!r} iteration {iteration} of run {layout.run_id!r} is not complete")
+    return pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed")
+
+
+def complete_files(layout: RunLayout, stage: str) -> list[Path]:
+    """Every part of every complete iteration of a stage: half-written data is never visible."""
+    return [f for it in layout.iterations(stage) for f in part_files(layout, stage, it)]
+
+
+def scan(run_id: str, stage: str, root: str | Path = "runs") -> pl.LazyFrame:
+    """A LazyFrame over every complete iteration of one stage (`iteration` is a column)."""
+    layout = RunLayout(Path(root), run_id)
+    files = complete_files(layout, stage)
+    if not files:
+        table = TABLES.get(stage)
+        return pl.LazyFrame(schema=table.polars if table else {})
+    # Parts can differ in their open (metric) columns, hence a diagonal concat rather than one scan.
+    return pl.concat([pl.scan_parquet(f) for f in files], how="diagonal_relaxed")

@@ -1,0 +1,80 @@
+"""The demo's verifiable task: integer arithmetic, generated offline.
+
+Writes `{data_dir}/train.parquet` and `{data_dir}/eval.parquet` (table `prompt_dataset`: prompt_id, text,
+answer). A prompt is `37+58=`; the expected response is the integer alone (`95`), followed by EOS.
+The split is by problem, so held-out prompts are never seen in SFT or RL.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import polars as pl
+
+from schemas.tables import PROMPT_DATASET
+
+ALPHABET = "0123456789+-*="
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def all_problems(max_operand: int, operations: str) -> list[tuple[str, str]]:
+    return [
+        (f"{a}{op}{b}=", str(_apply(a, op, b)))
+        for op in operations
+        for a in range(max_operand + 1)
+        for b in range(max_operand + 1)
+    ]
+
+
+def make_splits(max_operand: int, operations: str, n_eval: int, seed: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    problems = all_problems(max_operand, operations)
+    if n_eval >= len(problems):
+        raise ValueError(f"task.n_eval ({n_eval}) must be below the {len(problems)} distinct problems")
+    random.Random(seed).shuffle(problems)
+
+    def frame(rows, prefix):
+        return pl.DataFrame(
+            {
+                "prompt_id": [f"{prefix}-{i:06d}" for i in range(len(rows))],
+                "text": [t for t, _ in rows],
+                "answer": [a for _, a in rows],
+            },
+            schema=PROMPT_DATASET.polars,
+        )
+
+    return frame(problems[n_eval:], "train"), frame(problems[:n_eval], "eval")
+
+
+def ensure_dataset(data_dir: str | Path, max_operand: int, operations: str, n_eval: int, seed: int) -> dict[str, Path]:
+    """Write the splits once; they are a pure function of the arguments, so an existing copy is reused."""
+    data_dir = Path(data_dir)
+    paths = {"train": data_dir / "train.parquet", "eval": data_dir / "eval.parquet"}
+    stamp = data_dir / "_params.txt"
+    params = f"{max_operand} {operations} {n_eval} {seed}"
+    if all(p.exists() for p in paths.values()) and stamp.exists() and stamp.read_text() == params:
+        return paths
+    data_dir.mkdir(parents=True, exist_ok=True)
+    train, held_out = make_splits(max_operand, operations, n_eval, seed)
+    for name, df in (("train", train), ("eval", held_out)):
+        tmp = paths[name].with_suffix(".tmp")
+        df.write_parquet(tmp)
+        tmp.replace(paths[name])
+    stamp.write_text(params)
+    return paths
+
+
+def demonstrations(train: pl.DataFrame, n: int, seed: int) -> pl.DataFrame:
+    """SFT demonstrations: the gold answer as the response, for `n` train prompts drawn with replacement."""
+    idx = random.Random(seed).choices(range(train.height), k=n)
+    picked = train[idx]
+    return pl.DataFrame(
+        {
+            "prompt_id": [f"demo-{i:06d}" for i in range(n)],
+            "text": picked["text"],
+            "response": picked["answer"],
+        }
+    )

@@ -1,0 +1,84 @@
+"""What every stage task shares: the run context and the skip-or-compute-then-write runner."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import polars as pl
+import yaml
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from schemas.config import RunConfig, build_config
+from storage import RunLayout, StageOutput, find_complete, fingerprint, write_stage
+
+
+def stage_task(name: str):
+    """A Prefect task for a stage. Prefect's own result cache is off: the manifests are the cache."""
+    return task(name=name, cache_policy=NO_CACHE)
+
+
+@dataclass(frozen=True)
+class RunContext:
+    layout: RunLayout
+    cfg: RunConfig
+
+
+def load_run(storage_root: str, run_id: str) -> RunContext:
+    layout = RunLayout(Path(storage_root), run_id)
+    if not layout.config_path.exists():
+        raise FileNotFoundError(f"run {run_id!r} has no config at {layout.config_path}")
+    return RunContext(layout, build_config(yaml.safe_load(layout.config_path.read_text())))
+
+
+@dataclass
+class Computed:
+    """What a stage's compute step produced: the frame plus manifest extras."""
+
+    frame: pl.DataFrame
+    engines: dict | None = None
+    extra: dict | None = None
+
+
+def run_stage(
+    ctx: RunContext,
+    stage: str,
+    iteration: int,
+    *,
+    sections: tuple[str, ...],
+    inputs: dict[str, str],
+    compute: Callable[[], Computed],
+    part: int = 0,
+    salt: str = "",
+) -> StageOutput:
+    """Skip the stage if its part is complete with the same fingerprint; otherwise compute and write it.
+
+    The fingerprint covers the stage name, the config sections it depends on (plus `salt`, e.g. a hash of
+    reward-function code) and the fingerprints of its inputs.
+    """
+    config_hash = ctx.cfg.section_hash(*sections) + salt
+    fp = fingerprint(stage, config_hash, inputs)
+    done = find_complete(ctx.layout, stage, iteration, fp, part)
+    if done is not None:
+        return done
+    started = time.time()
+    out = compute()
+    return write_stage(
+        ctx.layout, stage, iteration, out.frame, fp=fp, inputs=inputs, config_hash=config_hash,
+        started=started, part=part, engines=out.engines, extra=out.extra,
+    )
+
+
+def scratch_file(ctx: RunContext, name: str) -> Path:
+    ctx.layout.scratch_dir.mkdir(parents=True, exist_ok=True)
+    return ctx.layout.scratch_dir / name
+
+
+@stage_task("plan")
+def plan_task(storage_root: str, run_id: str) -> dict:
+    """The loop bounds of a run, read from its saved config (flows stay free of data code)."""
+    cfg = load_run(storage_root, run_id).cfg
+    return {"iterations": cfg.rl.iterations, "eval_every": cfg.rl.eval_every}

@@ -1,0 +1,68 @@
+"""Run a heavy engine (vLLM, torch, DeepSpeed) as its own process, never inside the Prefect process.
+
+A worker is `python -m tasks.engines.<name> REQUEST.json`; it writes its result JSON next to the request.
+Workers get SIGKILL when their parent dies (PR_SET_PDEATHSIG), so an interrupted run leaves no orphan engine
+holding memory. Their chatty logs go to a file; a failure is re-raised as one line plus the log's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _last_error_line(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        if "Error" in line or "error:" in line or "Exception" in line:
+            return line[-300:]
+    return lines[-1][-300:] if lines else "empty log"
+
+
+def run_worker(module: str, request: dict, scratch: Path, log: Path, env: dict | None = None) -> dict:
+    """Run `tasks.engines.<module>` on `request`; return the JSON it wrote, or raise WorkerError."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    req_path = scratch / f"{module}-{os.getpid()}.request.json"
+    resp_path = req_path.with_name(req_path.name.replace(".request.", ".response."))
+    resp_path.unlink(missing_ok=True)
+    req_path.write_text(json.dumps({**request, "response_path": str(resp_path)}))
+    root = Path(__file__).resolve().parents[2]
+    child_env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    with open(log, "ab") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", f"tasks.engines.{module}", str(req_path)],
+            stdout=out, stderr=subprocess.STDOUT, env=child_env, cwd=os.getcwd(), preexec_fn=_die_with_parent,
+        )
+    if proc.returncode != 0 or not resp_path.exists():
+        raise WorkerError(f"{module} worker failed (exit {proc.returncode}): {_last_error_line(log)} [log: {log}]")
+    return json.loads(resp_path.read_text())
+
+
+def worker_main(handler) -> None:
+    """Entry point body for a worker module: read the request, call handler, write the response."""
+    req_path = Path(sys.argv[1])
+    request = json.loads(req_path.read_text())
+    response = handler(request)
+    tmp = Path(request["response_path"] + ".tmp")
+    tmp.write_text(json.dumps(response))
+    tmp.replace(request["response_path"])

@@ -1,0 +1,76 @@
+"""Stage `eval`: greedy pass@1 and sampled pass@k on the held-out prompts, with vLLM.
+
+Reads the held-out split and the weights after iteration k (k = 0: the starting model); writes `eval`, one
+row per prompt. Correctness is the `accuracy` reward function, the same judge as training.
+"""
+
+from __future__ import annotations
+
+from math import comb
+
+import polars as pl
+
+from storage import StageOutput
+from tasks.common import Computed, stage_task, load_run, run_stage
+from tasks.datasets import load_prompt_dataset, task_splits
+from tasks.rewards import REWARD_FUNCTIONS, code_hash
+from tasks.rollouts import generate
+from tasks.policy import weights_after
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k = 1 − C(n−c, k)/C(n, k) (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def judge(samples: pl.DataFrame, answers: dict[str, str]) -> pl.Series:
+    fn = REWARD_FUNCTIONS["accuracy"]
+    return pl.Series(
+        [fn(t, answers[p], r) > 0 for t, p, r in zip(samples["text"], samples["prompt_id"], samples["finish_reason"])],
+        dtype=pl.Boolean,
+    )
+
+
+def eval_table(held_out: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFrame, k: int, iteration: int) -> pl.DataFrame:
+    answers = dict(zip(held_out["prompt_id"], held_out["answer"]))
+    g = greedy.with_columns(judge(greedy, answers).alias("greedy_correct")).select(
+        "prompt_id", pl.col("text").alias("greedy_text"), "greedy_correct", pl.col("length").alias("greedy_length")
+    )
+    s = sampled.with_columns(judge(sampled, answers).alias("correct")).group_by("prompt_id").agg(
+        pl.len().cast(pl.Int32).alias("n_samples"), pl.col("correct").sum().cast(pl.Int32).alias("n_correct")
+    )
+    out = held_out.select("prompt_id", "answer").join(g, on="prompt_id").join(s, on="prompt_id")
+    return out.with_columns(
+        pl.lit(iteration, pl.Int32).alias("iteration"),
+        pl.struct("n_samples", "n_correct").map_elements(
+            lambda r: pass_at_k(r["n_samples"], r["n_correct"], k), return_dtype=pl.Float64
+        ).alias("pass_at_k"),
+    )
+
+
+@stage_task("eval")
+def eval_task(storage_root: str, run_id: str, iteration: int) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+    weights = weights_after(ctx, iteration)
+    e, r = ctx.cfg.eval, ctx.cfg.rollout
+
+    def compute():
+        held_out = load_prompt_dataset(task_splits(ctx.cfg.task)["eval"])
+        jobs = [
+            {"n": 1, "temperature": 0.0, "max_tokens": r.max_tokens, "seed": ctx.cfg.seed},
+            {"n": e.samples, "temperature": e.temperature, "max_tokens": r.max_tokens, "seed": ctx.cfg.seed + 1},
+        ]
+        (greedy, sampled), resp = generate(ctx, weights.path, held_out, jobs, f"eval-{iteration:05d}")
+        df = eval_table(held_out, greedy, sampled, e.pass_k, iteration)
+        summary = {
+            "accuracy": float(df["greedy_correct"].mean()), f"pass_at_{e.pass_k}": float(df["pass_at_k"].mean()),
+            "mean_length": float(df["greedy_length"].mean()), "prompts": df.height,
+        }
+        return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=summary)
+
+    return run_stage(
+        ctx, "eval", iteration, sections=("eval", "task"), salt=code_hash(["accuracy"]),
+        inputs={"weights": weights.fingerprint}, compute=compute,
+    )

@@ -1,0 +1,40 @@
+"""Per-iteration training metrics computed from the stage tables (pure Polars)."""
+
+from __future__ import annotations
+
+import polars as pl
+
+
+def rollout_metrics(rollouts: pl.DataFrame, scores: pl.DataFrame, batch: pl.DataFrame) -> dict[str, float]:
+    """Reward, length and filtering statistics over every rollout of the iteration (all rounds)."""
+    out = {
+        "reward_mean": scores["reward"].mean(),
+        "reward_std": scores["reward"].std(),
+        "response_length_mean": rollouts["length"].mean(),
+        "response_length_max": float(rollouts["length"].max()),
+        "truncation_rate": rollouts["truncated"].mean(),
+        "zero_std_group_fraction": float((batch["reward_std"] == 0).mean()),
+        "rounds_used": float(batch["rounds_used"].max()),
+        "kept_groups": float(batch["kept"].sum()),
+        "reward_error_rate": float(scores["error"].is_not_null().mean()),
+    }
+    for col in scores.columns:
+        if col.startswith("score_"):
+            out[f"{col}_mean"] = scores[col].mean()
+    return {k: float(v) if v is not None else float("nan") for k, v in out.items()}
+
+
+def sampler_gap(rollouts: pl.DataFrame, logprobs: pl.DataFrame) -> float:
+    """Mean |log π_sampler − log π_old| over response tokens: how far vLLM's numbers are from the trainer's."""
+    joined = logprobs.join(rollouts.select("prompt_id", "sample_idx", "sampler_logprobs"), on=["prompt_id", "sample_idx"])
+    diff = joined.select(
+        (pl.col("sampler_logprobs").explode() - pl.col("old_logprobs").explode()).abs().mean()
+    ).item()
+    return float(diff) if diff is not None else float("nan")
+
+
+def advantage_metrics(advantages: pl.DataFrame) -> dict[str, float]:
+    return {
+        "nonzero_advantage_fraction": float((advantages["advantage"] != 0).mean()),
+        "advantage_abs_mean": float(advantages["advantage"].abs().mean()),
+    }
