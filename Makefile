@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlpipe-setup
 
-.PHONY: setup demo test test-fast bench clean-runs
+.PHONY: setup demo test test-fast clean-runs
 
 setup: $(STAMP)
 

@@ -12,6 +12,8 @@ from rich.console import Console
 
 # Prefect keeps its state in the project folder (ignored by git) unless the user points it elsewhere.
 os.environ.setdefault("PREFECT_HOME", str(Path.cwd() / ".prefect"))
+# The ephemeral API's telemetry write races the first flow run for SQLite's lock ("database is locked").
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: LLM RL post-training as a Prefect DAG over Parquet stages.")
 console = Console(stderr=True)

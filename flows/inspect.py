@@ -98,14 +98,13 @@ def show_run(run_id: str, root: str, console: Console) -> None:
         for row in metrics.sort("iteration").select(keys).iter_rows():
             t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
         Console().print(t)
-    evals = scan(run_id, "eval", root).collect()
-    if evals.height:
-        import polars as pl
-
-        agg = evals.group_by("iteration").agg(pl.col("greedy_correct").mean().alias("accuracy"), pl.col("pass_at_k").mean()).sort("iteration")
-        t = Table(title="eval")
-        for k in agg.columns:
-            t.add_column(k)
-        for row in agg.iter_rows():
-            t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
-        Console().print(t)
+    evals = Table(title="eval (greedy pass@1 and sampled pass@k on held-out prompts)")
+    for col in ("iteration", "accuracy", "pass@k", "prompts"):
+        evals.add_column(col)
+    for it in layout.iterations("eval"):
+        m = read_manifest(layout, "eval", it, verify=False)
+        if m:
+            e = m["extra"]
+            pk = next((v for k, v in e.items() if k.startswith("pass_at_")), float("nan"))
+            evals.add_row(str(it), f"{e['accuracy']:.4f}", f"{pk:.4f}", str(e["prompts"]))
+    Console().print(evals)

@@ -82,6 +82,9 @@ class KLConfig(Section):
 
 class OptimConfig(Section):
     lr: float = Field(1e-4, gt=0)
+    # Linear warmup over the run's first optimizer steps: fresh Adam moments make the first steps move
+    # every weight by about lr, which destabilises a small model.
+    warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, ge=1)
@@ -109,6 +112,8 @@ class EvalConfig(Section):
 
 class SFTConfig(Section):
     n_demos: int = Field(20_000, ge=1)
+    # Fraction of carry additions on which the demonstration teacher forgets the carry (0 = a perfect teacher).
+    teacher_carry_error: float = Field(0.0, ge=0, le=1)
     steps: int = Field(600, ge=1)
     batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)

@@ -25,7 +25,10 @@ def register(name: str):
 
 
 def _centered() -> pl.Expr:
-    return pl.col("reward") - pl.col("reward").mean().over("prompt_id")
+    """r − mean_g r, exactly 0 for a group whose rewards are all equal (float means are not exact)."""
+    r = pl.col("reward")
+    equal = (r.max() == r.min()).over("prompt_id")
+    return pl.when(equal).then(0.0).otherwise(r - r.mean().over("prompt_id"))
 
 
 @register("grpo")

@@ -67,14 +67,37 @@ def ensure_dataset(data_dir: str | Path, max_operand: int, operations: str, n_ev
     return paths
 
 
-def demonstrations(train: pl.DataFrame, n: int, seed: int) -> pl.DataFrame:
-    """SFT demonstrations: the gold answer as the response, for `n` train prompts drawn with replacement."""
-    idx = random.Random(seed).choices(range(train.height), k=n)
+def no_carry_sum(a: int, b: int) -> int:
+    """The sum a flawed teacher writes when it forgets every carry: each digit is (a_i + b_i) mod 10."""
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
+def teacher_response(text: str, answer: str, carry_error: float, rnd: random.Random) -> str:
+    """The demonstration for one prompt: the gold answer, except that on an addition with a carry the teacher
+    forgets the carry with probability `carry_error` (a systematic error RL with a verifier can correct)."""
+    if carry_error <= 0 or "+" not in text:
+        return answer
+    a, b = (int(x) for x in text.rstrip("=").split("+"))
+    wrong = no_carry_sum(a, b)
+    if wrong != a + b and rnd.random() < carry_error:
+        return str(wrong)
+    return answer
+
+
+def demonstrations(train: pl.DataFrame, n: int, seed: int, carry_error: float = 0.0) -> pl.DataFrame:
+    """SFT demonstrations for `n` train prompts drawn with replacement, written by the (optionally flawed) teacher."""
+    rnd = random.Random(seed)
+    idx = rnd.choices(range(train.height), k=n)
     picked = train[idx]
+    responses = [teacher_response(t, a, carry_error, rnd) for t, a in zip(picked["text"], picked["answer"])]
     return pl.DataFrame(
         {
             "prompt_id": [f"demo-{i:06d}" for i in range(n)],
             "text": picked["text"],
-            "response": picked["answer"],
+            "response": responses,
         }
     )

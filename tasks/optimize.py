@@ -56,6 +56,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
                 "data_path": str(data_path), "resume_state": prev_state, "seed": ctx.cfg.seed + iteration,
                 "zero_stage": o.zero_stage, "lr": o.lr, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
                 "micro_batch_size": o.micro_batch_size, "ppo_epochs": o.ppo_epochs, "minibatches": o.minibatches,
+                "warmup_steps": o.warmup_steps, "first_step": (iteration - 1) * o.ppo_epochs * o.minibatches,
                 "loss": {
                     "objective": lc.objective, "aggregation": lc.aggregation, "clip_eps_low": lc.clip_eps_low,
                     "clip_eps_high": lc.clip_eps_high, "dual_clip": lc.dual_clip, "kl_estimator": kl.estimator,

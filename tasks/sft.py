@@ -25,7 +25,7 @@ def sft_data_task(storage_root: str, run_id: str) -> StageOutput:
 
     def compute():
         train = load_prompt_dataset(task_splits(ctx.cfg.task)["train"])
-        return Computed(demonstrations(train, ctx.cfg.sft.n_demos, ctx.cfg.seed))
+        return Computed(demonstrations(train, ctx.cfg.sft.n_demos, ctx.cfg.seed, ctx.cfg.sft.teacher_carry_error))
 
     return run_stage(ctx, "sft_data", 0, sections=("task", "sft"), inputs={}, compute=compute)
 

@@ -45,8 +45,6 @@ def summary_task(storage_root: str, run_id: str, extra: dict | None = None) -> d
     layout = load_run(storage_root, run_id).layout
     previous = {}
     if layout.summary_path.exists():
-        import json
-
         previous = json.loads(layout.summary_path.read_text())
     summary = {**previous, **collect_summary(storage_root, run_id), **(extra or {})}
     write_json_atomic(layout.summary_path, summary)

@@ -104,7 +104,7 @@ def _rl(request, model, tokenizer):
     n, micro = data.height, request["micro_batch_size"]
     minibatches = min(request["minibatches"], n)
     gas = max(1, math.ceil(math.ceil(n / minibatches) / micro))
-    engine, _ = _engine(model, request, gas)
+    engine, optimizer = _engine(model, request, gas)
     loss_cfg = request["loss"]
     settings = PolicyLossSettings(
         objective=loss_cfg["objective"], aggregation=loss_cfg["aggregation"],
@@ -117,6 +117,9 @@ def _rl(request, model, tokenizer):
     for _ in range(request["ppo_epochs"]):
         perm = torch.randperm(n, generator=gen).tolist()
         for mb in [perm[i::minibatches] for i in range(minibatches)]:
+            global_step = request.get("first_step", 0) + steps
+            for group in optimizer.param_groups:
+                group["lr"] = request["lr"] * min(1.0, (global_step + 1) / max(1, request.get("warmup_steps", 0)))
             parts = [p for p in (mb[i::gas] for i in range(gas)) if p]
             norm = MinibatchNorm(tokens=float(sum(len(responses[i]) * loss_mask[i] for i in mb)), sequences=float(len(mb)))
             for k, idx in enumerate(parts):

@@ -1,20 +1,15 @@
-"""vLLM worker: one engine, then generation jobs (rollout rounds, eval passes).
+"""vLLM server: one resident engine answering generation jobs (rollout rounds, eval passes).
 
-Two modes: one-shot (`REQUEST.json`: start, run the jobs, exit) and resident (`--serve`: keep the engine
-across iterations, sync new weights in place; see `serve`).
-
-Request: model_path, kv_cache_gib, jobs=[{prompts_path, out_path, n, temperature, top_p, max_tokens, seed}].
-Each job reads Parquet (prompt_id, prompt_token_ids) and writes Parquet with one row per sample:
-prompt_id, sample_idx, token_ids (EOS included when it stopped), text, sampler_logprobs, finish_reason,
-truncated, length. No Prefect import: this runs in its own process.
+Started by tasks/engines/vllm_client.py as `python -m tasks.engines.vllm_generate --serve SOCKET SETTINGS`.
+A job is {prompts_path, out_path, n, temperature, top_p, max_tokens, seed}; it reads Parquet (prompt_id,
+prompt_token_ids) and writes Parquet with one row per sample: prompt_id, sample_idx, token_ids (EOS
+included when it stopped), text, sampler_logprobs, finish_reason, truncated, length. No Prefect import: this runs in its own process.
 """
 
 from __future__ import annotations
 
 import os
 import time
-
-from tasks.engines.launch import worker_main
 
 
 def _rows(outputs, prompt_ids):
@@ -81,16 +76,6 @@ def ties_embeddings(model_path: str) -> bool:
         return bool(json.load(f).get("tie_word_embeddings", False))
 
 
-def handle(request: dict) -> dict:
-    """One-shot mode: start, run the jobs, exit."""
-    import vllm
-
-    t0 = time.time()
-    llm = _start_engine(request)
-    start_seconds = time.time() - t0
-    return {"engine_start_seconds": start_seconds, "jobs": _run_jobs(llm, request["jobs"]), "vllm_version": vllm.__version__}
-
-
 def serve(socket_path: str, authkey: bytes, request: dict) -> None:
     """Resident mode: keep one engine and answer `generate` messages until `shutdown` or the parent dies.
 
@@ -138,7 +123,4 @@ if __name__ == "__main__":
     import json
     import sys
 
-    if sys.argv[1] == "--serve":
-        serve(sys.argv[2], bytes.fromhex(os.environ["RLPIPE_AUTHKEY"]), json.loads(sys.argv[3]))
-    else:
-        worker_main(handle)
+    serve(sys.argv[2], bytes.fromhex(os.environ["RLPIPE_AUTHKEY"]), json.loads(sys.argv[3]))

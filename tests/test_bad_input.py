@@ -1,0 +1,60 @@
+"""Bad input fails with one clear line and a non-zero exit, and nothing is marked complete."""
+
+import polars as pl
+import pytest
+
+from tasks.datasets import DatasetError, load_prompt_dataset
+from tests.conftest import rlpipe, tiny_config
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--set", "rollout.group_sizee=4"], "rollout.group_sizee: unknown key"),
+        (["--set", "loss.objective=clipp"], "loss.objective"),
+        (["--set", "rollout.group_size=0"], "rollout.group_size"),
+        (["--run-id", "../escape"], "invalid run id"),
+        (["--set", "model.path=/nonexistent/model"], "does not exist"),
+    ],
+)
+def test_cli_rejects_bad_run_input(workspace, args, needle):
+    cfg = tiny_config(workspace)
+    proc = rlpipe("run", str(cfg), *args, cwd=workspace, check=False)
+    assert proc.returncode == 1
+    assert needle in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(error_lines) == 1, proc.stderr
+    assert not list((workspace / "runs").glob("*/*/iter=*/_manifest.json"))
+
+
+def test_cli_reports_a_missing_run_for_sql(workspace):
+    proc = rlpipe("sql", "nope", "select 1", "--root", str(workspace), cwd=workspace, check=False)
+    assert proc.returncode == 1 and "not found" in proc.stderr
+
+
+def dataset(tmp_path, df, name="d.parquet"):
+    path = tmp_path / name
+    df.write_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "frame, needle",
+    [
+        (pl.DataFrame({"prompt_id": ["a"], "text": ["1+1="]}), "missing column(s) answer"),
+        (pl.DataFrame({"prompt_id": [1], "text": ["1+1="], "answer": ["2"]}), "column 'prompt_id' has dtype"),
+        (pl.DataFrame({"prompt_id": ["a", "a"], "text": ["1+1=", "2+2="], "answer": ["2", "4"]}), "duplicate"),
+        (pl.DataFrame(schema={"prompt_id": pl.Utf8, "text": pl.Utf8, "answer": pl.Utf8}), "is empty"),
+    ],
+)
+def test_malformed_datasets_are_named(tmp_path, frame, needle):
+    with pytest.raises(DatasetError, match="dataset") as err:
+        load_prompt_dataset(dataset(tmp_path, frame))
+    assert needle in str(err.value)
+
+
+def test_unreadable_dataset(tmp_path):
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(b"not parquet")
+    with pytest.raises(DatasetError, match="cannot read dataset"):
+        load_prompt_dataset(path)

@@ -1,0 +1,62 @@
+"""End to end on a tiny model with real vLLM, DeepSpeed and Prefect: SFT, 2 RL iterations, SIGKILL, resume."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from storage import RunLayout
+from tests.conftest import ROOT, rlpipe, tiny_config
+
+pytestmark = pytest.mark.e2e
+
+
+def stage_digest(layout: RunLayout, iteration: int) -> dict[str, str]:
+    out = {}
+    for stage in ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages", "train_metrics"):
+        folder = layout.stage_dir(stage, iteration)
+        for f in sorted(folder.iterdir()):
+            out[f"{stage}/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def test_rl_run_survives_sigkill_and_resumes(workspace):
+    cfg = tiny_config(workspace)
+    rlpipe("init-model", "--config", str(cfg), cwd=workspace)
+    rlpipe("sft", str(cfg), "--run-id", "e2e", cwd=workspace)
+    layout = RunLayout(workspace / "runs", "e2e")
+
+    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(cfg), "--run-id", "e2e"], cwd=workspace,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not layout.manifest_path("train_metrics", 1).exists():
+        assert proc.poll() is None, "run ended before it could be interrupted"
+        assert time.time() < deadline
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = stage_digest(layout, 1)
+    assert not layout.manifest_path("train_metrics", 2).exists()
+
+    rlpipe("run", str(cfg), "--run-id", "e2e", cwd=workspace)
+    assert stage_digest(layout, 1) == done_before  # completed stages were skipped, files untouched
+    summary = json.loads(layout.summary_path.read_text())
+    assert summary["iterations"] == 2 and summary["eval_prompts"] == 32
+    assert summary["eval_accuracy_sft"] is not None and summary["eval_accuracy_final"] is not None
+    for it in (1, 2):
+        rollouts = json.loads(layout.manifest_path("rollouts", it).read_text())
+        assert rollouts["engines"]["vllm"] == "0.32.0"
+        metrics = json.loads(layout.manifest_path("train_metrics", it).read_text())
+        assert metrics["engines"]["deepspeed"] == "0.19.8" and metrics["engines"]["zero_stage"] == 1
+    sql = rlpipe("sql", "e2e", "select iteration, avg(reward) from scores group by 1 order by 1",
+                 "--root", str(workspace / "runs"), cwd=workspace)
+    rows = [line for line in sql.stdout.splitlines() if line.strip().startswith("│")]
+    assert [r.split("│")[1].strip() for r in rows] == ["1", "2"]
+    refused = rlpipe("sql", "e2e", "copy scores to 'x.csv'", "--root", str(workspace / "runs"), cwd=workspace, check=False)
+    assert refused.returncode == 1 and "read-only" in refused.stderr

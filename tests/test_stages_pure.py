@@ -1,0 +1,105 @@
+"""Stage logic on tiny frames: rewards, dynamic filtering, pass@k, prompt sampling, metrics."""
+
+import math
+
+import polars as pl
+import pytest
+
+from tasks.arithmetic import make_splits
+from tasks.batch import select_groups
+from tasks.evaluate import pass_at_k
+from tasks.metrics import sampler_gap
+from tasks.prompts import sample_prompts
+from tasks.rewards import REWARD_FUNCTIONS, RewardError, register, score_frame
+
+
+def rollouts(texts, reasons=None, prompt="p0"):
+    n = len(texts)
+    return pl.DataFrame(
+        {"iteration": [1] * n, "round": [0] * n, "prompt_id": [prompt] * n, "sample_idx": list(range(n)),
+         "text": texts, "finish_reason": reasons or ["stop"] * n},
+        schema_overrides={"iteration": pl.Int32, "round": pl.Int32, "sample_idx": pl.Int32},
+    )
+
+
+def test_reward_functions_on_single_samples():
+    acc, fmt = REWARD_FUNCTIONS["accuracy"], REWARD_FUNCTIONS["format"]
+    assert acc("95", "95", "stop") == 1.0 and acc("96", "95", "stop") == 0.0
+    assert acc("95.0", "95", "stop") == 1.0  # math-verify equivalence
+    assert fmt("95", "95", "stop") == 1.0 and fmt("95", "95", "length") == 0.0 and fmt("9+5", "95", "stop") == 0.0
+
+
+def test_score_frame_weights_and_columns():
+    df = score_frame(rollouts(["12", "13", "x"]), {"p0": "12"}, {"accuracy": 1.0, "format": 0.1})
+    assert df["score_accuracy"].to_list() == [1.0, 0.0, 0.0]
+    assert df["score_format"].to_list() == [1.0, 1.0, 0.0]
+    assert df["reward"].to_list() == pytest.approx([1.1, 0.1, 0.0])
+
+
+def test_a_raising_reward_function_scores_zero_with_an_error(monkeypatch):
+    def boom(text, answer, reason):
+        raise ZeroDivisionError("bad")
+
+    monkeypatch.setitem(REWARD_FUNCTIONS, "format", boom)
+    df = score_frame(rollouts(["12"]), {"p0": "12"}, {"accuracy": 1.0, "format": 0.1})
+    assert df["reward"].to_list() == [1.0] and "ZeroDivisionError" in df["error"][0]
+
+
+def test_a_nan_reward_is_refused(monkeypatch):
+    monkeypatch.setitem(REWARD_FUNCTIONS, "format", lambda *a: math.nan)
+    with pytest.raises(RewardError, match="format"):
+        score_frame(rollouts(["12"]), {"p0": "12"}, {"format": 1.0})
+
+
+def scores(groups):
+    rows = [(1, r, p, i, x) for p, (r, xs) in groups.items() for i, x in enumerate(xs)]
+    return pl.DataFrame(rows, schema={"iteration": pl.Int32, "round": pl.Int32, "prompt_id": pl.Utf8,
+                                      "sample_idx": pl.Int32, "reward": pl.Float64}, orient="row")
+
+
+def test_select_groups_drops_zero_variance_and_caps_at_target():
+    s = scores({"a": (0, [1, 1]), "b": (0, [0, 1]), "c": (0, [0, 0]), "d": (1, [1, 0]), "e": (1, [0, 1])})
+    g = select_groups(s, target_groups=2, drop_zero_variance=True)
+    reasons = dict(zip(g["prompt_id"], g["filter_reason"]))
+    assert reasons == {"a": "zero_variance", "b": "", "c": "zero_variance", "d": "", "e": "over_target"}
+    assert g.filter("kept")["prompt_id"].to_list() == ["b", "d"]
+    assert select_groups(s, 10, drop_zero_variance=False)["kept"].sum() == 5
+
+
+def test_pass_at_k_hand_values():
+    assert pass_at_k(8, 0, 4) == 0.0
+    assert pass_at_k(8, 8, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # 1 − C(6,4)/C(8,4)
+
+
+def test_prompt_rounds_do_not_repeat_within_an_iteration_and_are_deterministic():
+    train, held_out = make_splits(9, "+", 10, seed=1)
+    assert set(train["text"]).isdisjoint(held_out["text"])
+    r0, r1 = sample_prompts(train, 20, 0, 3, 0), sample_prompts(train, 20, 0, 3, 1)
+    assert set(r0["prompt_id"]).isdisjoint(r1["prompt_id"])
+    assert r0.equals(sample_prompts(train, 20, 0, 3, 0))
+
+
+def test_sampler_gap_is_mean_absolute_token_difference():
+    lst = pl.List(pl.Float32)
+    roll = pl.DataFrame({"prompt_id": ["a", "b"], "sample_idx": [0, 0], "sampler_logprobs": [[-1.0, -2.0], [-0.5]]},
+                        schema_overrides={"sampler_logprobs": lst})
+    lp = pl.DataFrame({"prompt_id": ["a", "b"], "sample_idx": [0, 0], "old_logprobs": [[-1.5, -2.0], [-0.25]]},
+                      schema_overrides={"old_logprobs": lst})
+    assert sampler_gap(roll, lp) == pytest.approx((0.5 + 0.0 + 0.25) / 3)
+
+
+def test_flawed_teacher_forgets_carries_only_on_carry_problems():
+    import random
+
+    from tasks.arithmetic import no_carry_sum, teacher_response
+
+    assert no_carry_sum(37, 58) == 85 and no_carry_sum(99, 99) == 88 and no_carry_sum(12, 34) == 46
+    always = random.Random(0)
+    assert teacher_response("37+58=", "95", 1.0, always) == "85"
+    assert teacher_response("12+34=", "46", 1.0, always) == "46"  # no carry: nothing to forget
+    assert teacher_response("37+58=", "95", 0.0, always) == "95"
+    rnd = random.Random(1)
+    wrong = sum(teacher_response("37+58=", "95", 0.3, rnd) == "85" for _ in range(2000))
+    assert 500 < wrong < 700  # ≈ 30%
