@@ -35,6 +35,7 @@ class TaskConfig(Section):
     data_dir: str = "data/arithmetic"
     max_operand: int = Field(99, ge=1, le=99_999)
     operations: str = Field("+-", pattern=r"^[+\-*]+$")
+    pad_operands: bool = False  # `07+58=`: fixed digit positions make the task much easier to learn
     n_eval: int = Field(256, ge=1)
     seed: int = 1234
 
@@ -112,8 +113,10 @@ class EvalConfig(Section):
 
 class SFTConfig(Section):
     n_demos: int = Field(20_000, ge=1)
-    # Fraction of carry additions on which the demonstration teacher forgets the carry (0 = a perfect teacher).
-    teacher_carry_error: float = Field(0.0, ge=0, le=1)
+    # A flawed demonstration teacher (a systematic error RL with a verifier can correct), and how often it errs
+    # where the flaw applies.
+    teacher_flaw: Literal["none", "forget_carry", "reverse_digits"] = "none"
+    teacher_flaw_rate: float = Field(0.0, ge=0, le=1)
     steps: int = Field(600, ge=1)
     batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)

@@ -72,9 +72,13 @@ class RunLayout:
         return self.run_dir / "checkpoints" / f"iter={iteration:05d}"
 
     def stages(self) -> list[str]:
+        """Stage folders of the run (checkpoints share the iter= layout but are not a table)."""
         if not self.run_dir.is_dir():
             return []
-        return sorted(p.name for p in self.run_dir.iterdir() if p.is_dir() and any(p.glob("iter=*")))
+        return sorted(
+            p.name for p in self.run_dir.iterdir()
+            if p.is_dir() and p.name != "checkpoints" and not p.name.startswith("_") and any(p.glob("iter=*"))
+        )
 
     def iterations(self, stage: str) -> list[int]:
         return sorted(int(p.name.split("=", 1)[1]) for p in self.stage_root(stage).glob("iter=*"))

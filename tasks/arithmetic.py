@@ -21,17 +21,20 @@ def _apply(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
-def all_problems(max_operand: int, operations: str) -> list[tuple[str, str]]:
+def all_problems(max_operand: int, operations: str, pad: bool = False) -> list[tuple[str, str]]:
+    """Every (prompt, answer). With `pad`, operands are zero-padded to a fixed width (`07+58=`), which puts
+    each digit at a fixed offset; answers are always canonical integers."""
+    width = len(str(max_operand)) if pad else 0
     return [
-        (f"{a}{op}{b}=", str(_apply(a, op, b)))
+        (f"{a:0{width}d}{op}{b:0{width}d}=", str(_apply(a, op, b)))
         for op in operations
         for a in range(max_operand + 1)
         for b in range(max_operand + 1)
     ]
 
 
-def make_splits(max_operand: int, operations: str, n_eval: int, seed: int) -> tuple[pl.DataFrame, pl.DataFrame]:
-    problems = all_problems(max_operand, operations)
+def make_splits(max_operand: int, operations: str, n_eval: int, seed: int, pad: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
+    problems = all_problems(max_operand, operations, pad)
     if n_eval >= len(problems):
         raise ValueError(f"task.n_eval ({n_eval}) must be below the {len(problems)} distinct problems")
     random.Random(seed).shuffle(problems)
@@ -49,16 +52,16 @@ def make_splits(max_operand: int, operations: str, n_eval: int, seed: int) -> tu
     return frame(problems[n_eval:], "train"), frame(problems[:n_eval], "eval")
 
 
-def ensure_dataset(data_dir: str | Path, max_operand: int, operations: str, n_eval: int, seed: int) -> dict[str, Path]:
+def ensure_dataset(data_dir: str | Path, max_operand: int, operations: str, n_eval: int, seed: int, pad: bool = False) -> dict[str, Path]:
     """Write the splits once; they are a pure function of the arguments, so an existing copy is reused."""
     data_dir = Path(data_dir)
     paths = {"train": data_dir / "train.parquet", "eval": data_dir / "eval.parquet"}
     stamp = data_dir / "_params.txt"
-    params = f"{max_operand} {operations} {n_eval} {seed}"
+    params = f"{max_operand} {operations} {n_eval} {seed} {pad}"
     if all(p.exists() for p in paths.values()) and stamp.exists() and stamp.read_text() == params:
         return paths
     data_dir.mkdir(parents=True, exist_ok=True)
-    train, held_out = make_splits(max_operand, operations, n_eval, seed)
+    train, held_out = make_splits(max_operand, operations, n_eval, seed, pad)
     for name, df in (("train", train), ("eval", held_out)):
         tmp = paths[name].with_suffix(".tmp")
         df.write_parquet(tmp)
@@ -76,28 +79,38 @@ def no_carry_sum(a: int, b: int) -> int:
     return out
 
 
-def teacher_response(text: str, answer: str, carry_error: float, rnd: random.Random) -> str:
-    """The demonstration for one prompt: the gold answer, except that on an addition with a carry the teacher
-    forgets the carry with probability `carry_error` (a systematic error RL with a verifier can correct)."""
-    if carry_error <= 0 or "+" not in text:
-        return answer
-    a, b = (int(x) for x in text.rstrip("=").split("+"))
-    wrong = no_carry_sum(a, b)
-    if wrong != a + b and rnd.random() < carry_error:
-        return str(wrong)
+def flawed_answer(text: str, answer: str, flaw: str) -> str:
+    """What a flawed teacher writes instead of `answer` (the same string when the flaw does not apply).
+
+    - forget_carry: each digit is (a_i + b_i) mod 10 (additions only);
+    - reverse_digits: the digits least-significant first (`95` → `59`).
+    """
+    if flaw == "forget_carry" and "+" in text:
+        a, b = (int(x) for x in text.rstrip("=").split("+"))  # int() accepts zero-padded operands
+        return str(no_carry_sum(a, b))
+    if flaw == "reverse_digits":
+        sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
+        return sign + digits[::-1]
     return answer
 
 
-def demonstrations(train: pl.DataFrame, n: int, seed: int, carry_error: float = 0.0) -> pl.DataFrame:
+def teacher_response(text: str, answer: str, flaw: str, rate: float, rnd: random.Random) -> str:
+    """One demonstration: the gold answer, or with probability `rate` the teacher's flawed version of it.
+    The draw happens only where the flaw changes the answer, so `rate` is the error rate where it applies."""
+    if flaw == "none" or rate <= 0:
+        return answer
+    wrong = flawed_answer(text, answer, flaw)
+    if wrong != answer and rnd.random() < rate:
+        return wrong
+    return answer
+
+
+def demonstrations(train: pl.DataFrame, n: int, seed: int, flaw: str = "none", rate: float = 0.0) -> pl.DataFrame:
     """SFT demonstrations for `n` train prompts drawn with replacement, written by the (optionally flawed) teacher."""
     rnd = random.Random(seed)
     idx = rnd.choices(range(train.height), k=n)
     picked = train[idx]
-    responses = [teacher_response(t, a, carry_error, rnd) for t, a in zip(picked["text"], picked["answer"])]
+    responses = [teacher_response(t, a, flaw, rate, rnd) for t, a in zip(picked["text"], picked["answer"])]
     return pl.DataFrame(
-        {
-            "prompt_id": [f"demo-{i:06d}" for i in range(n)],
-            "text": picked["text"],
-            "response": responses,
-        }
+        {"prompt_id": [f"demo-{i:06d}" for i in range(n)], "text": picked["text"], "response": responses}
     )

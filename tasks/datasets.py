@@ -40,4 +40,4 @@ def load_prompt_dataset(path: str | Path) -> pl.DataFrame:
 
 def task_splits(task: TaskConfig) -> dict[str, Path]:
     """The train and held-out split paths for the configured task, generating them if needed."""
-    return ensure_dataset(task.data_dir, task.max_operand, task.operations, task.n_eval, task.seed)
+    return ensure_dataset(task.data_dir, task.max_operand, task.operations, task.n_eval, task.seed, task.pad_operands)

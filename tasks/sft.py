@@ -22,10 +22,11 @@ from tasks.policy import model_fingerprint
 @stage_task("sft_data")
 def sft_data_task(storage_root: str, run_id: str) -> StageOutput:
     ctx = load_run(storage_root, run_id)
+    s = ctx.cfg.sft
 
     def compute():
         train = load_prompt_dataset(task_splits(ctx.cfg.task)["train"])
-        return Computed(demonstrations(train, ctx.cfg.sft.n_demos, ctx.cfg.seed, ctx.cfg.sft.teacher_carry_error))
+        return Computed(demonstrations(train, s.n_demos, ctx.cfg.seed, s.teacher_flaw, s.teacher_flaw_rate))
 
     return run_stage(ctx, "sft_data", 0, sections=("task", "sft"), inputs={}, compute=compute)
 

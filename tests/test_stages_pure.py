@@ -90,16 +90,28 @@ def test_sampler_gap_is_mean_absolute_token_difference():
     assert sampler_gap(roll, lp) == pytest.approx((0.5 + 0.0 + 0.25) / 3)
 
 
-def test_flawed_teacher_forgets_carries_only_on_carry_problems():
+def test_padded_operands_sit_at_fixed_positions_and_answers_stay_canonical():
+    train, held_out = make_splits(99, "+", 10, seed=1, pad=True)
+    texts = train["text"].to_list() + held_out["text"].to_list()
+    assert all(len(t) == 6 and t[2] == "+" for t in texts)
+    row = pl.concat([train, held_out]).filter(pl.col("text") == "07+05=")
+    assert row["answer"].to_list() == ["12"]
+
+
+def test_flawed_teachers_err_only_where_their_flaw_applies():
     import random
 
-    from tasks.arithmetic import no_carry_sum, teacher_response
+    from tasks.arithmetic import flawed_answer, no_carry_sum, teacher_response
 
     assert no_carry_sum(37, 58) == 85 and no_carry_sum(99, 99) == 88 and no_carry_sum(12, 34) == 46
+    assert flawed_answer("37+58=", "95", "forget_carry") == "85"
+    assert flawed_answer("07+05=", "12", "forget_carry") == "2"  # zero-padded operands parse
+    assert flawed_answer("37+58=", "95", "reverse_digits") == "59"
+    assert flawed_answer("90+10=", "100", "reverse_digits") == "001"
     always = random.Random(0)
-    assert teacher_response("37+58=", "95", 1.0, always) == "85"
-    assert teacher_response("12+34=", "46", 1.0, always) == "46"  # no carry: nothing to forget
-    assert teacher_response("37+58=", "95", 0.0, always) == "95"
+    assert teacher_response("12+34=", "46", "forget_carry", 1.0, always) == "46"  # no carry: nothing to forget
+    assert teacher_response("03+04=", "7", "reverse_digits", 1.0, always) == "7"
+    assert teacher_response("37+58=", "95", "none", 1.0, always) == "95"
     rnd = random.Random(1)
-    wrong = sum(teacher_response("37+58=", "95", 0.3, rnd) == "85" for _ in range(2000))
+    wrong = sum(teacher_response("37+58=", "95", "reverse_digits", 0.3, rnd) == "59" for _ in range(2000))
     assert 500 < wrong < 700  # ≈ 30%

@@ -77,3 +77,10 @@ def test_schema_violations_are_one_line_errors(tmp_path):
 def test_run_ids_cannot_escape_the_root(tmp_path, bad):
     with pytest.raises(LayoutError):
         RunLayout(tmp_path, bad)
+
+
+def test_checkpoints_are_not_listed_as_stages(tmp_path):
+    layout = RunLayout(tmp_path, "r1")
+    write(layout, 1)
+    layout.checkpoint_dir(1).mkdir(parents=True)
+    assert layout.stages() == ["prompts"]

@@ -137,7 +137,7 @@ def _rl(request, model, tokenizer):
                 engine.step()
                 for key, v in sums.items():
                     totals[key] = totals.get(key, 0.0) + float(v)
-                totals["loss"] = totals.get("loss", 0.0) + float(loss)
+                totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
                 entropy_sum += float((ent.detach() * mask).sum())
             steps += 1
             gn = engine.get_global_grad_norm()
