@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 
 from storage import read_manifest, scan, write_json_atomic
 from tasks.common import load_run, stage_task

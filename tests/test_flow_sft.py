@@ -10,6 +10,7 @@ from flows.cli import prepare_run
 from flows.sft import sft_flow
 from storage import RunLayout, read_stage
 from tasks.model_init import init_model
+from tasks.summary import summary_task
 from tests.conftest import tiny_config
 
 
@@ -34,3 +35,6 @@ def test_sft_flow_trains_checkpoints_and_skips_on_restart(harness, tmp_path):
     sft_flow("sft-test", cfg.storage_root)  # a restart: every stage is complete, nothing is redone
     assert layout.manifest_path("sft_metrics", 0).read_bytes() == before
     assert RunLayout(layout.root, "sft-test").iterations("sft_data") == [0]
+    first = summary_task.fn(cfg.storage_root, "sft-test", extra={"wall_seconds": 1.0})
+    second = summary_task.fn(cfg.storage_root, "sft-test")  # merges into the existing summary.json
+    assert first["run_id"] == second["run_id"] == "sft-test" and second["wall_seconds"] == 1.0

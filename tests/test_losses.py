@@ -74,7 +74,7 @@ def _micro_losses(logp, old, ref, adv, mask, rows_per_micro, settings):
         s = slice(i, i + rows_per_micro)
         loss, _ = policy_loss(logp[s], old[s], ref[s], adv[s], mask[s], norm, settings)
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     return total
 
 
