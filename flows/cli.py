@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -50,6 +51,27 @@ def _guard(fn, *args, **kwargs):
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
+def _exit_on_interrupt() -> None:
+    """Ctrl-C (SIGINT) stops the run at once. Prefect would otherwise swallow the KeyboardInterrupt and
+    carry on. Stopping hard is safe: every stage writes atomically with its manifest last, the engine
+    workers die with this process, and the same command resumes from the last complete stage."""
+
+    def stop(signum, frame):
+        import psutil
+
+        sys.stderr.write("interrupted: complete stages are kept; run the same command again to resume\n")
+        sys.stderr.flush()
+        # Engine workers die with us (PR_SET_PDEATHSIG), but Prefect's temporary API server would linger.
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, stop)
+
+
 def prepare_run(config: str, overrides: list[str] | None, run_id: str):
     """Validate the config, create the run folder and save the resolved config. Returns (cfg, layout)."""
     from schemas.config import dump_config, load_config
@@ -91,6 +113,7 @@ def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = type
     def run():
         from flows.sft import sft_flow
 
+        _exit_on_interrupt()
         cfg, _ = prepare_run(config, overrides, run_id)
         result = sft_flow(run_id, cfg.storage_root)
         console.print(f"sft checkpoint: {result['checkpoint']} (exported to {result['exported_to']})")
@@ -103,6 +126,7 @@ def run(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = type
     """Run (or resume) RL: one Prefect flow run per iteration. Re-running the same command resumes."""
 
     def go():
+        _exit_on_interrupt()
         cfg, _ = prepare_run(config, overrides, run_id)
         from tasks.policy import model_fingerprint
 
@@ -123,6 +147,7 @@ def demo(
     """init-model → SFT → RL → eval into runs/demo, with progress and a summary table."""
     from flows.demo import run_demo
 
+    _exit_on_interrupt()
     summary = _guard(run_demo, DEMO_CONFIG, overrides or [], run_id, console)
     _print_summary(summary)
 

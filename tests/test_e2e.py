@@ -32,14 +32,16 @@ def test_rl_run_survives_sigkill_and_resumes(workspace):
     layout = RunLayout(workspace / "runs", "e2e")
 
     env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT)}
+    # Its own process group, so the crash below takes everything the run started (Prefect's temporary API
+    # server included), as a machine failure would.
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(cfg), "--run-id", "e2e"], cwd=workspace,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while not layout.manifest_path("train_metrics", 1).exists():
         assert proc.poll() is None, "run ended before it could be interrupted"
         assert time.time() < deadline
         time.sleep(0.5)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done_before = stage_digest(layout, 1)
     assert not layout.manifest_path("train_metrics", 2).exists()
