@@ -3,7 +3,7 @@
     {root}/{run_id}/config.yaml
     {root}/{run_id}/{stage}/iter={k:05d}/part-{n:05d}.parquet
     {root}/{run_id}/{stage}/iter={k:05d}/_manifest.json
-    {root}/{run_id}/checkpoints/iter={k:05d}/
+    {root}/{run_id}/checkpoints/iter={k:05d}/        (RL; checkpoints/sft/ for the SFT warm start)
     {root}/{run_id}/summary.json
 """
 
@@ -70,6 +70,10 @@ class RunLayout:
 
     def checkpoint_dir(self, iteration: int) -> Path:
         return self.run_dir / "checkpoints" / f"iter={iteration:05d}"
+
+    @property
+    def sft_checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints" / "sft"
 
     def stages(self) -> list[str]:
         """Stage folders of the run (checkpoints share the iter= layout but are not a table)."""

@@ -35,7 +35,7 @@ def sft_data_task(storage_root: str, run_id: str) -> StageOutput:
 def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
     ctx = load_run(storage_root, run_id)
     s, base = ctx.cfg.sft, ctx.cfg.model.base_path
-    final = ctx.layout.run_dir / "checkpoints" / "sft"
+    final = ctx.layout.sft_checkpoint_dir
 
     def compute():
         data_path, metrics_path = scratch_file(ctx, "sft.in.parquet"), scratch_file(ctx, "sft.metrics.parquet")
