@@ -115,7 +115,7 @@ class SFTConfig(Section):
     n_demos: int = Field(20_000, ge=1)
     # A flawed demonstration teacher (a systematic error RL with a verifier can correct), and how often it errs
     # where the flaw applies.
-    teacher_flaw: Literal["none", "forget_carry", "reverse_digits"] = "none"
+    teacher_flaw: Literal["none", "forget_carry"] = "none"
     teacher_flaw_rate: float = Field(0.0, ge=0, le=1)
     steps: int = Field(600, ge=1)
     batch_size: int = Field(64, ge=1)

@@ -82,15 +82,11 @@ def no_carry_sum(a: int, b: int) -> int:
 def flawed_answer(text: str, answer: str, flaw: str) -> str:
     """What a flawed teacher writes instead of `answer` (the same string when the flaw does not apply).
 
-    - forget_carry: each digit is (a_i + b_i) mod 10 (additions only);
-    - reverse_digits: the digits least-significant first (`95` → `59`).
+    forget_carry: each digit is (a_i + b_i) mod 10 (additions only).
     """
     if flaw == "forget_carry" and "+" in text:
         a, b = (int(x) for x in text.rstrip("=").split("+"))  # int() accepts zero-padded operands
         return str(no_carry_sum(a, b))
-    if flaw == "reverse_digits":
-        sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
-        return sign + digits[::-1]
     return answer
 
 

@@ -10,7 +10,7 @@ from tasks.batch import select_groups
 from tasks.evaluate import pass_at_k
 from tasks.metrics import sampler_gap
 from tasks.prompts import sample_prompts
-from tasks.rewards import REWARD_FUNCTIONS, RewardError, register, score_frame
+from tasks.rewards import REWARD_FUNCTIONS, RewardError, score_frame
 
 
 def rollouts(texts, reasons=None, prompt="p0"):
@@ -106,12 +106,9 @@ def test_flawed_teachers_err_only_where_their_flaw_applies():
     assert no_carry_sum(37, 58) == 85 and no_carry_sum(99, 99) == 88 and no_carry_sum(12, 34) == 46
     assert flawed_answer("37+58=", "95", "forget_carry") == "85"
     assert flawed_answer("07+05=", "12", "forget_carry") == "2"  # zero-padded operands parse
-    assert flawed_answer("37+58=", "95", "reverse_digits") == "59"
-    assert flawed_answer("90+10=", "100", "reverse_digits") == "001"
     always = random.Random(0)
     assert teacher_response("12+34=", "46", "forget_carry", 1.0, always) == "46"  # no carry: nothing to forget
-    assert teacher_response("03+04=", "7", "reverse_digits", 1.0, always) == "7"
     assert teacher_response("37+58=", "95", "none", 1.0, always) == "95"
     rnd = random.Random(1)
-    wrong = sum(teacher_response("37+58=", "95", "reverse_digits", 0.3, rnd) == "59" for _ in range(2000))
+    wrong = sum(teacher_response("37+58=", "95", "forget_carry", 0.3, rnd) == "85" for _ in range(2000))
     assert 500 < wrong < 700  # ≈ 30%

@@ -20,14 +20,14 @@ class WorkerError(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
 
-def _last_error_line(log: Path) -> str:
+def last_error_line(log: Path) -> str:
     try:
         lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
@@ -38,6 +38,12 @@ def _last_error_line(log: Path) -> str:
     return lines[-1][-300:] if lines else "empty log"
 
 
+def worker_env(extra: dict | None = None) -> dict:
+    """The environment of a worker process: ours, with the repository importable."""
+    root = Path(__file__).resolve().parents[2]
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra or {})}
+
+
 def run_worker(module: str, request: dict, scratch: Path, log: Path, env: dict | None = None) -> dict:
     """Run `tasks.engines.<module>` on `request`; return the JSON it wrote, or raise WorkerError."""
     scratch.mkdir(parents=True, exist_ok=True)
@@ -46,15 +52,13 @@ def run_worker(module: str, request: dict, scratch: Path, log: Path, env: dict |
     resp_path = req_path.with_name(req_path.name.replace(".request.", ".response."))
     resp_path.unlink(missing_ok=True)
     req_path.write_text(json.dumps({**request, "response_path": str(resp_path)}))
-    root = Path(__file__).resolve().parents[2]
-    child_env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
     with open(log, "ab") as out:
         proc = subprocess.run(
             [sys.executable, "-m", f"tasks.engines.{module}", str(req_path)],
-            stdout=out, stderr=subprocess.STDOUT, env=child_env, cwd=os.getcwd(), preexec_fn=_die_with_parent,
+            stdout=out, stderr=subprocess.STDOUT, env=worker_env(env), cwd=os.getcwd(), preexec_fn=die_with_parent,
         )
     if proc.returncode != 0 or not resp_path.exists():
-        raise WorkerError(f"{module} worker failed (exit {proc.returncode}): {_last_error_line(log)} [log: {log}]")
+        raise WorkerError(f"{module} worker failed (exit {proc.returncode}): {last_error_line(log)} [log: {log}]")
     return json.loads(resp_path.read_text())
 
 

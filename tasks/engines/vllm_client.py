@@ -17,7 +17,7 @@ import time
 from multiprocessing.connection import Client
 from pathlib import Path
 
-from tasks.engines.launch import WorkerError, _die_with_parent, _last_error_line
+from tasks.engines.launch import WorkerError, die_with_parent, last_error_line, worker_env
 
 
 class ResidentEngine:
@@ -31,18 +31,17 @@ class ResidentEngine:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         sock = str(self.socket_dir / f"vllm-{os.getpid()}-{secrets.token_hex(4)}.sock")
         key = secrets.token_bytes(16)
-        root = Path(__file__).resolve().parents[2]
-        env = {**os.environ, "RLPIPE_AUTHKEY": key.hex(), "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = worker_env({"RLPIPE_AUTHKEY": key.hex()})
         args = json.dumps({**self.settings, "model_path": model_path})
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tasks.engines.vllm_generate", "--serve", sock, args],
-                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent,
+                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
             )
         deadline = time.time() + 600
         while not os.path.exists(sock):
             if self.proc.poll() is not None or time.time() > deadline:
-                raise WorkerError(f"vLLM server failed to start: {_last_error_line(self.log)} [log: {self.log}]")
+                raise WorkerError(f"vLLM server failed to start: {last_error_line(self.log)} [log: {self.log}]")
             time.sleep(0.2)
         self.conn = Client(sock, family="AF_UNIX", authkey=key)
 
@@ -55,7 +54,7 @@ class ResidentEngine:
                 resp = self.conn.recv()
             except (EOFError, OSError):
                 self.close()
-                raise WorkerError(f"vLLM server died: {_last_error_line(self.log)} [log: {self.log}]") from None
+                raise WorkerError(f"vLLM server died: {last_error_line(self.log)} [log: {self.log}]") from None
             if resp.get("restart_required"):
                 self.close()
                 continue

@@ -3,7 +3,8 @@
 Started by tasks/engines/vllm_client.py as `python -m tasks.engines.vllm_generate --serve SOCKET SETTINGS`.
 A job is {prompts_path, out_path, n, temperature, top_p, max_tokens, seed}; it reads Parquet (prompt_id,
 prompt_token_ids) and writes Parquet with one row per sample: prompt_id, sample_idx, token_ids (EOS
-included when it stopped), text, sampler_logprobs, finish_reason, truncated, length. No Prefect import: this runs in its own process.
+included when it stopped), text, sampler_logprobs, finish_reason, truncated, length.
+No Prefect import: this runs in its own process.
 """
 
 from __future__ import annotations
