@@ -72,13 +72,13 @@ def _exit_on_interrupt() -> None:
     signal.signal(signal.SIGINT, stop)
 
 
-def prepare_run(config: str, overrides: list[str] | None, run_id: str):
+def prepare_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None):
     """Validate the config, create the run folder and save the resolved config. Returns (cfg, layout)."""
     from schemas.config import dump_config, load_config
     from storage import RunLayout
     from storage.stage_io import write_bytes_atomic
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, algo)
     layout = RunLayout(Path(cfg.storage_root), run_id)
     try:
         write_bytes_atomic(layout.config_path, dump_config(cfg).encode())
@@ -122,12 +122,17 @@ def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = type
 
 
 @app.command()
-def run(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("rl", "--run-id")) -> None:
+def run(
+    config: str,
+    overrides: Optional[list[str]] = SetOpt,
+    run_id: str = typer.Option("rl", "--run-id"),
+    algo: Optional[str] = typer.Option(None, "--algo", help="Algorithm preset from infra/algos/ (ppo, grpo, dapo, dcpo, ...)."),
+) -> None:
     """Run (or resume) RL: one Prefect flow run per iteration. Re-running the same command resumes."""
 
     def go():
         _exit_on_interrupt()
-        cfg, _ = prepare_run(config, overrides, run_id)
+        cfg, _ = prepare_run(config, overrides, run_id, algo)
         from tasks.policy import model_fingerprint
 
         model_fingerprint(cfg.model.path)  # fail now, not inside a flow, if the model is missing
@@ -168,6 +173,22 @@ def show(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
     from flows.inspect import show_run
 
     _guard(show_run, run_id, root, console)
+
+
+@app.command("compare-advantages")
+def compare_advantages_cmd(
+    run_id: str,
+    iteration: int = typer.Option(..., "--iteration", help="The iteration whose saved rollouts to use."),
+    estimators: str = typer.Option("grpo,drgrpo,lite_ppo,rloo,dcpo", "--estimators", help="Comma-separated estimator names."),
+    aggregation: Optional[str] = typer.Option(None, "--aggregation", help="Loss aggregation for the token weights (default: the run's)."),
+    root: str = typer.Option("runs", "--root"),
+) -> None:
+    """Every estimator on one iteration's cached Parquet (no generation): non-zero fraction, mean |A|,
+    effective token weight by length, correlation with grpo."""
+    from flows.compare import compare_advantages
+
+    names = [e.strip() for e in estimators.split(",") if e.strip()]
+    _guard(compare_advantages, run_id, iteration, names, aggregation, root, console)
 
 
 def _print_summary(summary: dict) -> None:

@@ -40,11 +40,17 @@ class TaskConfig(Section):
     seed: int = 1234
 
 
+RewardName = Literal["accuracy", "format", "overlong"]
+
+
 class RewardConfig(Section):
     kind: Literal["rule"] = "rule"
     # Each reward function writes its own score column; the total is the weighted sum.
-    weights: dict[Literal["accuracy", "format"], float] = {"accuracy": 1.0, "format": 0.1}
+    weights: dict[RewardName, float] = {"accuracy": 1.0, "format": 0.1}
     timeout_s: float = Field(5.0, gt=0)
+    # DAPO soft overlong punishment: L_max (None = rollout.max_tokens) and the soft band L_cache below it.
+    overlong_max_len: int | None = Field(None, ge=1)
+    overlong_cache: int = Field(0, ge=0)
 
 
 class RolloutConfig(Section):
@@ -62,23 +68,47 @@ class BatchConfig(Section):
     drop_zero_variance: bool = True
 
 
+Estimator = Literal["gae", "grpo", "drgrpo", "lite_ppo", "rloo", "reinforce_pp_baseline", "dcpo"]
+Objective = Literal["clip", "gspo", "gspo_token", "dcpo"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "only-token-mean"]
+
+
 class AdvantageConfig(Section):
-    estimator: Literal["grpo"] = "grpo"
-    eps: float = 1e-6
+    estimator: Estimator = "grpo"
+    eps: float = Field(1e-6, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)  # GAE discount
+    lam: float = Field(0.95, ge=0, le=1)  # GAE λ: 1 is Monte Carlo, 0 is TD(0)
 
 
 class LossConfig(Section):
-    objective: Literal["clip"] = "clip"
-    aggregation: Literal["token-mean"] = "token-mean"
+    objective: Objective = "clip"
+    aggregation: Aggregation = "token-mean"
     clip_eps_low: float = Field(0.2, ge=0)
     clip_eps_high: float = Field(0.2, ge=0)
     dual_clip: float | None = Field(None, gt=1)
+    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus −c·H, aggregated like the loss
+    overlong_filter: bool = False  # DAPO: responses cut off by max_tokens are masked out of the loss
+    ptx_coef: float = Field(0.0, ge=0)  # PPO-ptx: γ_ptx · NLL of SFT demonstrations added to each step
+    ptx_batch: int = Field(16, ge=1)
 
 
 class KLConfig(Section):
     estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
-    placement: Literal["loss", "none"] = "loss"
+    placement: Literal["reward", "loss", "none"] = "loss"
     beta: float = Field(0.04, ge=0)
+    # Adaptive controller (Ziegler et al.): β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon), with KL the
+    # previous iteration's per-token KL to the reference and n its number of samples. None = fixed β.
+    target: float | None = Field(None, gt=0)
+    horizon: int = Field(10_000, ge=1)
+
+
+class CriticConfig(Section):
+    """PPO's value model: a separate LlamaForTokenClassification (one scalar per token) initialised from
+    the policy checkpoint with a zeroed head, trained by its own DeepSpeed engine. Used iff estimator=gae."""
+
+    lr: float = Field(5e-4, gt=0)
+    value_clip: float = Field(0.2, gt=0)  # ε_v of the clipped value loss
+    coef: float = Field(0.5, gt=0)  # c_v
 
 
 class OptimConfig(Section):
@@ -135,6 +165,7 @@ class RunConfig(Section):
     advantage: AdvantageConfig = AdvantageConfig()
     loss: LossConfig = LossConfig()
     kl: KLConfig = KLConfig()
+    critic: CriticConfig = CriticConfig()
     optim: OptimConfig = OptimConfig()
     rl: RLConfig = RLConfig()
     eval: EvalConfig = EvalConfig()
@@ -148,6 +179,10 @@ class RunConfig(Section):
                 f"{self.batch.max_rounds} rounds of {self.rollout.prompts_per_round} prompts"
             )
         return self
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage.estimator == "gae"
 
     def section_hash(self, *sections: str) -> str:
         """A stable hash of some sections: part of a stage's fingerprint."""
@@ -196,17 +231,44 @@ def build_config(data: dict, overrides: list[str] | None = None) -> RunConfig:
         raise ConfigError(_one_line(err)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    path = Path(path)
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "infra" / "algos"
+
+
+def algorithm_presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def _read_mapping(path: Path, what: str) -> dict:
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise ConfigError(f"{what} not found: {path}") from None
     except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"cannot read config {path}: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"cannot read {what} {path}: {str(err).splitlines()[0]}") from None
     if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"invalid config {path}: the top level must be a mapping")
-    return build_config(data or {}, overrides)
+        raise ConfigError(f"invalid {what} {path}: the top level must be a mapping")
+    return data or {}
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, algo: str | None = None) -> RunConfig:
+    """The config file, then the algorithm preset `infra/algos/{algo}.yaml` merged over it (a preset only
+    chooses registry entries and their settings), then `--set` overrides."""
+    data = _read_mapping(Path(path), "config file")
+    if algo is not None:
+        if algo not in algorithm_presets():
+            raise ConfigError(f"unknown --algo {algo!r}: choose one of {', '.join(algorithm_presets())}")
+        # Merged over the resolved config, so a preset's `reward.weights: {overlong: 1}` adds to the default
+        # weights instead of replacing them.
+        resolved = build_config(data).model_dump(mode="json")
+        data = deep_merge(resolved, _read_mapping(PRESETS_DIR / f"{algo}.yaml", "preset"))
+    return build_config(data, overrides)
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -100,10 +100,11 @@ BATCH = _table(
 )
 
 LOGPROBS = _table(
-    "logprobs", 1,
+    "logprobs", 2,
     {
         "iteration": I32, "prompt_id": STR, "sample_idx": I32,
         "old_logprobs": LIST_F32, "ref_logprobs": LIST_F32, "entropy": LIST_F32,
+        "values": LIST_F32,  # the critic's V per response token (PPO); null without a critic
     },
     unique=("iteration", "prompt_id", "sample_idx"),
 )
@@ -115,6 +116,14 @@ ADVANTAGES = _table(
         "advantage": F64, "token_advantages": LIST_F32, "returns": LIST_F32,
     },
     unique=("iteration", "prompt_id", "sample_idx"),
+)
+
+# DCPO's per-prompt history after an iteration: an immutable snapshot per iteration (n steps seen, the
+# cumulative mean and std of the prompt's rewards, each step counted once).
+PROMPT_STATS = _table(
+    "prompt_stats", 1,
+    {"prompt_id": STR, "n": I32, "mean": F64, "std": F64, "last_iteration": I32},
+    unique=("prompt_id",),
 )
 
 TRAIN_METRICS = _table(
@@ -134,5 +143,5 @@ EVAL = _table(
 
 TABLES: dict[str, TableSchema] = {
     t.name: t
-    for t in (SFT_DATA, SFT_METRICS, PROMPTS, ROLLOUTS, SCORES, BATCH, LOGPROBS, ADVANTAGES, TRAIN_METRICS, EVAL)
+    for t in (SFT_DATA, SFT_METRICS, PROMPTS, ROLLOUTS, SCORES, BATCH, LOGPROBS, ADVANTAGES, PROMPT_STATS, TRAIN_METRICS, EVAL)
 }

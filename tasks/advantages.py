@@ -1,78 +1,80 @@
-"""Advantage estimators as Polars expressions over the stage tables (DESIGN §5).
+"""Stage `advantages`: the configured estimator (tasks/advantage_estimators.py) over the iteration's tables.
 
-Reads `scores` (reward per sample), `batch` (kept groups) and `logprobs` (response lengths); writes
-`advantages`: the sequence advantage, the per-token advantages and the returns.
-
-Edge rules (tested): a single-sample group has no spread, so its advantage is 0; a group whose rewards are
-all equal has r − mean = 0, so its advantage is 0 as well (whatever ε_adv is).
+Reads `batch` (kept groups), `scores` (rewards), `rollouts` (lengths) and `logprobs` (old/ref logprobs for a
+KL in the reward, critic values for GAE); writes `advantages`. Under dcpo it also reads the previous
+iteration's `prompt_stats` snapshot and writes this iteration's (before the advantages manifest, which
+marks both complete).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import time
 
 import polars as pl
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[pl.DataFrame, float], pl.DataFrame]] = {}
+from storage import StageOutput, fingerprint, read_manifest, read_stage, write_stage
+from tasks.advantage_estimators import AdvantageSettings, compute_advantages, empty_prompt_stats, update_prompt_stats
+from tasks.common import Computed, RunContext, load_run, run_stage, stage_task
+from tasks.kl_control import kl_beta
+
+KEYS = ["prompt_id", "sample_idx"]
 
 
-def register(name: str):
-    def wrap(fn):
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return wrap
-
-
-def _centered() -> pl.Expr:
-    """r − mean_g r, exactly 0 for a group whose rewards are all equal (float means are not exact)."""
-    r = pl.col("reward")
-    equal = (r.max() == r.min()).over("prompt_id")
-    return pl.when(equal).then(0.0).otherwise(r - r.mean().over("prompt_id"))
-
-
-@register("grpo")
-def grpo(scores: pl.DataFrame, eps: float) -> pl.DataFrame:
-    """A_i = (r_i − mean_g r) / (std_g r + ε), std unbiased (ddof=1)."""
-    std = pl.col("reward").std(ddof=1).over("prompt_id")
-    adv = (_centered() / (std + eps)).fill_null(0.0).fill_nan(0.0)
-    return scores.with_columns(adv.alias("advantage"))
+def advantage_inputs(ctx: RunContext, iteration: int, kept_only: bool = True) -> pl.DataFrame:
+    """One row per response: prompt_id, sample_idx, reward, length, and the logprobs table's lists."""
+    scores = read_stage(ctx.layout, "scores", iteration).select("iteration", *KEYS, "reward")
+    if kept_only:
+        kept = read_stage(ctx.layout, "batch", iteration).filter("kept").select("prompt_id")
+        scores = scores.join(kept, on="prompt_id", how="semi")
+    lengths = read_stage(ctx.layout, "rollouts", iteration).select(*KEYS, "length")
+    df = scores.join(lengths, on=KEYS, how="inner", validate="1:1", maintain_order="left")
+    if kept_only:
+        lists = read_stage(ctx.layout, "logprobs", iteration).select(*KEYS, "old_logprobs", "ref_logprobs", "values")
+        df = df.join(lists, on=KEYS, how="inner", validate="1:1", maintain_order="left")
+    return df
 
 
-def broadcast_to_tokens(df: pl.DataFrame, length_col: str = "length") -> pl.DataFrame:
-    """Sequence-level advantage on every response token; returns equal advantages when there is no critic."""
-    tokens = pl.col("advantage").cast(pl.Float32).repeat_by(pl.col(length_col))
-    return df.with_columns(tokens.alias("token_advantages"), tokens.alias("returns"))
+def advantage_settings(ctx: RunContext, iteration: int) -> AdvantageSettings:
+    a, kl = ctx.cfg.advantage, ctx.cfg.kl
+    beta = kl_beta(ctx, iteration) if kl.placement == "reward" else 0.0
+    return AdvantageSettings(eps=a.eps, gamma=a.gamma, lam=a.lam, kl_beta=beta, kl_estimator=kl.estimator)
 
 
-def compute_advantages(scores: pl.DataFrame, lengths: pl.DataFrame, estimator: str, eps: float) -> pl.DataFrame:
-    """scores: prompt_id, sample_idx, reward (kept groups only); lengths: prompt_id, sample_idx, length."""
-    per_seq = ADVANTAGE_ESTIMATORS[estimator](scores, eps)
-    joined = per_seq.join(lengths, on=["prompt_id", "sample_idx"], how="inner", validate="1:1")
-    return broadcast_to_tokens(joined)
-
-
-# ---- Stage task ------------------------------------------------------------------------------------------
-
-
-from storage import StageOutput, read_stage  # noqa: E402
-from tasks.common import Computed, stage_task, load_run, run_stage  # noqa: E402
+def prompt_history(ctx: RunContext, iteration: int) -> tuple[pl.DataFrame, str]:
+    """The prompt_stats snapshot after iteration − 1 (empty before the first) and its fingerprint."""
+    if iteration <= 1:
+        return empty_prompt_stats(), ""
+    manifest = read_manifest(ctx.layout, "prompt_stats", iteration - 1)
+    if manifest is None:
+        raise FileNotFoundError(f"dcpo needs the prompt_stats of iteration {iteration - 1}, which is missing")
+    return read_stage(ctx.layout, "prompt_stats", iteration - 1), manifest["fingerprint"]
 
 
 @stage_task("advantages")
 def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp: str, batch_fp: str) -> StageOutput:
     ctx = load_run(storage_root, run_id)
-    a = ctx.cfg.advantage
+    estimator = ctx.cfg.advantage.estimator
+    settings = advantage_settings(ctx, iteration)
+    history, history_fp = prompt_history(ctx, iteration) if estimator == "dcpo" else (None, "")
+    inputs = {"logprobs": logprobs_fp, "batch": batch_fp, "prompt_stats": history_fp}
 
     def compute():
-        kept = read_stage(ctx.layout, "batch", iteration).filter("kept").select("prompt_id")
-        scores = read_stage(ctx.layout, "scores", iteration).join(kept, on="prompt_id", how="semi")
-        lengths = read_stage(ctx.layout, "rollouts", iteration).select("prompt_id", "sample_idx", "length")
-        df = compute_advantages(scores.select("iteration", "prompt_id", "sample_idx", "reward"), lengths, a.estimator, a.eps)
-        nonzero = float((df["advantage"] != 0).mean())
-        return Computed(df.drop("length"), extra={"nonzero_advantage_fraction": nonzero})
+        df = advantage_inputs(ctx, iteration)
+        if estimator == "gae" and df["values"].null_count():
+            raise ValueError("advantage.estimator=gae needs critic values, but the logprobs stage wrote none")
+        out = compute_advantages(df, estimator, settings, history)
+        if estimator == "dcpo":
+            snapshot = update_prompt_stats(history, df, iteration)
+            config_hash = ctx.cfg.section_hash("advantage")
+            write_stage(ctx.layout, "prompt_stats", iteration, snapshot, fp=fingerprint("prompt_stats", config_hash, inputs),
+                        inputs=inputs, config_hash=config_hash, started=time.time())
+        nonzero = float((out["advantage"] != 0).mean())
+        return Computed(
+            out.select("iteration", *KEYS, "reward", "advantage", "token_advantages", "returns"),
+            extra={"nonzero_advantage_fraction": nonzero, "kl_beta": settings.kl_beta},
+        )
 
     return run_stage(
-        ctx, "advantages", iteration, sections=("advantage",),
-        inputs={"logprobs": logprobs_fp, "batch": batch_fp}, compute=compute,
+        ctx, "advantages", iteration, sections=("advantage", "kl"), inputs=inputs, compute=compute,
+        salt=f"beta={settings.kl_beta:.12g}",
     )

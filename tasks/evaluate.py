@@ -13,7 +13,7 @@ import polars as pl
 from storage import StageOutput
 from tasks.common import Computed, stage_task, load_run, run_stage
 from tasks.datasets import load_prompt_dataset, task_splits
-from tasks.rewards import REWARD_FUNCTIONS, code_hash
+from tasks.rewards import REWARD_FUNCTIONS, Sample, code_hash
 from tasks.rollouts import generate
 from tasks.policy import weights_after
 
@@ -28,7 +28,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def judge(samples: pl.DataFrame, answers: dict[str, str]) -> pl.Series:
     fn = REWARD_FUNCTIONS["accuracy"]
     return pl.Series(
-        [fn(t, answers[p], r) > 0 for t, p, r in zip(samples["text"], samples["prompt_id"], samples["finish_reason"])],
+        [fn(Sample(t, answers[p], r)) > 0 for t, p, r in zip(samples["text"], samples["prompt_id"], samples["finish_reason"])],
         dtype=pl.Boolean,
     )
 

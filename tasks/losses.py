@@ -48,6 +48,8 @@ def kl_k3_plus(logp, ref_logp):
 
 
 # ---- Policy objectives: per-token loss ℓ and clip statistics --------------------------------------------
+# Every objective has the signature (logp, old_logp, adv, mask, settings) → (ℓ, clipped_low, clipped_high),
+# where the clipped masks mark tokens whose gradient the clip removed (for the clip-fraction metrics).
 
 
 @dataclass(frozen=True)
@@ -57,24 +59,73 @@ class ClipSettings:
     dual_clip: float | None = None
 
 
-def clip_objective(logp, old_logp, adv, settings: ClipSettings):
-    """PPO clip: ℓ = −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)·A), with optional dual-clip for A < 0.
+def clipped_surrogate(ratio, adv, low, high, dual_clip: float | None):
+    """ℓ = −min(ρA, clip(ρ, low, high)·A), then dual-clip for A < 0: ℓ := min(ℓ, −c·A).
 
-    Returns (ℓ, clipped_low, clipped_high): the masks of tokens whose gradient the clip removed.
+    `low` and `high` are bounds on ρ itself (floats, or tensors broadcastable to ρ for per-token bounds).
     """
-    ratio = torch.exp(logp - old_logp)  # (B, T)
-    low, high = 1.0 - settings.eps_low, 1.0 + settings.eps_high
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, low, high) * adv
+    clipped = torch.minimum(torch.maximum(ratio, torch.as_tensor(low)), torch.as_tensor(high)) * adv
     loss = -torch.minimum(unclipped, clipped)
-    if settings.dual_clip is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -settings.dual_clip * adv), loss)
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
     clipped_high = (ratio > high) & (adv > 0)
     clipped_low = (ratio < low) & (adv < 0)
     return loss, clipped_low, clipped_high
 
 
-OBJECTIVES = {"clip": clip_objective}
+def clip_objective(logp, old_logp, adv, mask, settings: ClipSettings):
+    """PPO/GRPO clip with asymmetric ε (DAPO clip-higher: ε_low 0.2, ε_high 0.28)."""
+    ratio = torch.exp(logp - old_logp)  # (B, T)
+    return clipped_surrogate(ratio, adv, 1.0 - settings.eps_low, 1.0 + settings.eps_high, settings.dual_clip)
+
+
+def sequence_ratio(logp, old_logp, mask):
+    """GSPO's s_i = exp(mean over the response tokens of (log π_θ − log π_old)), shape (B, 1)."""
+    n = mask.sum(-1, keepdim=True).clamp_min(1.0)
+    return torch.exp(((logp - old_logp) * mask).sum(-1, keepdim=True) / n)
+
+
+def gspo_objective(logp, old_logp, adv, mask, settings: ClipSettings):
+    """GSPO: the clip applied to the sequence ratio s_i; ℓ_i is placed on every token of y_i (aggregate with
+    seq-mean-token-mean to get the paper's mean over sequences). The advantage is the sequence's (its first
+    token's), since GSPO's A_i is per sequence."""
+    s = sequence_ratio(logp, old_logp, mask).expand_as(logp)
+    seq_adv = adv[torch.arange(adv.shape[0]), _first_token(mask)].unsqueeze(-1).expand_as(adv)
+    return clipped_surrogate(s, seq_adv, 1.0 - settings.eps_low, 1.0 + settings.eps_high, settings.dual_clip)
+
+
+def gspo_token_objective(logp, old_logp, adv, mask, settings: ClipSettings):
+    """GSPO-token: s_{i,t} = sg[s_i] · π_θ(y_t)/sg[π_θ(y_t)]: the value of s_i, a per-token gradient, and
+    token-level advantages allowed."""
+    s = sequence_ratio(logp, old_logp, mask).detach() * torch.exp(logp - logp.detach())
+    return clipped_surrogate(s, adv, 1.0 - settings.eps_low, 1.0 + settings.eps_high, settings.dual_clip)
+
+
+DCPO_HIGH_CAP = 10.0
+
+
+def dcpo_bounds(old_prob, eps_low: float, eps_high: float, dual_clip: float | None):
+    """DCPO's dynamic-adaptive bounds on ρ for a token whose old probability is q (DESIGN §5):
+    low = ½ + ½·sqrt(max(0, 1 − 4ε_low/q)), high = ½ + ½·sqrt(1 + 4ε_high/q) capped at max(c, 10).
+    Rare tokens (small q) get wide bounds, so exploration is not clipped away."""
+    q = old_prob.clamp_min(1e-12)
+    low = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * eps_low / q, min=0.0))
+    high = 0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * eps_high / q)
+    return low, torch.clamp(high, max=max(dual_clip or 0.0, DCPO_HIGH_CAP))
+
+
+def dcpo_objective(logp, old_logp, adv, mask, settings: ClipSettings):
+    low, high = dcpo_bounds(torch.exp(old_logp), settings.eps_low, settings.eps_high, settings.dual_clip)
+    return clipped_surrogate(torch.exp(logp - old_logp), adv, low, high, settings.dual_clip)
+
+
+def _first_token(mask):
+    """Index of each row's first response token (0 for an all-zero row)."""
+    return torch.argmax((mask > 0).int(), dim=-1)
+
+
+OBJECTIVES = {"clip": clip_objective, "gspo": gspo_objective, "gspo_token": gspo_token_objective, "dcpo": dcpo_objective}
 
 # ---- Aggregation: normalizers span the optimizer minibatch ----------------------------------------------
 
@@ -83,19 +134,51 @@ OBJECTIVES = {"clip": clip_objective}
 class MinibatchNorm:
     """Normalizers of the whole optimizer minibatch, computed before it is split into micro-batches.
 
-    Every aggregation divides by these, so the sum of micro-batch losses equals the minibatch loss and
-    gradient accumulation never changes the update.
+    Every aggregation divides by these (or by per-sequence token counts, which a micro-batch holds whole),
+    so the sum of micro-batch losses equals the minibatch loss and gradient accumulation never changes the
+    update.
     """
 
     tokens: float  # Σ mask over the minibatch
-    sequences: float  # B of the minibatch
+    sequences: float  # B: sequences of the minibatch with at least one loss token
+    max_len: float = 1.0  # L_max of seq-mean-token-sum-norm (the rollout's max_tokens)
+
+
+def _seq_token_means(loss, mask):
+    return (loss * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
 
 
 def token_mean(loss, mask, norm: MinibatchNorm):
+    """Σ ℓ·m / Σ m over the minibatch (DAPO): every token weighs the same."""
     return (loss * mask).sum() / max(norm.tokens, 1.0)
 
 
-AGGREGATIONS = {"token-mean": token_mean}
+def seq_mean_token_mean(loss, mask, norm: MinibatchNorm):
+    """Mean over sequences of each sequence's token mean (original GRPO, GSPO)."""
+    return _seq_token_means(loss, mask).sum() / max(norm.sequences, 1.0)
+
+
+def seq_mean_token_sum(loss, mask, norm: MinibatchNorm):
+    return (loss * mask).sum() / max(norm.sequences, 1.0)
+
+
+def seq_mean_token_sum_norm(loss, mask, norm: MinibatchNorm):
+    """Σ ℓ·m / (B·L_max) with a constant L_max (Dr.GRPO): no length bias."""
+    return (loss * mask).sum() / (max(norm.sequences, 1.0) * norm.max_len)
+
+
+def only_token_mean(loss, mask, norm: MinibatchNorm):
+    """Σ over sequences of each sequence's token mean, with no batch averaging (DCPO)."""
+    return _seq_token_means(loss, mask).sum()
+
+
+AGGREGATIONS = {
+    "token-mean": token_mean,
+    "seq-mean-token-mean": seq_mean_token_mean,
+    "seq-mean-token-sum": seq_mean_token_sum,
+    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
+    "only-token-mean": only_token_mean,
+}
 
 
 def masked_mean(x, mask):
@@ -113,18 +196,21 @@ class PolicyLossSettings:
     kl_estimator: str = "k3"
     kl_in_loss: bool = True
     kl_beta: float = 0.04
+    entropy_coef: float = 0.0
 
 
-def policy_loss(logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: PolicyLossSettings):
-    """Objective + β·KL (when KL is in the loss), aggregated with minibatch normalizers.
+def policy_loss(logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: PolicyLossSettings, entropy=None):
+    """Objective + β·KL (when KL is in the loss) − c_ent·H, aggregated with minibatch normalizers.
 
     Returns (loss, sums): `sums` are masked token sums of diagnostics (detached), for token-weighted
     averaging across micro-batches by the caller.
     """
     aggregate = AGGREGATIONS[s.aggregation]
-    pg, clipped_low, clipped_high = OBJECTIVES[s.objective](logp, old_logp, adv, s.clip)
+    pg, clipped_low, clipped_high = OBJECTIVES[s.objective](logp, old_logp, adv, mask, s.clip)
     kl = KL_ESTIMATORS[s.kl_estimator](logp, ref_logp)
     per_token = pg + s.kl_beta * kl if s.kl_in_loss else pg
+    if s.entropy_coef and entropy is not None:
+        per_token = per_token - s.entropy_coef * entropy
     loss = aggregate(per_token, mask, norm)
     with torch.no_grad():
         sums = {
@@ -136,3 +222,17 @@ def policy_loss(logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: Pol
             "tokens": mask.sum(),
         }
     return loss, sums
+
+
+# ---- PPO's critic ---------------------------------------------------------------------------------------
+
+
+def value_loss(values, old_values, returns, mask, value_clip: float, norm: MinibatchNorm):
+    """½·max((V − R)², (clip(V, V_old ± ε_v) − R)²), token-mean over the minibatch.
+
+    Returns (loss, clipped_tokens): the second is the count of tokens where the clipped term won.
+    """
+    clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    plain, clip_sq = (values - returns) ** 2, (clipped - returns) ** 2
+    per_token = 0.5 * torch.maximum(plain, clip_sq)
+    return token_mean(per_token, mask, norm), ((clip_sq > plain).float() * mask).sum().detach()

@@ -38,3 +38,15 @@ def advantage_metrics(advantages: pl.DataFrame) -> dict[str, float]:
         "nonzero_advantage_fraction": float((advantages["advantage"] != 0).mean()),
         "advantage_abs_mean": float(advantages["advantage"].abs().mean()),
     }
+
+
+def explained_variance(advantages: pl.DataFrame, logprobs: pl.DataFrame) -> float:
+    """1 − Var(R − V)/Var(R) over response tokens: how much of the returns the critic's values explain."""
+    joined = advantages.select("prompt_id", "sample_idx", "returns").join(
+        logprobs.select("prompt_id", "sample_idx", "values"), on=["prompt_id", "sample_idx"]
+    )
+    tokens = joined.select(pl.col("returns").explode().cast(pl.Float64), pl.col("values").explode().cast(pl.Float64))
+    var_r = tokens["returns"].var()
+    if not var_r:
+        return float("nan")
+    return float(1.0 - (tokens["returns"] - tokens["values"]).var() / var_r)

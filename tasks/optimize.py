@@ -7,25 +7,53 @@ Reads `rollouts`, `logprobs`, `advantages`, `scores` and `batch` of the iteratio
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import polars as pl
 
 from storage import StageOutput, commit_dir, read_manifest, read_stage
 from tasks.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
 from tasks.engines.launch import run_worker
 from tasks.logprobs import kept_rollouts
-from tasks.metrics import advantage_metrics, rollout_metrics, sampler_gap
-from tasks.policy import weights_after
+from tasks.arithmetic import demonstrations
+from tasks.datasets import load_prompt_dataset, task_splits
+from tasks.kl_control import kl_beta
+from tasks.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
+from tasks.policy import critic_after, weights_after
 
 STAGES_OF_AN_ITERATION = ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages")
 
 
 def training_frame(ctx: RunContext, iteration: int) -> pl.DataFrame:
+    """What the trainer needs per sample. `loss_mask` is 0 for a truncated response under DAPO's overlong
+    filtering (it stays in the batch, so its group's advantages are unchanged, but gives no gradient)."""
     keys = ["prompt_id", "sample_idx"]
     rollouts = kept_rollouts(ctx, iteration).select(*keys, "prompt_token_ids", "token_ids", "truncated")
-    logprobs = read_stage(ctx.layout, "logprobs", iteration).select(*keys, "old_logprobs", "ref_logprobs")
-    adv = read_stage(ctx.layout, "advantages", iteration).select(*keys, "token_advantages")
+    logprobs = read_stage(ctx.layout, "logprobs", iteration).select(*keys, "old_logprobs", "ref_logprobs", "values")
+    adv = read_stage(ctx.layout, "advantages", iteration).select(*keys, "token_advantages", "returns")
     df = rollouts.join(logprobs, on=keys, validate="1:1").join(adv, on=keys, validate="1:1")
-    return df.with_columns(pl.lit(1.0).alias("loss_mask"))
+    masked = pl.col("truncated") & pl.lit(ctx.cfg.loss.overlong_filter)
+    return df.with_columns(pl.when(masked).then(0.0).otherwise(1.0).alias("loss_mask"))
+
+
+def ptx_data(ctx: RunContext) -> Path:
+    """PPO-ptx's SFT demonstrations: the run's own teacher (sft section), generated as the SFT flow does."""
+    path = scratch_file(ctx, "ptx.parquet")
+    if not path.exists():
+        s = ctx.cfg.sft
+        train = load_prompt_dataset(task_splits(ctx.cfg.task)["train"])
+        demonstrations(train, s.n_demos, ctx.cfg.seed, s.teacher_flaw, s.teacher_flaw_rate).write_parquet(path)
+    return path
+
+
+def critic_request(ctx: RunContext, iteration: int) -> dict | None:
+    if not ctx.cfg.uses_critic:
+        return None
+    c, prev = ctx.cfg.critic, critic_after(ctx, iteration - 1)
+    return {
+        "path": prev.path, "fresh": prev.fresh, "resume_state": None if prev.fresh else f"{prev.path}/ds_state",
+        "lr": c.lr, "value_clip": c.value_clip, "coef": c.coef,
+    }
 
 
 def stage_seconds(ctx: RunContext, iteration: int) -> dict[str, float]:
@@ -42,6 +70,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
     ctx = load_run(storage_root, run_id)
     policy = weights_after(ctx, iteration - 1)
     o, lc, kl = ctx.cfg.optim, ctx.cfg.loss, ctx.cfg.kl
+    beta = kl_beta(ctx, iteration) if kl.placement != "none" else 0.0
 
     def compute():
         data_path = scratch_file(ctx, "optimize.in.parquet")
@@ -57,21 +86,28 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
                 "zero_stage": o.zero_stage, "lr": o.lr, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
                 "micro_batch_size": o.micro_batch_size, "ppo_epochs": o.ppo_epochs, "minibatches": o.minibatches,
                 "warmup_steps": o.warmup_steps, "first_step": (iteration - 1) * o.ppo_epochs * o.minibatches,
+                "max_tokens": ctx.cfg.rollout.max_tokens,
                 "loss": {
                     "objective": lc.objective, "aggregation": lc.aggregation, "clip_eps_low": lc.clip_eps_low,
                     "clip_eps_high": lc.clip_eps_high, "dual_clip": lc.dual_clip, "kl_estimator": kl.estimator,
-                    "kl_in_loss": kl.placement == "loss", "kl_beta": kl.beta,
+                    "kl_in_loss": kl.placement == "loss", "kl_beta": beta, "entropy_coef": lc.entropy_coef,
                 },
+                "critic": critic_request(ctx, iteration),
+                "ptx_coef": lc.ptx_coef, "ptx_batch": lc.ptx_batch,
+                "ptx_data_path": str(ptx_data(ctx)) if lc.ptx_coef else None,
             },
             ctx.layout.scratch_dir, ctx.layout.log_path(f"optimize-{iteration:05d}"),
         )
         commit_dir(tmp, final)
         data_path.unlink()
-        rollouts = read_stage(ctx.layout, "rollouts", iteration)
+        rollouts, advantages = read_stage(ctx.layout, "rollouts", iteration), read_stage(ctx.layout, "advantages", iteration)
+        critic_metrics = {}
+        if ctx.cfg.uses_critic:
+            critic_metrics["explained_variance"] = explained_variance(advantages, read_stage(ctx.layout, "logprobs", iteration))
         row = {
-            "iteration": iteration, "policy_version": iteration, **resp["metrics"],
+            "iteration": iteration, "policy_version": iteration, **resp["metrics"], **critic_metrics, "kl_beta": beta,
             **rollout_metrics(rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)),
-            **advantage_metrics(read_stage(ctx.layout, "advantages", iteration)),
+            **advantage_metrics(advantages),
             "sampler_logprob_gap": sampler_gap(rollouts, read_stage(ctx.layout, "logprobs", iteration)),
             "seconds_optimize": resp["train_seconds"], **stage_seconds(ctx, iteration),
         }
@@ -85,6 +121,6 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         )
 
     return run_stage(
-        ctx, "train_metrics", iteration, sections=("optim", "loss", "kl"),
+        ctx, "train_metrics", iteration, sections=("optim", "loss", "kl", "critic"), salt=f"beta={beta:.12g}",
         inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint}, compute=compute,
     )

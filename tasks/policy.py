@@ -46,3 +46,16 @@ def weights_after(ctx: RunContext, iteration: int) -> Weights:
     if manifest is None or not (ckpt / "config.json").exists():
         raise ModelPathError(f"run {ctx.layout.run_id!r} has no complete checkpoint for iteration {iteration}")
     return Weights(str(ckpt), manifest["fingerprint"], iteration)
+
+
+@dataclass(frozen=True)
+class CriticWeights:
+    path: str
+    fresh: bool  # True: build from the policy checkpoint at `path` with a zeroed value head
+
+
+def critic_after(ctx: RunContext, iteration: int) -> CriticWeights:
+    """PPO's critic after `iteration` updates; before any, it is built from the starting policy."""
+    if iteration == 0:
+        return CriticWeights(ctx.cfg.model.path, True)
+    return CriticWeights(str(ctx.layout.checkpoint_dir(iteration) / "critic"), False)

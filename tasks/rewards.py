@@ -1,20 +1,35 @@
 """Rule reward functions: one registry, one score column each, combined with configured weights.
 
-A reward function takes (response text, gold answer, finish_reason) and returns a float. It never sees the
-whole batch, so it can be debugged on one sample: `REWARD_FUNCTIONS["accuracy"]("95", "95", "stop")`.
+A reward function takes one `Sample` (and the reward config, for its settings) and returns a float. It
+never sees the whole batch, so it can be debugged on one sample:
+`REWARD_FUNCTIONS["accuracy"](Sample("95", "95"))`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import math
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import polars as pl
 
-RewardFn = Callable[[str, str, str], float]
+from schemas.config import RewardConfig
+
+
+@dataclass(frozen=True)
+class Sample:
+    response: str
+    answer: str
+    finish_reason: str = "stop"  # "stop" (EOS) or "length" (cut off by max_tokens)
+    length: int = 0  # response tokens
+    max_tokens: int = 0  # the generation limit it was sampled under
+
+
+RewardFn = Callable[[Sample, RewardConfig], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
 
 
@@ -26,27 +41,43 @@ def register(name: str):
     return wrap
 
 
+# math-verify warns on every call that its timeouts are off; they are off on purpose (see accuracy()).
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
 _INTEGER = re.compile(r"-?\d+")
 
 
 @register("accuracy")
-def accuracy(response: str, answer: str, finish_reason: str) -> float:
+def accuracy(sample: Sample, cfg: RewardConfig = RewardConfig()) -> float:
     """1 if the response is mathematically equal to the answer (math-verify), else 0."""
     from math_verify import parse, verify
 
     # The timeouts in math-verify use SIGALRM, which only works on the main thread; Prefect runs tasks
     # elsewhere, so they are off here (a hanging function is the scorer's concern, not this function's).
-    gold = parse(answer, parsing_timeout=None)
-    pred = parse(response.strip(), parsing_timeout=None)
+    gold = parse(sample.answer, parsing_timeout=None)
+    pred = parse(sample.response.strip(), parsing_timeout=None)
     if not gold or not pred:
         return 0.0
     return float(verify(gold, pred, timeout_seconds=None))
 
 
 @register("format")
-def format_ok(response: str, answer: str, finish_reason: str) -> float:
+def format_ok(sample: Sample, cfg: RewardConfig = RewardConfig()) -> float:
     """1 if the response is a bare integer that ended with EOS (not cut off by max_tokens), else 0."""
-    return float(finish_reason == "stop" and _INTEGER.fullmatch(response) is not None)
+    return float(sample.finish_reason == "stop" and _INTEGER.fullmatch(sample.response) is not None)
+
+
+@register("overlong")
+def soft_overlong(sample: Sample, cfg: RewardConfig = RewardConfig()) -> float:
+    """DAPO's soft overlong punishment: 0 up to L_max − L_cache tokens, then a linear ramp down to −1 at
+    L_max, and −1 beyond (L_max = reward.overlong_max_len, or the sample's max_tokens)."""
+    max_len = cfg.overlong_max_len or sample.max_tokens
+    free = max_len - cfg.overlong_cache
+    if sample.length <= free:
+        return 0.0
+    if sample.length <= max_len:
+        return (free - sample.length) / cfg.overlong_cache
+    return -1.0
 
 
 def code_hash(names) -> str:
@@ -59,26 +90,30 @@ class RewardError(ValueError):
     pass
 
 
-def score_frame(rollouts: pl.DataFrame, answers: dict[str, str], weights: dict[str, float]) -> pl.DataFrame:
+def score_frame(rollouts: pl.DataFrame, answers: dict[str, str], cfg: RewardConfig, max_tokens: int = 0) -> pl.DataFrame:
     """One row per rollout: `score_<fn>` and `error_<fn>` per function, the weighted `reward`, and `error`.
 
     A function that raises scores 0 for that sample and records the exception; a non-finite score is an
     error in the function, reported with its name.
     """
     cols: dict[str, list] = {}
-    texts, reasons = rollouts["text"].to_list(), rollouts["finish_reason"].to_list()
-    gold = [answers[p] for p in rollouts["prompt_id"].to_list()]
+    weights = dict(cfg.weights)
+    lengths = rollouts["length"].to_list() if "length" in rollouts.columns else [0] * rollouts.height
+    samples = [
+        Sample(text, answers[p], reason, n, max_tokens)
+        for text, p, reason, n in zip(rollouts["text"], rollouts["prompt_id"], rollouts["finish_reason"], lengths)
+    ]
     for name in weights:
         fn = REWARD_FUNCTIONS[name]
         values, errors = [], []
-        for text, ans, reason in zip(texts, gold, reasons):
+        for sample in samples:
             try:
-                v = float(fn(text, ans, reason))
+                v = float(fn(sample, cfg))
                 err = None
             except Exception as exc:  # a broken reward function must not stop the run
                 v, err = 0.0, f"{type(exc).__name__}: {exc}"[:200]
             if not math.isfinite(v):
-                raise RewardError(f"reward function {name!r} returned {v} for response {text!r}")
+                raise RewardError(f"reward function {name!r} returned {v} for response {sample.response!r}")
             values.append(v)
             errors.append(err)
         cols[f"score_{name}"], cols[f"error_{name}"] = values, errors
@@ -86,5 +121,6 @@ def score_frame(rollouts: pl.DataFrame, answers: dict[str, str], weights: dict[s
         [pl.Series(k, v, dtype=pl.Float64 if k.startswith("score_") else pl.Utf8) for k, v in cols.items()]
     )
     reward = sum(pl.col(f"score_{n}") * w for n, w in weights.items())
-    error = pl.concat_str([pl.col(f"error_{n}") for n in weights], separator="; ", ignore_nulls=True)
+    joined = pl.concat_str([pl.col(f"error_{n}") for n in weights], separator="; ", ignore_nulls=True)
+    error = pl.when(joined == "").then(None).otherwise(joined)  # all-null joins to "", which is no error
     return out.with_columns(reward.cast(pl.Float64).alias("reward"), error.alias("error"))

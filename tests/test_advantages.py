@@ -1,51 +1,263 @@
-"""GRPO advantages in Polars: hand values, the edge rules, and a reference loop on random data."""
+"""Advantage estimators in Polars: hand values, the edge rules, and simple reference loops on random data."""
 
+import math
 import random
 import statistics
 
 import polars as pl
 import pytest
 
-from tasks.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from tasks.advantage_estimators import (
+    ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages, empty_prompt_stats, update_prompt_stats,
+)
+
+S = AdvantageSettings()
+F32 = pl.List(pl.Float32)
 
 
-def frame(groups: dict[str, list[float]]) -> pl.DataFrame:
-    rows = [(p, i, r) for p, rs in groups.items() for i, r in enumerate(rs)]
-    return pl.DataFrame(rows, schema={"prompt_id": pl.Utf8, "sample_idx": pl.Int32, "reward": pl.Float64}, orient="row")
+def frame(groups: dict[str, list[float]], lengths=None) -> pl.DataFrame:
+    rows = [(p, i, float(r)) for p, rs in groups.items() for i, r in enumerate(rs)]
+    df = pl.DataFrame(rows, schema={"prompt_id": pl.Utf8, "sample_idx": pl.Int32, "reward": pl.Float64}, orient="row")
+    return df.with_columns(pl.Series("length", lengths or [1] * df.height, dtype=pl.Int32))
+
+
+def adv(name, groups, s=S, history=None):
+    return compute_advantages(frame(groups), name, s, history)["advantage"].to_list()
+
+
+# ---- Hand-computed values: group a = [1, 0, 0, 1] (mean 0.5, unbiased std sqrt(1/3) = 0.57735) ------------
 
 
 def test_grpo_hand_values():
-    # group a: rewards [1, 0, 0, 1] → mean 0.5, std (ddof=1) = sqrt(1/3) = 0.57735
-    out = ADVANTAGE_ESTIMATORS["grpo"](frame({"a": [1, 0, 0, 1]}), 1e-6)
     expected = 0.5 / (0.5773503 + 1e-6)
-    assert out["advantage"].to_list() == pytest.approx([expected, -expected, -expected, expected], rel=1e-6)
+    assert adv("grpo", {"a": [1, 0, 0, 1]}) == pytest.approx([expected, -expected, -expected, expected], rel=1e-6)
     assert expected == pytest.approx(0.8660, abs=1e-4)
 
 
-def test_grpo_edge_rules_single_sample_and_all_equal_groups_get_zero():
-    out = ADVANTAGE_ESTIMATORS["grpo"](frame({"single": [1.0], "same": [0.7, 0.7, 0.7]}), 1e-6)
-    assert out["advantage"].to_list() == [0.0, 0.0, 0.0, 0.0]
+def test_drgrpo_is_centered_reward_only():
+    assert adv("drgrpo", {"a": [1, 0, 0, 1], "b": [3, 1]}) == pytest.approx([0.5, -0.5, -0.5, 0.5, 1.0, -1.0])
 
 
-def test_grpo_matches_reference_loop_on_random_data():
-    rnd = random.Random(0)
-    groups = {f"p{i}": [rnd.choice([0.0, 0.1, 1.0, 1.1]) for _ in range(rnd.randint(1, 9))] for i in range(300)}
-    got = ADVANTAGE_ESTIMATORS["grpo"](frame(groups), 1e-6)
-    expected = []
-    for rewards in groups.values():
-        if len(rewards) < 2:
-            expected += [0.0] * len(rewards)
-            continue
-        mean, std = statistics.mean(rewards), statistics.stdev(rewards)
-        expected += [(r - mean) / (std + 1e-6) for r in rewards]
-    assert got["advantage"].to_list() == pytest.approx(expected, abs=1e-9)
+def test_lite_ppo_divides_by_the_batch_std():
+    # batch rewards [1,0,0,1,3,1]: mean 1, unbiased var = (0+1+1+0+4+0)/5 = 1.2
+    std = math.sqrt(1.2)
+    got = adv("lite_ppo", {"a": [1, 0, 0, 1], "b": [3, 1]})
+    assert got == pytest.approx([x / (std + 1e-6) for x in (0.5, -0.5, -0.5, 0.5, 1.0, -1.0)], rel=1e-6)
+
+
+def test_rloo_is_leave_one_out():
+    # [1, 0, 0, 1]: A_0 = 1 − mean(0, 0, 1) = 2/3 = 4/3 · 0.5
+    assert adv("rloo", {"a": [1, 0, 0, 1]}) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    assert adv("rloo", {"single": [5.0]}) == [0.0]
+
+
+def test_reinforce_pp_baseline_whitens_over_tokens():
+    # centered [0.5, −0.5] on lengths [3, 1] → tokens [.5,.5,.5,−.5]: mean .25, unbiased std .5
+    df = frame({"a": [1, 0]}, lengths=[3, 1])
+    out = compute_advantages(df, "reinforce_pp_baseline", S).sort("sample_idx")
+    assert out["token_advantages"].to_list()[0] == pytest.approx([0.25 / 0.500001] * 3, rel=1e-5)
+    assert out["token_advantages"].to_list()[1] == pytest.approx([-0.75 / 0.500001], rel=1e-5)
+
+
+# reinforce_pp_baseline is left out on purpose: its token whitening shifts zeros by the batch mean.
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "lite_ppo", "rloo", "dcpo"])
+def test_edge_rules_single_sample_and_all_equal_groups_get_zero(name):
+    got = adv(name, {"single": [1.0], "same": [0.7, 0.7, 0.7], "mixed": [0.0, 1.0]})
+    assert got[:4] == [0.0, 0.0, 0.0, 0.0]
+    assert got[4] != 0.0  # the mixed group keeps its signal
+
+
+def test_kl_in_the_reward_adds_the_penalty_reward_to_go():
+    # k1 per token = old − ref = [0.5, 0.25, 0.0]; β = 0.1 → reward-to-go of −β·kl: [−0.075, −0.025, 0]
+    df = frame({"a": [1, 0]}, lengths=[3, 1]).with_columns(
+        pl.Series("old_logprobs", [[-1.0, -1.0, -1.0], [-2.0]], dtype=F32),
+        pl.Series("ref_logprobs", [[-1.5, -1.25, -1.0], [-2.0]], dtype=F32),
+    )
+    out = compute_advantages(df, "drgrpo", AdvantageSettings(kl_beta=0.1, kl_estimator="k1")).sort("sample_idx")
+    assert out["token_advantages"].to_list()[0] == pytest.approx([0.425, 0.475, 0.5], abs=1e-6)
+    assert out["token_advantages"].to_list()[1] == pytest.approx([-0.5], abs=1e-6)
 
 
 def test_advantages_broadcast_to_every_response_token():
-    scores = frame({"a": [1.0, 0.0]})
-    lengths = pl.DataFrame({"prompt_id": ["a", "a"], "sample_idx": [0, 1], "length": [3, 1]},
-                           schema={"prompt_id": pl.Utf8, "sample_idx": pl.Int32, "length": pl.Int32})
-    out = compute_advantages(scores, lengths, "grpo", 1e-6).sort("sample_idx")
+    out = compute_advantages(frame({"a": [1.0, 0.0]}, lengths=[3, 1]), "grpo", S).sort("sample_idx")
     a = 0.5 / (0.7071068 + 1e-6)
-    assert out["token_advantages"].to_list()[0] == pytest.approx([a, a, a], rel=1e-5)
-    assert out["token_advantages"].to_list()[1] == pytest.approx([-a], rel=1e-5)
+    assert out["token_advantages"].to_list() == [pytest.approx([a, a, a], rel=1e-5), pytest.approx([-a], rel=1e-5)]
+    assert out["returns"].to_list() == out["token_advantages"].to_list()
+
+
+# ---- Reference loops on random data ----------------------------------------------------------------------
+
+
+def random_groups(seed, n=300):
+    rnd = random.Random(seed)
+    return {f"p{i}": [rnd.choice([0.0, 0.1, 1.0, 1.1]) for _ in range(rnd.randint(1, 9))] for i in range(n)}
+
+
+def loop_group_advantages(name, groups, eps=1e-6):
+    batch = [r for rs in groups.values() for r in rs]
+    batch_std = statistics.stdev(batch)
+    out = []
+    for rewards in groups.values():
+        g, mean = len(rewards), statistics.mean(rewards)
+        same = max(rewards) == min(rewards)
+        for r in rewards:
+            centered = 0.0 if same else r - mean
+            if name == "grpo":
+                out.append(0.0 if g < 2 or same else centered / (statistics.stdev(rewards) + eps))
+            elif name == "drgrpo":
+                out.append(centered)
+            elif name == "lite_ppo":
+                out.append(centered / (batch_std + eps))
+            elif name == "rloo":
+                out.append(0.0 if g < 2 else r - (sum(rewards) - r) / (g - 1) if not same else 0.0)
+    return out
+
+
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "lite_ppo", "rloo"])
+def test_group_estimators_match_a_reference_loop(name):
+    groups = random_groups(0)
+    assert adv(name, groups) == pytest.approx(loop_group_advantages(name, groups), abs=1e-9)
+
+
+def loop_gae(rewards, values, kl, gamma, lam, beta):
+    """The textbook reverse loop, one sequence at a time; returns (advantages, returns) before whitening."""
+    advs, rets = [], []
+    for r, v, k in zip(rewards, values, kl):
+        T, a_next, a = len(v), 0.0, [0.0] * len(v)
+        for t in reversed(range(T)):
+            reward_t = -beta * k[t] + (r if t == T - 1 else 0.0)
+            v_next = v[t + 1] if t + 1 < T else 0.0
+            a_next = reward_t + gamma * v_next - v[t] + gamma * lam * a_next
+            a[t] = a_next
+        advs.append(a)
+        rets.append([x + y for x, y in zip(a, v)])
+    return advs, rets
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0), (1.0, 0.0)])
+def test_gae_matches_the_reverse_loop_up_to_8k_tokens(gamma, lam):
+    rnd = random.Random(1)
+    lengths = [1, 2, 5, 64, 700, 8192] + [rnd.randint(1, 300) for _ in range(20)]
+    values = [[rnd.uniform(-1, 1) for _ in range(n)] for n in lengths]
+    old = [[-rnd.random() for _ in range(n)] for n in lengths]
+    ref = [[-rnd.random() for _ in range(n)] for n in lengths]
+    rewards = [rnd.choice([0.0, 1.0]) for _ in lengths]
+    df = pl.DataFrame({
+        "prompt_id": [f"p{i // 2}" for i in range(len(lengths))], "sample_idx": list(range(len(lengths))),
+        "reward": rewards, "length": lengths,
+    }, schema_overrides={"sample_idx": pl.Int32, "length": pl.Int32}).with_columns(
+        pl.Series("values", values, dtype=F32), pl.Series("old_logprobs", old, dtype=F32), pl.Series("ref_logprobs", ref, dtype=F32)
+    )
+    beta = 0.05
+    out = compute_advantages(df, "gae", AdvantageSettings(gamma=gamma, lam=lam, kl_beta=beta, kl_estimator="k1"))
+    f32 = lambda xs: [float(pl.Series([x], dtype=pl.Float32)[0]) for x in xs]  # noqa: E731 - the stored precision
+    kl = [[a - b for a, b in zip(f32(o), f32(r))] for o, r in zip(old, ref)]
+    advs, rets = loop_gae(rewards, [f32(v) for v in values], kl, gamma, lam, beta)
+    flat = [x for a in advs for x in a]
+    mean, std = statistics.mean(flat), statistics.stdev(flat)
+    for got_a, got_r, a, r in zip(out["token_advantages"].to_list(), out["returns"].to_list(), advs, rets):
+        assert got_r == pytest.approx(r, rel=1e-4, abs=1e-4)
+        assert got_a == pytest.approx([(x - mean) / (std + 1e-6) for x in a], rel=1e-4, abs=1e-4)
+
+
+def test_gae_hand_values():
+    # One response of 2 tokens, r = 1, V = [0.5, 0.25], γ = 1, λ = 0.5, no KL:
+    # δ_1 = 1 + 0 − 0.25 = 0.75; δ_0 = 0 + 0.25 − 0.5 = −0.25; A_1 = 0.75; A_0 = −0.25 + 0.5·0.75 = 0.125.
+    df = frame({"a": [1.0]}, lengths=[2]).with_columns(pl.Series("values", [[0.5, 0.25]], dtype=F32))
+    s = AdvantageSettings(gamma=1.0, lam=0.5)
+    out = compute_advantages(df, "gae", s)
+    assert out["returns"].to_list()[0] == pytest.approx([0.625, 1.0])
+    mean, std = 0.4375, statistics.stdev([0.125, 0.75])
+    assert out["token_advantages"].to_list()[0] == pytest.approx([(0.125 - mean) / (std + 1e-6), (0.75 - mean) / (std + 1e-6)], rel=1e-5)
+
+
+# ---- DCPO ---------------------------------------------------------------------------------------------------
+
+
+def test_dcpo_smooth_advantage_over_three_steps_of_one_prompt():
+    history = empty_prompt_stats()
+    # Step 1, rewards [1,0,0,0]: μ = 0.25, σ = 0.5 (unbiased); n = 0 so A = A_new = [1.5, −0.5, −0.5, −0.5].
+    step1 = frame({"p": [1, 0, 0, 0]})
+    assert compute_advantages(step1, "dcpo", S, history)["advantage"].to_list() == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    history = update_prompt_stats(history, step1, 1)
+    assert history.row(0, named=True) == {"prompt_id": "p", "n": 1, "mean": 0.25, "std": 0.5, "last_iteration": 1}
+    # Step 2, identical rewards [0,0,0,0]: A_new = 0; μ_c = 0.125, σ_c² = (0.25 + 0 + ½·0.25²)/2 = 0.140625
+    # (σ_c = 0.375), A_cum = −0.125/0.375 = −1/3; w = ½ → S1 = S2 = −1/6. The group still trains.
+    step2 = frame({"p": [0, 0, 0, 0]})
+    assert compute_advantages(step2, "dcpo", S, history)["advantage"].to_list() == pytest.approx([-1 / 6] * 4)
+    history = update_prompt_stats(history, step2, 2)
+    assert history["std"][0] == pytest.approx(0.375) and history["n"][0] == 2
+    # Step 3, rewards [1,1,0,0]: μ_new 0.5, σ_new 0.57735; μ_c = 0.25, σ_c² = (2·0.140625 + 1/3 + ⅔·0.375²)/3
+    # = 0.2361111 (σ_c 0.4859127); w = ⅓. r = 1: A_new 0.8660254, A_cum 1.5434872 → S1 1.0918460, S2 1.3176666
+    # → 1.0918460. r = 0: A_new −0.8660254, A_cum −0.5144958 → S1 −0.7488489, S2 −0.6316724 → −0.6316724.
+    got = compute_advantages(frame({"p": [1, 1, 0, 0]}), "dcpo", S, history)["advantage"].to_list()
+    assert got == pytest.approx([1.0918460, 1.0918460, -0.6316724, -0.6316724], abs=1e-6)
+
+
+def loop_dcpo(steps):
+    """Reference: per prompt, a dict of (n, μ_c, σ_c); returns the advantages of every step, in order."""
+    state, out = {}, []
+    for groups in steps:
+        for p, rewards in groups.items():
+            mu_new = statistics.mean(rewards)
+            sigma_new = 0.0 if len(rewards) < 2 or max(rewards) == min(rewards) else statistics.stdev(rewards)
+            n, mu_c, sigma_c = state.get(p, (0, 0.0, 0.0))
+            if n == 0:
+                mu_c, sigma_c = mu_new, sigma_new
+            else:
+                var = (n * sigma_c**2 + sigma_new**2 + n / (n + 1) * (mu_new - mu_c) ** 2) / (n + 1)
+                mu_c, sigma_c = (n * mu_c + mu_new) / (n + 1), math.sqrt(var)
+            w = 1 / (n + 1)
+            for r in rewards:
+                a_new = (r - mu_new) / sigma_new if sigma_new > 0 else 0.0
+                a_cum = (r - mu_c) / sigma_c if sigma_c > 0 else 0.0
+                s1, s2 = w * a_cum + (1 - w) * a_new, w * a_new + (1 - w) * a_cum
+                out.append(s1 if abs(s1) <= abs(s2) else s2)
+            state[p] = (n + 1, mu_c, sigma_c)
+    return out
+
+
+def test_dcpo_matches_a_reference_loop_over_many_steps():
+    rnd = random.Random(2)
+    prompts = [f"p{i}" for i in range(30)]
+    steps = [{p: [rnd.choice([0.0, 1.0, 1.1]) for _ in range(rnd.randint(1, 6))] for p in rnd.sample(prompts, 12)} for _ in range(8)]
+    history, got = empty_prompt_stats(), []
+    for k, groups in enumerate(steps, start=1):
+        df = frame(groups)
+        got += compute_advantages(df, "dcpo", S, history)["advantage"].to_list()
+        history = update_prompt_stats(history, df, k)
+    assert got == pytest.approx(loop_dcpo(steps), abs=1e-9)
+    assert history.height == len({p for g in steps for p in g})
+
+
+def test_every_configured_estimator_is_registered():
+    from typing import get_args
+
+    from schemas.config import Estimator
+
+    assert set(get_args(Estimator)) == set(ADVANTAGE_ESTIMATORS)
+
+
+# ---- compare-advantages statistics -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "only-token-mean"])
+def test_effective_token_weights_match_a_loop(aggregation):
+    from tasks.advantage_analysis import estimator_summary
+
+    rnd = random.Random(3)
+    lengths = [rnd.choice([1, 2, 3, 5, 9, 17]) for _ in range(60)]
+    advs = [rnd.choice([0.0, 0.5, -1.0, 2.0]) for _ in lengths]
+    df = pl.DataFrame({"advantage": advs, "length": lengths}, schema_overrides={"length": pl.Int32})
+    got = estimator_summary(df, pl.Series(advs), aggregation, max_len=20)
+    b, n = len(lengths), sum(lengths)
+    norm = {"token-mean": lambda L: 1 / n, "seq-mean-token-mean": lambda L: 1 / (b * L), "seq-mean-token-sum": lambda L: 1 / b,
+            "seq-mean-token-sum-norm": lambda L: 1 / (b * 20), "only-token-mean": lambda L: 1 / L}[aggregation]
+    buckets = {}
+    for a, L in zip(advs, lengths):
+        label = {1: "1", 2: "2-3", 3: "2-3", 5: "4-7", 9: "8-15", 17: "16-31"}[L]
+        buckets.setdefault(label, []).append(abs(a) * norm(L))
+    table = dict(zip(got["weight_by_length"]["bucket"], got["weight_by_length"]["weight"]))
+    assert table == pytest.approx({k: statistics.mean(v) for k, v in buckets.items()})
+    assert got["nonzero_fraction"] == pytest.approx(sum(a != 0 for a in advs) / b)
+    assert got["corr_grpo"] == pytest.approx(1.0)

@@ -10,7 +10,8 @@ from tasks.batch import select_groups
 from tasks.evaluate import pass_at_k
 from tasks.metrics import sampler_gap
 from tasks.prompts import sample_prompts
-from tasks.rewards import REWARD_FUNCTIONS, RewardError, score_frame
+from schemas.config import RewardConfig
+from tasks.rewards import REWARD_FUNCTIONS, RewardError, Sample, score_frame
 
 
 def rollouts(texts, reasons=None, prompt="p0"):
@@ -24,31 +25,42 @@ def rollouts(texts, reasons=None, prompt="p0"):
 
 def test_reward_functions_on_single_samples():
     acc, fmt = REWARD_FUNCTIONS["accuracy"], REWARD_FUNCTIONS["format"]
-    assert acc("95", "95", "stop") == 1.0 and acc("96", "95", "stop") == 0.0
-    assert acc("95.0", "95", "stop") == 1.0  # math-verify equivalence
-    assert fmt("95", "95", "stop") == 1.0 and fmt("95", "95", "length") == 0.0 and fmt("9+5", "95", "stop") == 0.0
+    assert acc(Sample("95", "95")) == 1.0 and acc(Sample("96", "95")) == 0.0
+    assert acc(Sample("95.0", "95")) == 1.0  # math-verify equivalence
+    assert fmt(Sample("95", "95")) == 1.0 and fmt(Sample("95", "95", "length")) == 0.0 and fmt(Sample("9+5", "95")) == 0.0
+
+
+def test_soft_overlong_punishment_hand_values():
+    # L_max = 20, L_cache = 4: free up to 16 tokens, then (16 − |y|)/4 down to −1 at 20, −1 beyond.
+    cfg = RewardConfig(overlong_max_len=20, overlong_cache=4)
+    fn = REWARD_FUNCTIONS["overlong"]
+    got = [fn(Sample("x", "1", length=n), cfg) for n in (10, 16, 17, 18, 20, 25)]
+    assert got == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    # Without overlong_max_len, L_max is the sample's generation limit.
+    assert fn(Sample("x", "1", length=7, max_tokens=8), RewardConfig(overlong_cache=2)) == pytest.approx(-0.5)
 
 
 def test_score_frame_weights_and_columns():
-    df = score_frame(rollouts(["12", "13", "x"]), {"p0": "12"}, {"accuracy": 1.0, "format": 0.1})
+    df = score_frame(rollouts(["12", "13", "x"]), {"p0": "12"}, RewardConfig(weights={"accuracy": 1.0, "format": 0.1}))
     assert df["score_accuracy"].to_list() == [1.0, 0.0, 0.0]
     assert df["score_format"].to_list() == [1.0, 1.0, 0.0]
     assert df["reward"].to_list() == pytest.approx([1.1, 0.1, 0.0])
+    assert df["error"].null_count() == 3  # no function raised
 
 
 def test_a_raising_reward_function_scores_zero_with_an_error(monkeypatch):
-    def boom(text, answer, reason):
+    def boom(sample, cfg):
         raise ZeroDivisionError("bad")
 
     monkeypatch.setitem(REWARD_FUNCTIONS, "format", boom)
-    df = score_frame(rollouts(["12"]), {"p0": "12"}, {"accuracy": 1.0, "format": 0.1})
+    df = score_frame(rollouts(["12"]), {"p0": "12"}, RewardConfig(weights={"accuracy": 1.0, "format": 0.1}))
     assert df["reward"].to_list() == [1.0] and "ZeroDivisionError" in df["error"][0]
 
 
 def test_a_nan_reward_is_refused(monkeypatch):
     monkeypatch.setitem(REWARD_FUNCTIONS, "format", lambda *a: math.nan)
     with pytest.raises(RewardError, match="format"):
-        score_frame(rollouts(["12"]), {"p0": "12"}, {"format": 1.0})
+        score_frame(rollouts(["12"]), {"p0": "12"}, RewardConfig(weights={"format": 1.0}))
 
 
 def scores(groups):

@@ -3,9 +3,10 @@
 Request (both modes): mode, model_path, out_dir (final checkpoint folder), tmp_dir, metrics_path, zero_stage,
 lr, weight_decay, grad_clip, micro_batch_size, seed; optional resume_state (a DeepSpeed state folder).
 - sft: data_path (text, response), steps, batch_size, warmup_steps.
-- rl: data_path (prompt_token_ids, token_ids, old/ref_logprobs, token_advantages, loss_mask), ppo_epochs,
-  minibatches, loss settings.
-The checkpoint folder holds HF safetensors + tokenizer (what vLLM loads) and `ds_state/` (optimizer state),
+- rl: data_path (prompt_token_ids, token_ids, old/ref_logprobs, token_advantages, loss_mask; values and
+  returns with a critic), ppo_epochs, minibatches, max_tokens, loss settings; optional critic (path, fresh,
+  resume_state, lr, value_clip, coef) and ptx_coef/ptx_batch/ptx_data_path.
+The checkpoint folder holds HF safetensors + tokenizer (what vLLM loads) and `ds_state/` (optimizer state), plus `critic/` (the same two) for PPO,
 written under tmp_dir and renamed into place by the caller's storage layer.
 """
 
@@ -90,30 +91,68 @@ def _sft(request, model, tokenizer):
     return engine, pl.DataFrame(rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64}), {}
 
 
+def _policy_settings(loss_cfg: dict):
+    from tasks.losses import ClipSettings, PolicyLossSettings
+
+    return PolicyLossSettings(
+        objective=loss_cfg["objective"], aggregation=loss_cfg["aggregation"],
+        clip=ClipSettings(loss_cfg["clip_eps_low"], loss_cfg["clip_eps_high"], loss_cfg["dual_clip"]),
+        kl_estimator=loss_cfg["kl_estimator"], kl_in_loss=loss_cfg["kl_in_loss"], kl_beta=loss_cfg["kl_beta"],
+        entropy_coef=loss_cfg.get("entropy_coef", 0.0),
+    )
+
+
+class _Ptx:
+    """PPO-ptx: a batch of SFT demonstrations per optimizer step, γ_ptx · token-mean NLL."""
+
+    def __init__(self, request, tokenizer, seed):
+        import polars as pl
+        import torch
+
+        data = pl.read_parquet(request["ptx_data_path"])
+        self.prompts = [tokenizer(t)["input_ids"] for t in data["text"].to_list()]
+        self.responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in data["response"].to_list()]
+        self.coef, self.batch, self.pad = request["ptx_coef"], request["ptx_batch"], tokenizer.pad_token_id
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def loss(self, engine):
+        import torch
+
+        from tasks.engines.token_batch import pack, token_logprobs
+
+        idx = torch.randint(len(self.prompts), (self.batch,), generator=self.gen).tolist()
+        ids, attn, mask = pack([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.pad)
+        logp, _ = token_logprobs(engine, ids, attn, with_entropy=False)
+        return -self.coef * (logp * mask).sum() / mask.sum().clamp_min(1.0)
+
+
 def _rl(request, model, tokenizer):
+    """ppo_epochs × minibatches optimizer steps; each minibatch is split into micro-batches whose losses
+    use the minibatch's normalizers, so the accumulated gradient equals the minibatch's."""
     import polars as pl
     import torch
 
     from tasks.engines.token_batch import align, pack, token_logprobs
-    from tasks.losses import ClipSettings, MinibatchNorm, PolicyLossSettings, policy_loss
+    from tasks.losses import MinibatchNorm, policy_loss
 
     data = pl.read_parquet(request["data_path"])
     prompts, responses = data["prompt_token_ids"].to_list(), data["token_ids"].to_list()
-    old_all, ref_all = data["old_logprobs"].to_list(), data["ref_logprobs"].to_list()
-    adv_all, loss_mask = data["token_advantages"].to_list(), data["loss_mask"].to_list()
+    lists = {c: data[c].to_list() for c in ("old_logprobs", "ref_logprobs", "token_advantages")}
+    loss_mask = data["loss_mask"].to_list()
     n, micro = data.height, request["micro_batch_size"]
     minibatches = min(request["minibatches"], n)
     gas = max(1, math.ceil(math.ceil(n / minibatches) / micro))
     engine, optimizer = _engine(model, request, gas)
-    loss_cfg = request["loss"]
-    settings = PolicyLossSettings(
-        objective=loss_cfg["objective"], aggregation=loss_cfg["aggregation"],
-        clip=ClipSettings(loss_cfg["clip_eps_low"], loss_cfg["clip_eps_high"], loss_cfg["dual_clip"]),
-        kl_estimator=loss_cfg["kl_estimator"], kl_in_loss=loss_cfg["kl_in_loss"], kl_beta=loss_cfg["kl_beta"],
-    )
+    critic = _critic_engine(request, gas, lists, data) if request.get("critic") else None
+    ptx = _Ptx(request, tokenizer, request["seed"]) if request.get("ptx_coef") else None
+    settings = _policy_settings(request["loss"])
     gen = torch.Generator().manual_seed(request["seed"])
     totals: dict[str, float] = {}
     entropy_sum, grad_norms, steps = 0.0, [], 0
+
+    def add(key, value):
+        totals[key] = totals.get(key, 0.0) + float(value)
+
     for _ in range(request["ppo_epochs"]):
         perm = torch.randperm(n, generator=gen).tolist()
         for mb in [perm[i::minibatches] for i in range(minibatches)]:
@@ -121,34 +160,79 @@ def _rl(request, model, tokenizer):
             for group in optimizer.param_groups:
                 group["lr"] = request["lr"] * min(1.0, (global_step + 1) / max(1, request.get("warmup_steps", 0)))
             parts = [p for p in (mb[i::gas] for i in range(gas)) if p]
-            norm = MinibatchNorm(tokens=float(sum(len(responses[i]) * loss_mask[i] for i in mb)), sequences=float(len(mb)))
+            norm = MinibatchNorm(
+                tokens=float(sum(len(responses[i]) * loss_mask[i] for i in mb)),
+                sequences=float(sum(1 for i in mb if loss_mask[i] and responses[i])),
+                max_len=float(request["max_tokens"]),
+            )
             for k, idx in enumerate(parts):
                 p = [prompts[i] for i in idx]
                 ids, attn, mask = pack(p, [responses[i] for i in idx], tokenizer.pad_token_id)
                 mask = mask * torch.tensor([float(loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, T)
                 plen, width = [len(x) for x in p], mask.shape[1]
-                old = align([old_all[i] for i in idx], plen, width)
-                ref = align([ref_all[i] for i in idx], plen, width)
-                adv = align([adv_all[i] for i in idx], plen, width)
+                old, ref, adv = (align([lists[c][i] for i in idx], plen, width) for c in ("old_logprobs", "ref_logprobs", "token_advantages"))
                 logp, ent = token_logprobs(engine, ids, attn, with_entropy=True)
-                loss, sums = policy_loss(logp, old, ref, adv, mask, norm, settings)
-                engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
+                loss, sums = policy_loss(logp, old, ref, adv, mask, norm, settings, entropy=ent)
+                last = k == len(parts) - 1
+                if ptx is not None and last:
+                    ptx_loss = ptx.loss(engine)
+                    loss = loss + ptx_loss
+                    add("ptx_loss", ptx_loss.detach())
+                engine.set_gradient_accumulation_boundary(last)
                 engine.backward(loss, scale_wrt_gas=False)
                 engine.step()
                 for key, v in sums.items():
-                    totals[key] = totals.get(key, 0.0) + float(v)
-                totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+                    add(key, v)
+                add("loss", loss.detach())
                 entropy_sum += float((ent.detach() * mask).sum())
+                if critic is not None:
+                    for key, v in critic.micro_step(idx, ids, attn, mask, plen, width, norm, last).items():
+                        add(key, v)
             steps += 1
             gn = engine.get_global_grad_norm()
             if gn is not None:
                 grad_norms.append(float(gn))
     tokens = max(totals.pop("tokens", 0.0), 1.0)
-    metrics = {k: v / tokens for k, v in totals.items() if k != "loss"}
-    metrics["loss"] = totals.get("loss", 0.0) / steps
+    per_step = {"loss", "ptx_loss", "value_loss"}
+    metrics = {k: v / tokens for k, v in totals.items() if k not in per_step}
+    metrics.update({k: totals[k] / steps for k in per_step if k in totals})
     metrics["entropy"] = entropy_sum / tokens
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
-    return engine, None, {"optimizer_steps": steps, **metrics}
+    metrics["samples"] = float(n)
+    return engine, None, {"optimizer_steps": steps, **metrics}, critic
+
+
+class _Critic:
+    """The value model's DeepSpeed engine, stepped in lockstep with the policy's micro-batches."""
+
+    def __init__(self, engine, request, old_values, returns):
+        self.engine, self.request = engine, request
+        self.old_values, self.returns = old_values, returns
+
+    def micro_step(self, idx, ids, attn, mask, plen, width, norm, last) -> dict:
+        from tasks.engines.critic import token_values
+        from tasks.engines.token_batch import align
+        from tasks.losses import value_loss
+
+        c = self.request["critic"]
+        old = align([self.old_values[i] for i in idx], plen, width)
+        ret = align([self.returns[i] for i in idx], plen, width)
+        values = token_values(self.engine, ids, attn)
+        loss, clipped = value_loss(values, old, ret, mask, c["value_clip"], norm)
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(c["coef"] * loss, scale_wrt_gas=False)
+        self.engine.step()
+        return {"value_loss": loss.detach(), "value_clip_frac": clipped}
+
+
+def _critic_engine(request, gas, lists, data):
+    from tasks.engines.critic import load_critic
+
+    c = request["critic"]
+    model = load_critic(c["path"], c["fresh"])
+    critic_request = {**request, "lr": c["lr"], "resume_state": c.get("resume_state")}
+    engine, _ = _engine(model, critic_request, gas)
+    return _Critic(engine, request, data["values"].to_list(), data["returns"].to_list())
 
 
 def handle(request: dict) -> dict:
@@ -161,11 +245,17 @@ def handle(request: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(request["model_path"])
     model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32)
     model.config.use_cache = False
-    engine, table, metrics = (_sft if request["mode"] == "sft" else _rl)(request, model, tokenizer)
+    if request["mode"] == "sft":
+        engine, table, metrics = _sft(request, model, tokenizer)
+        critic = None
+    else:
+        engine, table, metrics, critic = _rl(request, model, tokenizer)
     train_seconds = time.time() - t0
     if table is not None:
         table.write_parquet(request["metrics_path"])
     _save(engine, tokenizer, request["tmp_dir"])
+    if critic is not None:
+        _save(critic.engine, tokenizer, os.path.join(request["tmp_dir"], "critic"))
     return {
         "metrics": metrics, "train_seconds": train_seconds, "deepspeed_version": deepspeed.__version__,
         "zero_stage": request["zero_stage"],

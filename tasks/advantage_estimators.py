@@ -1,0 +1,260 @@
+"""Advantage estimators as Polars expressions over the stage tables (DESIGN §5). Pure: no I/O.
+
+Input: one row per response with prompt_id, sample_idx, reward (Float64) and length (Int32); estimators
+that need token data also read the list columns old_logprobs and ref_logprobs (KL in the reward) and
+values (GAE). Output: the same rows plus `advantage` (per sequence), `token_advantages` and `returns`
+(list<float32>, one value per response token).
+
+Edge rules (tested):
+- a single-sample group has no spread, so its advantage is 0;
+- a group whose rewards are all equal has r − mean = 0 exactly, so its advantage is 0 (whatever ε_adv is),
+  except under dcpo, where the prompt's history can still give it a small weight, and under
+  reinforce_pp_baseline, whose whitening over the batch's tokens shifts every advantage by the batch mean;
+- for gae, `advantage` is the first response token's advantage (the credit of the whole response).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import polars as pl
+
+from schemas.tables import PROMPT_STATS
+
+KEY = "prompt_id"
+TOKEN_LISTS = pl.List(pl.Float32)
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    eps: float = 1e-6
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_beta: float = 0.0  # > 0 only when the KL penalty is placed in the reward
+    kl_estimator: str = "k1"
+
+
+Estimator = Callable[[pl.DataFrame, AdvantageSettings, "pl.DataFrame | None"], pl.DataFrame]
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register(name: str):
+    def wrap(fn: Estimator) -> Estimator:
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return wrap
+
+
+# ---- Group statistics ------------------------------------------------------------------------------------
+
+
+def _all_equal() -> pl.Expr:
+    r = pl.col("reward")
+    return (r.max() == r.min()).over(KEY)
+
+
+def centered() -> pl.Expr:
+    """r − mean_g r, exactly 0 for a group whose rewards are all equal (float means are not exact)."""
+    r = pl.col("reward")
+    return pl.when(_all_equal()).then(0.0).otherwise(r - r.mean().over(KEY))
+
+
+def group_std() -> pl.Expr:
+    """Unbiased std of the group's rewards; exactly 0 for all-equal or single-sample groups."""
+    return pl.when(_all_equal()).then(0.0).otherwise(pl.col("reward").std(ddof=1).over(KEY)).fill_null(0.0)
+
+
+def _finite(expr: pl.Expr) -> pl.Expr:
+    return expr.fill_null(0.0).fill_nan(0.0)
+
+
+# ---- Token-level helpers (long format: one row per response token) ---------------------------------------
+
+
+def _kl_expr(estimator: str) -> pl.Expr:
+    """KL(π_old ‖ π_ref) estimate per token from the lists exploded into rows (k3+ has k3's value)."""
+    lr = pl.col("old_logprobs").cast(pl.Float64) - pl.col("ref_logprobs").cast(pl.Float64)
+    if estimator == "k1":
+        return lr
+    if estimator == "k2":
+        return 0.5 * lr * lr
+    return (-lr).exp() - 1.0 + lr  # k3 and k3+
+
+
+def explode_tokens(df: pl.DataFrame, columns: list[str]) -> pl.DataFrame:
+    """One row per response token: `_seq` (row of df), `_t` (position), `_T` (response length)."""
+    long = df.select(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_seq"), "reward", "advantage", *columns)
+    long = long.explode(columns) if columns else long
+    return long.with_columns(
+        pl.int_range(pl.len(), dtype=pl.Int32).over("_seq").alias("_t"), pl.len().over("_seq").cast(pl.Int32).alias("_T")
+    )
+
+
+def implode_tokens(df: pl.DataFrame, long: pl.DataFrame, **token_cols: pl.Expr) -> pl.DataFrame:
+    """Gather per-token columns back into lists on df's rows (responses with no tokens get empty lists)."""
+    lists = long.group_by("_seq", maintain_order=True).agg(**token_cols)
+    indexed = df.with_row_index("_seq")
+    out = indexed.join(lists, on="_seq", how="left", maintain_order="left").drop("_seq")
+    return out.with_columns([pl.col(c).fill_null([]).cast(TOKEN_LISTS) for c in token_cols])
+
+
+def discounted_reverse_cumsum(x: str, c: float) -> pl.Expr:
+    """y_t = x_t + c·y_{t+1} within each `_seq`, vectorised.
+
+    Read backwards this is an exponential moving average: with α = 1 − c and adjust=False, Polars' ewm gives
+    m_k = c·m_{k−1} + (1−c)·z_k and m_0 = z_0, so feeding z = x/(1−c) (and z = x for the sequence's last
+    token) yields exactly m_k = c·m_{k−1} + x_k. c = 1 is a plain reverse cumulative sum.
+    """
+    if c >= 1.0:
+        return pl.col(x).cum_sum(reverse=True).over("_seq")
+    if c <= 0.0:
+        return pl.col(x)
+    z = pl.when(pl.col("_t") == pl.col("_T") - 1).then(pl.col(x)).otherwise(pl.col(x) / (1.0 - c))
+    return z.reverse().ewm_mean(alpha=1.0 - c, adjust=False).reverse().over("_seq")
+
+
+def whiten(expr: pl.Expr, eps: float) -> pl.Expr:
+    """(x − mean)/(std + ε) over every response token of the batch (std unbiased)."""
+    return (expr - expr.mean()) / (expr.std(ddof=1).fill_null(0.0) + eps)
+
+
+def to_tokens(df: pl.DataFrame, s: AdvantageSettings, whiten_tokens: bool = False) -> pl.DataFrame:
+    """Sequence advantages onto every response token.
+
+    With the KL penalty in the reward (s.kl_beta > 0) each token also gets the penalty's reward-to-go,
+    −β·Σ_{s≥t} kl_s (REINFORCE++); with `whiten_tokens` the result is whitened over the batch's tokens.
+    Without a critic the returns equal the advantages.
+    """
+    if s.kl_beta == 0 and not whiten_tokens:
+        tokens = pl.col("advantage").cast(pl.Float32).repeat_by(pl.col("length"))
+        return df.with_columns(tokens.alias("token_advantages"), tokens.alias("returns"))
+    if s.kl_beta:
+        long = explode_tokens(df, ["old_logprobs", "ref_logprobs"])
+        penalty = (-s.kl_beta * _kl_expr(s.kl_estimator)).alias("_pen")
+        long = long.with_columns(penalty).with_columns((pl.col("advantage") + pl.col("_pen").cum_sum(reverse=True).over("_seq")).alias("_a"))
+    else:
+        long = explode_tokens(df.with_columns(pl.col("advantage").repeat_by(pl.col("length")).alias("_a")), ["_a"])
+    a = whiten(pl.col("_a"), s.eps) if whiten_tokens else pl.col("_a")
+    long = long.with_columns(a.alias("_a"))
+    return implode_tokens(df, long, token_advantages=pl.col("_a"), returns=pl.col("_a"))
+
+
+# ---- Sequence-level estimators ----------------------------------------------------------------------------
+
+
+@register("grpo")
+def grpo(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """A_i = (r_i − mean_g r) / (std_g r + ε)."""
+    return to_tokens(df.with_columns(_finite(centered() / (group_std() + s.eps)).alias("advantage")), s)
+
+
+@register("drgrpo")
+def drgrpo(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """A_i = r_i − mean_g r: no std scaling, so easy and hard prompts are not up-weighted (Dr.GRPO)."""
+    return to_tokens(df.with_columns(centered().alias("advantage")), s)
+
+
+@register("lite_ppo")
+def lite_ppo(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """A_i = (r_i − mean_g r) / (std over the whole batch of r + ε) (group mean, batch std)."""
+    batch_std = pl.col("reward").std(ddof=1).fill_null(0.0)
+    return to_tokens(df.with_columns(_finite(centered() / (batch_std + s.eps)).alias("advantage")), s)
+
+
+@register("rloo")
+def rloo(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """A_i = r_i − mean_{j≠i} r_j = G/(G−1)·(r_i − mean_g r); 0 for a single sample."""
+    g = pl.len().over(KEY).cast(pl.Float64)
+    adv = pl.when(g > 1).then(centered() * g / (g - 1)).otherwise(0.0)
+    return to_tokens(df.with_columns(adv.alias("advantage")), s)
+
+
+@register("reinforce_pp_baseline")
+def reinforce_pp_baseline(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """A_i = r_i − mean_g r on every token (plus the KL reward-to-go), then whitened over the batch's tokens."""
+    return to_tokens(df.with_columns(centered().alias("advantage")), s, whiten_tokens=True)
+
+
+# ---- DCPO: smooth advantage standardization over the prompt's history -------------------------------------
+
+def empty_prompt_stats() -> pl.DataFrame:
+    return pl.DataFrame(schema=PROMPT_STATS.columns)
+
+
+def step_stats(df: pl.DataFrame) -> pl.DataFrame:
+    """This step's μ_new, σ_new per prompt (σ unbiased; 0 for all-equal or single-sample groups)."""
+    return df.select(KEY, "reward").with_columns(
+        pl.col("reward").mean().over(KEY).alias("mu_new"), group_std().alias("sigma_new")
+    ).group_by(KEY, maintain_order=True).agg(pl.col("mu_new").first(), pl.col("sigma_new").first())
+
+
+def cumulative_stats(step: pl.DataFrame, history: pl.DataFrame) -> pl.DataFrame:
+    """Join the history (n earlier steps, μ_c, σ_c) and fold this step in; each step counts once.
+
+    n = 0: μ_c, σ_c := μ_new, σ_new. Otherwise μ_c := (n·μ_c + μ_new)/(n+1) and
+    σ_c² := (n·σ_c² + σ_new² + n/(n+1)·(μ_new − μ_c_old)²)/(n+1).
+    """
+    j = step.join(history.select(KEY, "n", "mean", "std"), on=KEY, how="left").with_columns(pl.col("n").fill_null(0))
+    n = pl.col("n").cast(pl.Float64)
+    first = pl.col("n") == 0
+    mu = pl.when(first).then(pl.col("mu_new")).otherwise((n * pl.col("mean") + pl.col("mu_new")) / (n + 1))
+    var = (n * pl.col("std") ** 2 + pl.col("sigma_new") ** 2 + n / (n + 1) * (pl.col("mu_new") - pl.col("mean")) ** 2) / (n + 1)
+    sigma = pl.when(first).then(pl.col("sigma_new")).otherwise(var.sqrt())
+    return j.with_columns(mu.alias("mu_c"), sigma.alias("sigma_c")).drop("mean", "std")
+
+
+def update_prompt_stats(history: pl.DataFrame, df: pl.DataFrame, iteration: int) -> pl.DataFrame:
+    """The next immutable snapshot: this step's prompts updated, every other prompt carried over."""
+    cum = cumulative_stats(step_stats(df), history).select(
+        KEY, (pl.col("n") + 1).cast(pl.Int32).alias("n"), pl.col("mu_c").alias("mean"), pl.col("sigma_c").alias("std"),
+        pl.lit(iteration, pl.Int32).alias("last_iteration"),
+    )
+    kept = history.join(cum.select(KEY), on=KEY, how="anti")
+    return pl.concat([kept, cum]).sort(KEY)
+
+
+@register("dcpo")
+def dcpo(df: pl.DataFrame, s: AdvantageSettings, history: pl.DataFrame | None = None) -> pl.DataFrame:
+    """DCPO: A_new from this group, A_cum from the prompt's cumulative stats, blended both ways with
+    w = 1/(n+1); the blend with the smaller |·| wins. An all-equal group still trains when the prompt's
+    history varies."""
+    cum = cumulative_stats(step_stats(df), history if history is not None else empty_prompt_stats())
+    j = df.join(cum, on=KEY, how="left", maintain_order="left")
+    r = pl.col("reward")
+    a_new = pl.when(pl.col("sigma_new") > 0).then((r - pl.col("mu_new")) / pl.col("sigma_new")).otherwise(0.0)
+    a_cum = pl.when(pl.col("sigma_c") > 0).then((r - pl.col("mu_c")) / pl.col("sigma_c")).otherwise(0.0)
+    w = 1.0 / (pl.col("n").cast(pl.Float64) + 1.0)
+    s1, s2 = w * a_cum + (1 - w) * a_new, w * a_new + (1 - w) * a_cum
+    adv = pl.when(s1.abs() <= s2.abs()).then(s1).otherwise(s2)
+    out = j.with_columns(adv.alias("advantage")).drop("mu_new", "sigma_new", "n", "mu_c", "sigma_c")
+    return to_tokens(out, s)
+
+
+# ---- GAE (PPO) --------------------------------------------------------------------------------------------
+
+
+@register("gae")
+def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """Token rewards R_t = −β·kl_t, plus r on the last token; δ_t = R_t + γ·V_{t+1} − V_t (V_{T+1} = 0);
+    A_t = δ_t + γλ·A_{t+1}; returns = A + V; then A is whitened over the batch's response tokens."""
+    cols = ["values"] + (["old_logprobs", "ref_logprobs"] if s.kl_beta else [])
+    long = explode_tokens(df.with_columns(pl.lit(0.0).alias("advantage")), cols)
+    v = pl.col("values").cast(pl.Float64)
+    last = pl.col("_t") == pl.col("_T") - 1
+    token_reward = pl.when(last).then(pl.col("reward")).otherwise(0.0)
+    if s.kl_beta:
+        token_reward = token_reward - s.kl_beta * _kl_expr(s.kl_estimator)
+    v_next = v.shift(-1).over("_seq").fill_null(0.0)
+    long = long.with_columns((token_reward + s.gamma * v_next - v).alias("_delta"))
+    long = long.with_columns(discounted_reverse_cumsum("_delta", s.gamma * s.lam).alias("_a"))
+    long = long.with_columns((pl.col("_a") + v).alias("_ret"), whiten(pl.col("_a"), s.eps).alias("_a"))
+    out = implode_tokens(df, long, token_advantages=pl.col("_a"), returns=pl.col("_ret"))
+    return out.with_columns(pl.col("token_advantages").list.first().cast(pl.Float64).fill_null(0.0).alias("advantage"))
+
+
+def compute_advantages(df: pl.DataFrame, estimator: str, s: AdvantageSettings, history: pl.DataFrame | None = None) -> pl.DataFrame:
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    return ADVANTAGE_ESTIMATORS[estimator](df, s, history)
