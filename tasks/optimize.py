@@ -74,7 +74,9 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
 
     def compute():
         data_path = scratch_file(ctx, "optimize.in.parquet")
-        training_frame(ctx, iteration).write_parquet(data_path)
+        samples = training_frame(ctx, iteration)
+        samples.write_parquet(data_path)
+        masked = float((samples["loss_mask"] == 0).mean())
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = final.with_name(final.name + ".tmp")
         prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
@@ -106,6 +108,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
             critic_metrics["explained_variance"] = explained_variance(advantages, read_stage(ctx.layout, "logprobs", iteration))
         row = {
             "iteration": iteration, "policy_version": iteration, **resp["metrics"], **critic_metrics, "kl_beta": beta,
+            "loss_masked_fraction": masked,
             **rollout_metrics(rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)),
             **advantage_metrics(advantages),
             "sampler_logprob_gap": sampler_gap(rollouts, read_stage(ctx.layout, "logprobs", iteration)),

@@ -219,3 +219,13 @@ def test_every_configured_option_is_registered():
     assert set(get_args(Objective)) == set(OBJECTIVES)
     assert set(get_args(Aggregation)) == set(AGGREGATIONS)
     assert set(get_args(KLConfig.model_fields["estimator"].annotation)) == set(KL_ESTIMATORS)
+
+
+def test_adaptive_kl_controller_hand_values():
+    from tasks.kl_control import adapt_beta
+
+    # KL 0.15 vs target 0.1: error 0.5 is clipped to 0.2; n/horizon = 512/10000 → β·(1 + 0.2·0.0512)
+    assert adapt_beta(0.04, 0.15, 0.1, 512, 10_000) == pytest.approx(0.04 * 1.01024)
+    # KL 0.09: error −0.1 → β·(1 − 0.1·0.0512)
+    assert adapt_beta(0.04, 0.09, 0.1, 512, 10_000) == pytest.approx(0.04 * (1 - 0.00512))
+    assert adapt_beta(0.04, 0.1, 0.1, 512, 10_000) == pytest.approx(0.04)
