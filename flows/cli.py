@@ -36,12 +36,13 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from tasks.batch import EmptyBatchError
     from tasks.datasets import DatasetError
     from tasks.engines.launch import WorkerError
+    from tasks.reward_pool import RewardPoolError
     from tasks.rewards import RewardError
     from tasks.policy import ModelPathError
     from tasks.rollouts import ContextLengthError
 
     return (ConfigError, ModelPathError, TableError, LayoutError, EmptyBatchError, DatasetError, WorkerError, RewardError,
-            ContextLengthError, QueryError, FileNotFoundError, PermissionError)
+            RewardPoolError, ContextLengthError, QueryError, FileNotFoundError, PermissionError)
 
 
 def _guard(fn, *args, **kwargs):

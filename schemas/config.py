@@ -47,7 +47,8 @@ class RewardConfig(Section):
     kind: Literal["rule"] = "rule"
     # Each reward function writes its own score column; the total is the weighted sum.
     weights: dict[RewardName, float] = {"accuracy": 1.0, "format": 0.1}
-    timeout_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0)  # per sample and function; past it the sample scores 0 with an error
+    workers: int = Field(2, ge=0)  # reward worker processes; 0 = in the calling process, without the timeout
     # DAPO soft overlong punishment: L_max (None = rollout.max_tokens) and the soft band L_cache below it.
     overlong_max_len: int | None = Field(None, ge=1)
     overlong_cache: int = Field(0, ge=0)

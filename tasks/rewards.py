@@ -93,30 +93,26 @@ class RewardError(ValueError):
 def score_frame(rollouts: pl.DataFrame, answers: dict[str, str], cfg: RewardConfig, max_tokens: int = 0) -> pl.DataFrame:
     """One row per rollout: `score_<fn>` and `error_<fn>` per function, the weighted `reward`, and `error`.
 
-    A function that raises scores 0 for that sample and records the exception; a non-finite score is an
-    error in the function, reported with its name.
+    Functions run in the reward pool (tasks/reward_pool.py): one that raises or exceeds reward.timeout_s
+    scores 0 for that sample with the error recorded. A non-finite score is a bug in the function: refused
+    with its name.
     """
-    cols: dict[str, list] = {}
+    from tasks.reward_pool import score_samples
+
     weights = dict(cfg.weights)
     lengths = rollouts["length"].to_list() if "length" in rollouts.columns else [0] * rollouts.height
     samples = [
         Sample(text, answers[p], reason, n, max_tokens)
         for text, p, reason, n in zip(rollouts["text"], rollouts["prompt_id"], rollouts["finish_reason"], lengths)
     ]
-    for name in weights:
-        fn = REWARD_FUNCTIONS[name]
-        values, errors = [], []
-        for sample in samples:
-            try:
-                v = float(fn(sample, cfg))
-                err = None
-            except Exception as exc:  # a broken reward function must not stop the run
-                v, err = 0.0, f"{type(exc).__name__}: {exc}"[:200]
+    results = score_samples({name: REWARD_FUNCTIONS[name] for name in weights}, samples, cfg, cfg.workers)
+    cols: dict[str, list] = {}
+    for name, pairs in results.items():
+        for sample, (v, _) in zip(samples, pairs):
             if not math.isfinite(v):
                 raise RewardError(f"reward function {name!r} returned {v} for response {sample.response!r}")
-            values.append(v)
-            errors.append(err)
-        cols[f"score_{name}"], cols[f"error_{name}"] = values, errors
+        cols[f"score_{name}"] = [v for v, _ in pairs]
+        cols[f"error_{name}"] = [e for _, e in pairs]
     out = rollouts.select("iteration", "round", "prompt_id", "sample_idx").with_columns(
         [pl.Series(k, v, dtype=pl.Float64 if k.startswith("score_") else pl.Utf8) for k, v in cols.items()]
     )

@@ -52,15 +52,37 @@ def test_a_raising_reward_function_scores_zero_with_an_error(monkeypatch):
     def boom(sample, cfg):
         raise ZeroDivisionError("bad")
 
-    monkeypatch.setitem(REWARD_FUNCTIONS, "format", boom)
-    df = score_frame(rollouts(["12"]), {"p0": "12"}, RewardConfig(weights={"accuracy": 1.0, "format": 0.1}))
+    monkeypatch.setitem(REWARD_FUNCTIONS, "format", boom)  # workers=0: the patch is not seen by spawned workers
+    df = score_frame(rollouts(["12"]), {"p0": "12"}, RewardConfig(weights={"accuracy": 1.0, "format": 0.1}, workers=0))
     assert df["reward"].to_list() == [1.0] and "ZeroDivisionError" in df["error"][0]
 
 
 def test_a_nan_reward_is_refused(monkeypatch):
     monkeypatch.setitem(REWARD_FUNCTIONS, "format", lambda *a: math.nan)
     with pytest.raises(RewardError, match="format"):
-        score_frame(rollouts(["12"]), {"p0": "12"}, RewardConfig(weights={"format": 1.0}))
+        score_frame(rollouts(["12"]), {"p0": "12"}, RewardConfig(weights={"format": 1.0}, workers=0))
+
+
+def test_reward_pool_times_out_a_hanging_function_and_records_a_raising_one():
+    from tasks.reward_pool import score_samples
+    from tests.reward_fixtures import echo_length, hangs, raises
+
+    samples = [Sample("12", "12"), Sample("7", "7"), Sample("abc", "1")]
+    cfg = RewardConfig(timeout_s=0.5, workers=2)
+    got = score_samples({"hangs": hangs, "raises": raises, "echo": echo_length}, samples, cfg, cfg.workers)
+    assert [v for v, _ in got["echo"]] == [2.0, 1.0, 3.0] and all(e is None for _, e in got["echo"])
+    assert all(v == 0.0 and e.startswith("timeout") for v, e in got["hangs"])
+    assert all(v == 0.0 and e == "KeyError: 'no such field'" for v, e in got["raises"])
+    # The pool is still usable afterwards.
+    again = score_samples({"echo": echo_length}, samples[:1], cfg, cfg.workers)
+    assert again["echo"] == [(2.0, None)]
+
+
+def test_score_frame_in_the_pool_matches_inline_scoring():
+    texts = ["12", "13", "x", "0012", "12.0"]
+    pooled = score_frame(rollouts(texts), {"p0": "12"}, RewardConfig(weights={"accuracy": 1.0, "format": 0.1}, workers=2))
+    inline = score_frame(rollouts(texts), {"p0": "12"}, RewardConfig(weights={"accuracy": 1.0, "format": 0.1}, workers=0))
+    assert pooled.equals(inline)
 
 
 def scores(groups):

@@ -6,8 +6,9 @@ lr, weight_decay, grad_clip, micro_batch_size, seed; optional resume_state (a De
 - rl: data_path (prompt_token_ids, token_ids, old/ref_logprobs, token_advantages, loss_mask; values and
   returns with a critic), ppo_epochs, minibatches, max_tokens, loss settings; optional critic (path, fresh,
   resume_state, lr, value_clip, coef) and ptx_coef/ptx_batch/ptx_data_path.
-The checkpoint folder holds HF safetensors + tokenizer (what vLLM loads) and `ds_state/` (optimizer state), plus `critic/` (the same two) for PPO,
-written under tmp_dir and renamed into place by the caller's storage layer.
+The checkpoint folder holds HF safetensors + tokenizer (what vLLM loads) and `ds_state/` (optimizer state),
+plus `critic/` (the same two) for PPO, written under tmp_dir and renamed into place by the caller's storage
+layer.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _rl(request, model, tokenizer):
     minibatches = min(request["minibatches"], n)
     gas = max(1, math.ceil(math.ceil(n / minibatches) / micro))
     engine, optimizer = _engine(model, request, gas)
-    critic = _critic_engine(request, gas, lists, data) if request.get("critic") else None
+    critic = _critic_engine(request, gas, data) if request.get("critic") else None
     ptx = _Ptx(request, tokenizer, request["seed"]) if request.get("ptx_coef") else None
     settings = _policy_settings(request["loss"])
     gen = torch.Generator().manual_seed(request["seed"])
@@ -225,7 +226,7 @@ class _Critic:
         return {"value_loss": loss.detach(), "value_clip_frac": clipped}
 
 
-def _critic_engine(request, gas, lists, data):
+def _critic_engine(request, gas, data):
     from tasks.engines.critic import load_critic
 
     c = request["critic"]
