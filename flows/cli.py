@@ -15,6 +15,8 @@ from rich.console import Console
 os.environ.setdefault("PREFECT_HOME", str(Path.cwd() / ".prefect"))
 # The ephemeral API's telemetry write races the first flow run for SQLite's lock ("database is locked").
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The temporary API must start while vLLM or DeepSpeed may hold both cores: Prefect's 20 s default is short.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: LLM RL post-training as a Prefect DAG over Parquet stages.")
 console = Console(stderr=True)

@@ -14,16 +14,41 @@ from tests.conftest import rlpipe, tiny_config
         (["--set", "loss.objective=clipp"], "loss.objective"),
         (["--set", "rollout.group_size=0"], "rollout.group_size"),
         (["--run-id", "../escape"], "invalid run id"),
+        (["--run-id", "a/b"], "invalid run id"),
         (["--set", "model.path=/nonexistent/model"], "does not exist"),
+        (["--set", "loss.aggregation=mean"], "loss.aggregation"),
+        (["--set", "advantage.estimator=ppo2"], "advantage.estimator"),
+        (["--set", "rollout.temperature=-1"], "rollout.temperature"),
+        (["--set", "batch.target_groups=1000"], "can never be reached"),
+        (["--set", "kl.placement"], "expected key=value"),
+        (["--algo", "nope"], "unknown --algo 'nope'"),
+        (["--set", "storage_root={ws}/a-file/runs"], "cannot write to storage root"),
+        (["--config-path", "{ws}/missing.yaml"], "config file not found"),
+        (["--config-path", "{ws}/list.yaml"], "top level must be a mapping"),
     ],
 )
 def test_cli_rejects_bad_run_input(workspace, args, needle):
     cfg = tiny_config(workspace)
+    (workspace / "a-file").write_text("not a folder")
+    (workspace / "list.yaml").write_text("- 1\n- 2\n")
+    args = [a.replace("{ws}", str(workspace)) for a in args]
+    if args[0] == "--config-path":  # the config itself is the bad input
+        cfg, args = args[1], args[2:]
     proc = rlpipe("run", str(cfg), *args, cwd=workspace, check=False)
     assert proc.returncode == 1
     assert needle in proc.stderr
     error_lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(error_lines) == 1, proc.stderr
+    assert not list((workspace / "runs").glob("*/*/iter=*/_manifest.json"))
+
+
+def test_max_tokens_beyond_the_model_context_is_refused_before_generating(workspace):
+    cfg = tiny_config(workspace)
+    rlpipe("init-model", "--config", str(cfg), cwd=workspace)
+    # The demo model's context is 64 tokens.
+    proc = rlpipe("run", str(cfg), "--set", f"model.path={workspace}/models/base", "--set", "rollout.max_tokens=200",
+                  cwd=workspace, check=False)
+    assert proc.returncode == 1 and "exceeds the model's context of 64" in proc.stderr
     assert not list((workspace / "runs").glob("*/*/iter=*/_manifest.json"))
 
 
