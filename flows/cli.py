@@ -43,7 +43,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from tasks.policy import ModelPathError
     from tasks.rollouts import ContextLengthError
 
-    return (ConfigError, ModelPathError, TableError, LayoutError, EmptyBatchError, DatasetError, WorkerError, RewardError,
+    return (ConfigError, FileExistsError, ModelPathError, TableError, LayoutError, EmptyBatchError, DatasetError, WorkerError, RewardError,
             RewardPoolError, ContextLengthError, QueryError, FileNotFoundError, PermissionError)
 
 
@@ -192,6 +192,53 @@ def compare_advantages_cmd(
 
     names = [e.strip() for e in estimators.split(",") if e.strip()]
     _guard(compare_advantages, run_id, iteration, names, aggregation, root, console)
+
+
+@app.command()
+def rerun(
+    run_id: str,
+    iteration: int = typer.Option(..., "--iteration"),
+    stage: str = typer.Option(..., "--stage", help="rollouts, scores, batch, logprobs, advantages or optimize."),
+    overrides: Optional[list[str]] = SetOpt,
+    fork: Optional[str] = typer.Option(None, "--fork", help="Write to a new run that shares the upstream data."),
+    root: str = typer.Option("runs", "--root"),
+) -> None:
+    """Recompute one stage of one iteration from the cached upstream Parquet, with new settings. Without
+    --fork, later stages are moved aside (superseded) and `rlpipe resume RUN` continues."""
+    from flows.rerun import rerun as do_rerun
+
+    result = _guard(do_rerun, run_id, iteration, stage, overrides or [], fork, root)
+    console.print(" ".join(f"{k}={v}" for k, v in result.items()), highlight=False)
+
+
+@app.command()
+def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
+    """Continue a run with its saved config (after a crash, or after `rerun`)."""
+
+    def go():
+        from flows.rl import rl_run
+        from tasks.common import load_run
+
+        _exit_on_interrupt()
+        load_run(root, run_id)  # a missing run fails here, before a flow starts
+        _print_summary(rl_run(run_id, root))
+
+    _guard(go)
+
+
+@app.command()
+def diff(
+    run_a: str,
+    run_b: str,
+    stage: str = typer.Option(..., "--stage"),
+    iteration: Optional[int] = typer.Option(None, "--iteration"),
+    limit: int = typer.Option(20, "--limit", help="How many differing samples to print."),
+    root: str = typer.Option("runs", "--root"),
+) -> None:
+    """Per-sample differences of one stage between two runs, matched on the table's keys."""
+    from flows.diff import diff_runs
+
+    _guard(diff_runs, run_a, run_b, stage, iteration, root, console, limit)
 
 
 def _print_summary(summary: dict) -> None:

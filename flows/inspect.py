@@ -69,14 +69,29 @@ def run_sql(run_ids: list[str], query: str, root: str, console: Console) -> None
     Console().print(table)
 
 
+def superseded_stages(layout) -> set[tuple[str, int]]:
+    """(stage, iteration) pairs that `rlpipe rerun` moved aside (see superseded.json)."""
+    import json
+
+    log = layout.run_dir / "superseded.json"
+    out = set()
+    for record in json.loads(log.read_text()) if log.exists() else []:
+        for rel in record["moved"]:
+            parts = rel.split("/")
+            if len(parts) == 2 and parts[1].startswith("iter=") and parts[0] != "checkpoints":
+                out.add((parts[0], int(parts[1][5:])))
+    return out
+
+
 def show_run(run_id: str, root: str, console: Console) -> None:
     from storage import RunLayout, read_manifest, scan
 
     layout = RunLayout(Path(root), run_id)
     if not layout.run_dir.is_dir():
         raise FileNotFoundError(f"run {run_id!r} not found under {root}")
-    stages = layout.stages()
-    iterations = sorted({it for s in stages for it in layout.iterations(s)})
+    superseded = superseded_stages(layout)
+    stages = sorted(set(layout.stages()) | {s for s, _ in superseded}, key=lambda s: (s not in layout.stages(), s))
+    iterations = sorted({it for s in layout.stages() for it in layout.iterations(s)} | {it for _, it in superseded})
     status = Table(title=f"{run_id}: stages")
     status.add_column("iteration")
     for s in stages:
@@ -84,8 +99,12 @@ def show_run(run_id: str, root: str, console: Console) -> None:
     for it in iterations:
         cells = []
         for s in stages:
-            m = read_manifest(layout, s, it, verify=False) if it in layout.iterations(s) else None
-            cells.append(f"complete ({m['wall_seconds']:.1f}s)" if m else ("missing" if it in layout.iterations(s) else ""))
+            present = s in layout.stages() and it in layout.iterations(s)
+            m = read_manifest(layout, s, it, verify=False) if present else None
+            if m:
+                cells.append(f"complete ({m['wall_seconds']:.1f}s)")
+            else:
+                cells.append("superseded" if (s, it) in superseded else "missing" if present else "")
         status.add_row(str(it), *cells)
     Console().print(status)
     metrics = scan(run_id, "train_metrics", root).collect()

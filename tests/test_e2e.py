@@ -103,3 +103,21 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
         out = rlpipe("compare-advantages", f"algo-{algo}", "--iteration", "2", "--root", str(workspace / "runs"), cwd=workspace)
         for name in ("grpo", "drgrpo", "lite_ppo", "rloo", "dcpo"):
             assert name in out.stdout
+        check_fork_and_diff(workspace, layout)
+
+
+def check_fork_and_diff(workspace, layout: RunLayout):
+    """Re-derive iteration 1's advantages with another estimator in a fork: nothing is generated, the
+    origin is untouched, the fork shares the upstream files, and diff shows the changed samples."""
+    root = str(workspace / "runs")
+    before = {s: layout.manifest_path(s, 1).read_bytes() for s in ("rollouts", "scores", "advantages")}
+    rlpipe("rerun", layout.run_id, "--iteration", "1", "--stage", "advantages", "--set", "advantage.estimator=drgrpo",
+           "--fork", "forked", "--root", root, cwd=workspace)
+    fork = RunLayout(workspace / "runs", "forked")
+    assert {s: layout.manifest_path(s, 1).read_bytes() for s in before} == before
+    assert fork.manifest_path("advantages", 1).exists() and not fork.manifest_path("advantages", 2).exists()
+    shared = layout.part_path("rollouts", 1, 0).stat()
+    assert fork.part_path("rollouts", 1, 0).stat().st_ino == shared.st_ino  # a hard link, not a copy
+    assert not (fork.run_dir / "logs" / "vllm.log").exists()  # no engine was started
+    out = rlpipe("diff", layout.run_id, "forked", "--stage", "advantages", "--iteration", "1", "--root", root, cwd=workspace)
+    assert "advantage_a" in out.stdout and "differing samples" in out.stdout

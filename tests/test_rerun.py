@@ -1,0 +1,78 @@
+"""Rerun bookkeeping on a small fabricated run: what is stale, how it is kept aside, what a fork shares."""
+
+import json
+import time
+
+import polars as pl
+
+from flows.diff import diff_frames
+from flows.rerun import affected, fork, supersede
+from storage import RunLayout, write_stage
+
+STAGES = ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages", "train_metrics", "eval")
+
+
+def fake_run(tmp_path, iterations=3) -> RunLayout:
+    """Manifest-complete stage folders (tiny placeholder tables) plus checkpoints and a summary."""
+    layout = RunLayout(tmp_path / "runs", "r")
+    layout.run_dir.mkdir(parents=True)
+    layout.config_path.write_text("seed: 0\n")
+    frame = pl.DataFrame({"x": [1]})
+    from schemas.tables import TableSchema
+
+    table = TableSchema("placeholder", 1, {"x": pl.Int64})
+    for k in range(1, iterations + 1):
+        for s in STAGES:
+            write_stage(layout, s, k, frame, fp=f"{s}{k}", inputs={}, config_hash="", started=time.time(), table=table)
+        (layout.checkpoint_dir(k)).mkdir(parents=True)
+        (layout.checkpoint_dir(k) / "model.safetensors").write_bytes(b"w")
+    layout.summary_path.write_text("{}")
+    return layout
+
+
+def rel(layout, paths):
+    return sorted(str(p.relative_to(layout.run_dir)) for p in paths)
+
+
+def test_rerun_of_advantages_makes_later_stages_and_iterations_stale(tmp_path):
+    layout = fake_run(tmp_path)
+    stale = rel(layout, affected(layout, "advantages", 2))
+    assert "advantages/iter=00002" in stale and "train_metrics/iter=00002" in stale and "eval/iter=00002" in stale
+    assert "checkpoints/iter=00002" in stale and "checkpoints/iter=00003" in stale and "rollouts/iter=00003" in stale
+    assert "logprobs/iter=00002" not in stale and "scores/iter=00002" not in stale
+    assert not any(p.endswith("iter=00001") for p in stale) and "summary.json" in stale
+
+
+def test_supersede_moves_aside_and_records(tmp_path):
+    layout = fake_run(tmp_path)
+    record = supersede(layout, "scores", 3, ["reward.weights.format=0.5"])
+    assert not layout.manifest_path("scores", 3).exists() and layout.manifest_path("rollouts", 3).exists()
+    kept = layout.run_dir / record["kept_in"]
+    assert (kept / "scores/iter=00003/_manifest.json").exists() and (kept / "checkpoints/iter=00003/model.safetensors").exists()
+    log = json.loads((layout.run_dir / "superseded.json").read_text())
+    assert log[0]["stage"] == "scores" and "scores/iter=00003" in log[0]["moved"]
+    from flows.inspect import superseded_stages
+
+    assert ("scores", 3) in superseded_stages(layout) and ("rollouts", 3) not in superseded_stages(layout)
+
+
+def test_fork_hard_links_only_what_stays_valid(tmp_path):
+    src = fake_run(tmp_path)
+    dst = RunLayout(tmp_path / "runs", "f")
+    n = fork(src, dst, "advantages", 2)
+    assert dst.manifest_path("logprobs", 2).exists() and not dst.manifest_path("advantages", 2).exists()
+    assert not dst.manifest_path("rollouts", 3).exists() and (dst.checkpoint_dir(1) / "model.safetensors").exists()
+    assert not dst.checkpoint_dir(2).exists()
+    assert dst.part_path("rollouts", 1, 0).stat().st_ino == src.part_path("rollouts", 1, 0).stat().st_ino
+    assert n == len([f for f in dst.run_dir.rglob("*") if f.is_file()])
+
+
+def test_diff_frames_reports_changed_and_missing_samples():
+    keys = ["prompt_id", "sample_idx"]
+    a = pl.DataFrame({"prompt_id": ["p", "p", "q"], "sample_idx": [0, 1, 0], "advantage": [1.0, -1.0, 0.0],
+                      "tokens": [[1.0], [2.0], [3.0]]})
+    b = pl.DataFrame({"prompt_id": ["p", "p", "r"], "sample_idx": [0, 1, 0], "advantage": [1.0, -0.5, 0.0],
+                      "tokens": [[1.0], [2.5], [3.0]]})
+    rows, counts = diff_frames(a, b, keys)
+    assert counts == {"only_in_a": 1, "only_in_b": 1, "advantage": 1, "tokens": 1}
+    assert rows.select("sample_idx", "advantage_a", "advantage_b").rows() == [(1, -1.0, -0.5)]
