@@ -9,6 +9,7 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.advantages import advantages_task
+from tasks.artifacts import artifacts_task
 from tasks.batch import batch_task
 from tasks.common import plan_task
 from tasks.evaluate import eval_task
@@ -38,6 +39,7 @@ def rl_iteration(run_id: str, iteration: int, storage_root: str = "runs") -> dic
     logprobs = logprobs_task(storage_root, run_id, iteration, batch.fingerprint)
     advantages = advantages_task(storage_root, run_id, iteration, logprobs.fingerprint, batch.fingerprint)
     metrics = optimize_task(storage_root, run_id, iteration, advantages.fingerprint, logprobs.fingerprint)
+    artifacts_task(storage_root, run_id, iteration)
     return {"iteration": iteration, "rounds": round_ + 1, "checkpoint": metrics.extra.get("checkpoint")}
 
 

@@ -146,3 +146,14 @@ def test_flawed_teachers_err_only_where_their_flaw_applies():
     rnd = random.Random(1)
     wrong = sum(teacher_response("37+58=", "95", "forget_carry", 0.3, rnd) == "85" for _ in range(2000))
     assert 500 < wrong < 700  # ≈ 30%
+
+
+def test_artifact_markdown_summarises_rewards_and_shows_samples():
+    from tasks.artifacts import reward_summary_markdown, samples_markdown
+
+    df = score_frame(rollouts(["12", "13", "x"]), {"p0": "12"}, RewardConfig(weights={"accuracy": 1.0, "format": 0.1}, workers=0))
+    md = reward_summary_markdown(df)
+    assert "| reward | 0.4000 |" in md and "| 1.1 | 1 |" in md and "errors: 0 of 3" in md
+    prompts = pl.DataFrame({"prompt_id": ["p0"], "text": ["6+6="], "answer": ["12"]})
+    sample = samples_markdown(prompts, rollouts(["12", "13", "x"]), df, n=2)
+    assert "`6+6=`" in sample and "`13`" in sample and "`x`" not in sample
