@@ -191,7 +191,7 @@ def compare_advantages_cmd(
     from flows.compare import compare_advantages
 
     names = [e.strip() for e in estimators.split(",") if e.strip()]
-    _guard(compare_advantages, run_id, iteration, names, aggregation, root, console)
+    _guard(compare_advantages, run_id, iteration, names, aggregation, root)
 
 
 @app.command()
@@ -238,7 +238,7 @@ def diff(
     """Per-sample differences of one stage between two runs, matched on the table's keys."""
     from flows.diff import diff_runs
 
-    _guard(diff_runs, run_a, run_b, stage, iteration, root, console, limit)
+    _guard(diff_runs, run_a, run_b, stage, iteration, root, limit)
 
 
 def _print_summary(summary: dict) -> None:

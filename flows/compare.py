@@ -8,7 +8,6 @@ KL penalty is left out (it is the same for every estimator). dcpo's prompt histo
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import get_args
 
 import polars as pl
@@ -32,17 +31,15 @@ def _history(ctx, iteration: int) -> pl.DataFrame:
     return history
 
 
-def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggregation: str | None, root: str, console: Console) -> dict:
+def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggregation: str | None, root: str) -> dict:
     from schemas.config import Aggregation
-    from storage import RunLayout, read_manifest
+    from storage import read_manifest
     from tasks.advantage_analysis import estimator_summary
     from tasks.advantage_estimators import ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages
     from tasks.advantages import advantage_inputs
     from tasks.common import load_run
 
-
-    RunLayout(Path(root), run_id)  # validates the run id
-    ctx = load_run(root, run_id)
+    ctx = load_run(root, run_id)  # validates the run id too
     unknown = [e for e in estimators if e not in ADVANTAGE_ESTIMATORS]
     if unknown:
         raise ConfigError(f"unknown estimator(s) {', '.join(unknown)}: choose from {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
@@ -62,11 +59,11 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
     for name in estimators:
         out = compute_advantages(df, name, settings, history)
         results[name] = estimator_summary(out.select("advantage", "length"), reference, aggregation, max_len)
-    _print(results, run_id, iteration, df, aggregation, console)
+    _print(results, run_id, iteration, df, aggregation)
     return results
 
 
-def _print(results: dict, run_id: str, iteration: int, df: pl.DataFrame, aggregation: str, console: Console) -> None:
+def _print(results: dict, run_id: str, iteration: int, df: pl.DataFrame, aggregation: str) -> None:
     out = Console()
     groups = df["prompt_id"].n_unique()
     head = Table(title=f"{run_id} iteration {iteration}: {df.height} responses in {groups} groups (all rounds, before filtering)")

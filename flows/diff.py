@@ -35,7 +35,7 @@ def _cell(v) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
-def diff_runs(run_a: str, run_b: str, stage: str, iteration: int | None, root: str, console: Console, limit: int = 20) -> dict:
+def diff_runs(run_a: str, run_b: str, stage: str, iteration: int | None, root: str, limit: int = 20) -> dict:
     from schemas.tables import TABLES
     from storage import RunLayout, scan
 

@@ -73,14 +73,9 @@ def superseded_stages(layout) -> set[tuple[str, int]]:
     """(stage, iteration) pairs that `rlpipe rerun` moved aside (see superseded.json)."""
     import json
 
-    log = layout.run_dir / "superseded.json"
-    out = set()
-    for record in json.loads(log.read_text()) if log.exists() else []:
-        for rel in record["moved"]:
-            parts = rel.split("/")
-            if len(parts) == 2 and parts[1].startswith("iter=") and parts[0] != "checkpoints":
-                out.add((parts[0], int(parts[1][5:])))
-    return out
+    log = layout.superseded_log
+    records = json.loads(log.read_text()) if log.exists() else []
+    return {(name, k) for record in records for name, k in record["stages"]}
 
 
 def show_run(run_id: str, root: str, console: Console) -> None:
@@ -90,8 +85,9 @@ def show_run(run_id: str, root: str, console: Console) -> None:
     if not layout.run_dir.is_dir():
         raise FileNotFoundError(f"run {run_id!r} not found under {root}")
     superseded = superseded_stages(layout)
-    stages = sorted(set(layout.stages()) | {s for s, _ in superseded}, key=lambda s: (s not in layout.stages(), s))
-    iterations = sorted({it for s in layout.stages() for it in layout.iterations(s)} | {it for _, it in superseded})
+    present = {s: set(layout.iterations(s)) for s in layout.stages()}  # listed once, not per cell
+    stages = sorted(set(present) | {s for s, _ in superseded}, key=lambda s: (s not in present, s))
+    iterations = sorted({it for its in present.values() for it in its} | {it for _, it in superseded})
     status = Table(title=f"{run_id}: stages")
     status.add_column("iteration")
     for s in stages:
@@ -99,12 +95,12 @@ def show_run(run_id: str, root: str, console: Console) -> None:
     for it in iterations:
         cells = []
         for s in stages:
-            present = s in layout.stages() and it in layout.iterations(s)
-            m = read_manifest(layout, s, it, verify=False) if present else None
+            here = it in present.get(s, ())
+            m = read_manifest(layout, s, it, verify=False) if here else None
             if m:
                 cells.append(f"complete ({m['wall_seconds']:.1f}s)")
             else:
-                cells.append("superseded" if (s, it) in superseded else "missing" if present else "")
+                cells.append("superseded" if (s, it) in superseded else "missing" if here else "")
         status.add_row(str(it), *cells)
     Console().print(status)
     metrics = scan(run_id, "train_metrics", root).collect()

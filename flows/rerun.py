@@ -36,29 +36,35 @@ def downstream_of(stage: str) -> set[str]:
     return set(ITERATION_STAGES[ITERATION_STAGES.index(_stage_table(stage)):])  # advantages also writes prompt_stats
 
 
+def stale_stages(layout, stage: str, iteration: int) -> list[tuple[str, int]]:
+    """(stage, iteration) pairs that recomputing `stage` at `iteration` makes stale."""
+    later = downstream_of(stage)
+    return [
+        (name, k) for name in layout.stages() for k in layout.iterations(name)
+        if k > iteration or (k == iteration and name in later)
+    ]
+
+
+def stale_checkpoints(layout, stage: str, iteration: int) -> list[int]:
+    """Checkpoints written by a stale optimize: from `iteration` on when optimize itself is stale."""
+    first = iteration if "train_metrics" in downstream_of(stage) else iteration + 1
+    return [k for k in layout.checkpoint_iterations() if k >= first]
+
+
 def affected(layout, stage: str, iteration: int) -> list[Path]:
     """Every path that recomputing `stage` at `iteration` makes stale, in the run folder."""
-    out = []
-    later = downstream_of(stage)
-    for name in layout.stages():
-        for it_dir in sorted(layout.stage_root(name).glob("iter=*")):
-            k = int(it_dir.name.split("=")[1])
-            if k > iteration or (k == iteration and name in later):
-                out.append(it_dir)
-    for ckpt in sorted((layout.run_dir / "checkpoints").glob("iter=*")):
-        k = int(ckpt.name.split("=")[1].split(".")[0])
-        if k > iteration or (k == iteration and "train_metrics" in later):
-            out.append(ckpt)
-    if layout.summary_path.exists():
-        out.append(layout.summary_path)
-    return out
+    out = [layout.stage_dir(name, k) for name, k in stale_stages(layout, stage, iteration)]
+    out += [layout.checkpoint_dir(k) for k in stale_checkpoints(layout, stage, iteration)]
+    return out + ([layout.summary_path] if layout.summary_path.exists() else [])
 
 
 def supersede(layout, stage: str, iteration: int, overrides: list[str]) -> dict:
     """Move the stale paths under `_superseded/{n}/` (same relative layout) and log the move."""
-    base = layout.run_dir / "_superseded"
-    n = len(list(base.glob("*"))) if base.exists() else 0
-    target = base / f"{n:03d}"
+    from storage import write_json_atomic
+
+    history = json.loads(layout.superseded_log.read_text()) if layout.superseded_log.exists() else []
+    target = layout.superseded_dir(len(history))
+    stages = stale_stages(layout, stage, iteration)
     moved = []
     for path in affected(layout, stage, iteration):
         rel = path.relative_to(layout.run_dir)
@@ -66,12 +72,9 @@ def supersede(layout, stage: str, iteration: int, overrides: list[str]) -> dict:
         os.replace(path, target / rel)
         moved.append(str(rel))
     record = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "iteration": iteration, "stage": stage,
-              "overrides": overrides, "kept_in": str(target.relative_to(layout.run_dir)), "moved": moved}
-    log = layout.run_dir / "superseded.json"
-    history = json.loads(log.read_text()) if log.exists() else []
-    from storage import write_json_atomic
-
-    write_json_atomic(log, history + [record])
+              "overrides": overrides, "kept_in": str(target.relative_to(layout.run_dir)), "moved": moved,
+              "stages": [[name, k] for name, k in stages]}
+    write_json_atomic(layout.superseded_log, history + [record])
     return record
 
 
@@ -92,15 +95,16 @@ def _link_tree(src: Path, dst: Path) -> int:
 
 def fork(src_layout, dst_layout, stage: str, iteration: int) -> int:
     """Share (hard-link) everything of src that recomputing `stage` at `iteration` leaves valid."""
-    stale = set(affected(src_layout, stage, iteration))
+    stale = set(stale_stages(src_layout, stage, iteration))
+    stale_ckpts = set(stale_checkpoints(src_layout, stage, iteration))
     linked = 0
     for name in src_layout.stages():
-        for it_dir in sorted(src_layout.stage_root(name).glob("iter=*")):
-            if it_dir not in stale:
-                linked += _link_tree(it_dir, dst_layout.run_dir / it_dir.relative_to(src_layout.run_dir))
-    for ckpt in sorted((src_layout.run_dir / "checkpoints").glob("*")):
-        if ckpt not in stale and not ckpt.name.endswith(".tmp"):
-            linked += _link_tree(ckpt, dst_layout.run_dir / ckpt.relative_to(src_layout.run_dir))
+        for k in src_layout.iterations(name):
+            if (name, k) not in stale:
+                linked += _link_tree(src_layout.stage_dir(name, k), dst_layout.stage_dir(name, k))
+    for k in src_layout.checkpoint_iterations():
+        if k not in stale_ckpts:
+            linked += _link_tree(src_layout.checkpoint_dir(k), dst_layout.checkpoint_dir(k))
     return linked
 
 
@@ -149,7 +153,7 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
     import yaml
 
     from schemas.config import build_config, dump_config
-    from storage import RunLayout, read_manifest
+    from storage import RunLayout, read_manifest, write_json_atomic
     from storage.stage_io import write_bytes_atomic
 
     if stage not in RERUNNABLE:
@@ -170,8 +174,8 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
             raise FileExistsError(f"fork target {fork_id!r} already exists under {root}")
         linked = fork(src, target, stage, iteration)
         write_bytes_atomic(target.config_path, dump_config(cfg).encode())
-        (target.run_dir / "forked_from.json").write_text(json.dumps(
-            {"run": run_id, "iteration": iteration, "stage": stage, "overrides": overrides, "linked_files": linked}, indent=1))
+        write_json_atomic(target.forked_from_path,
+                          {"run": run_id, "iteration": iteration, "stage": stage, "overrides": overrides, "linked_files": linked})
         extra = {"linked_files": linked}
     started = time.time()
     recompute(root, target.run_id, stage, iteration)

@@ -4,7 +4,10 @@
     {root}/{run_id}/{stage}/iter={k:05d}/part-{n:05d}.parquet
     {root}/{run_id}/{stage}/iter={k:05d}/_manifest.json
     {root}/{run_id}/checkpoints/iter={k:05d}/        (RL; checkpoints/sft/ for the SFT warm start)
+    {root}/{run_id}/checkpoints/iter={k:05d}/critic/ (PPO's value model)
     {root}/{run_id}/summary.json
+    {root}/{run_id}/superseded.json, _superseded/{n:03d}/  (what `rlpipe rerun` moved aside)
+    {root}/{run_id}/forked_from.json                  (a run made by `rlpipe rerun --fork`)
 """
 
 from __future__ import annotations
@@ -68,12 +71,34 @@ class RunLayout:
     def part_path(self, stage: str, iteration: int, part: int) -> Path:
         return self.stage_dir(stage, iteration) / f"part-{part:05d}.parquet"
 
+    @property
+    def checkpoints_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
     def checkpoint_dir(self, iteration: int) -> Path:
-        return self.run_dir / "checkpoints" / f"iter={iteration:05d}"
+        return self.checkpoints_root / f"iter={iteration:05d}"
+
+    def checkpoint_iterations(self) -> list[int]:
+        """Iterations with a committed checkpoint folder (`.tmp` folders of an interrupted update excluded)."""
+        return sorted(int(p.name.split("=", 1)[1]) for p in self.checkpoints_root.glob("iter=*") if p.name[5:].isdigit())
+
+    def critic_dir(self, iteration: int) -> Path:
+        return self.checkpoint_dir(iteration) / "critic"
+
+    @property
+    def superseded_log(self) -> Path:
+        return self.run_dir / "superseded.json"
+
+    def superseded_dir(self, n: int) -> Path:
+        return self.run_dir / "_superseded" / f"{n:03d}"
+
+    @property
+    def forked_from_path(self) -> Path:
+        return self.run_dir / "forked_from.json"
 
     @property
     def sft_checkpoint_dir(self) -> Path:
-        return self.run_dir / "checkpoints" / "sft"
+        return self.checkpoints_root / "sft"
 
     def stages(self) -> list[str]:
         """Stage folders of the run (checkpoints share the iter= layout but are not a table)."""

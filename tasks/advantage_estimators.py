@@ -83,10 +83,10 @@ def _kl_expr(estimator: str) -> pl.Expr:
     return (-lr).exp() - 1.0 + lr  # k3 and k3+
 
 
-def explode_tokens(df: pl.DataFrame, columns: list[str]) -> pl.DataFrame:
-    """One row per response token: `_seq` (row of df), `_t` (position), `_T` (response length)."""
-    long = df.select(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_seq"), "reward", "advantage", *columns)
-    long = long.explode(columns) if columns else long
+def explode_tokens(df: pl.DataFrame, lists: list[str], keep: tuple[str, ...] = ()) -> pl.DataFrame:
+    """One row per response token: the `lists` columns exploded, the `keep` columns repeated, plus `_seq`
+    (row of df), `_t` (position) and `_T` (response length)."""
+    long = df.select(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_seq"), *keep, *lists).explode(lists)
     return long.with_columns(
         pl.int_range(pl.len(), dtype=pl.Int32).over("_seq").alias("_t"), pl.len().over("_seq").cast(pl.Int32).alias("_T")
     )
@@ -131,7 +131,7 @@ def to_tokens(df: pl.DataFrame, s: AdvantageSettings, whiten_tokens: bool = Fals
         tokens = pl.col("advantage").cast(pl.Float32).repeat_by(pl.col("length"))
         return df.with_columns(tokens.alias("token_advantages"), tokens.alias("returns"))
     if s.kl_beta:
-        long = explode_tokens(df, ["old_logprobs", "ref_logprobs"])
+        long = explode_tokens(df, ["old_logprobs", "ref_logprobs"], keep=("advantage",))
         penalty = (-s.kl_beta * _kl_expr(s.kl_estimator)).alias("_pen")
         long = long.with_columns(penalty).with_columns((pl.col("advantage") + pl.col("_pen").cum_sum(reverse=True).over("_seq")).alias("_a"))
     else:
@@ -240,7 +240,7 @@ def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     """Token rewards R_t = −β·kl_t, plus r on the last token; δ_t = R_t + γ·V_{t+1} − V_t (V_{T+1} = 0);
     A_t = δ_t + γλ·A_{t+1}; returns = A + V; then A is whitened over the batch's response tokens."""
     cols = ["values"] + (["old_logprobs", "ref_logprobs"] if s.kl_beta else [])
-    long = explode_tokens(df.with_columns(pl.lit(0.0).alias("advantage")), cols)
+    long = explode_tokens(df, cols, keep=("reward",))
     v = pl.col("values").cast(pl.Float64)
     last = pl.col("_t") == pl.col("_T") - 1
     token_reward = pl.when(last).then(pl.col("reward")).otherwise(0.0)

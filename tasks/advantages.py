@@ -36,7 +36,7 @@ def advantage_inputs(ctx: RunContext, iteration: int, kept_only: bool = True) ->
 
 def advantage_settings(ctx: RunContext, iteration: int) -> AdvantageSettings:
     a, kl = ctx.cfg.advantage, ctx.cfg.kl
-    beta = kl_beta(ctx, iteration) if kl.placement == "reward" else 0.0
+    beta = kl_beta(ctx, iteration) if kl.placement == "reward" else 0.0  # a KL in the loss is the trainer's
     return AdvantageSettings(eps=a.eps, gamma=a.gamma, lam=a.lam, kl_beta=beta, kl_estimator=kl.estimator)
 
 

@@ -14,8 +14,11 @@ def adapt_beta(beta: float, kl: float, target: float, n: int, horizon: int) -> f
 
 
 def kl_beta(ctx: RunContext, iteration: int) -> float:
-    """β for `iteration`, from the previous iteration's recorded β, KL to ref and sample count."""
+    """β for `iteration` (0 when the run uses no KL), from the previous iteration's recorded β, KL to ref and
+    sample count."""
     k = ctx.cfg.kl
+    if k.placement == "none":
+        return 0.0
     if k.target is None or iteration <= 1:
         return k.beta
     prev = read_stage(ctx.layout, "train_metrics", iteration - 1).row(0, named=True)

@@ -46,13 +46,16 @@ def ptx_data(ctx: RunContext) -> Path:
     return path
 
 
-def critic_request(ctx: RunContext, iteration: int) -> dict | None:
+def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> dict | None:
+    """The critic's part of the trainer request; it is saved inside the policy's temporary checkpoint folder
+    `tmp`, at the place the layout gives it, so both are committed by one rename."""
     if not ctx.cfg.uses_critic:
         return None
     c, prev = ctx.cfg.critic, critic_after(ctx, iteration - 1)
+    out_dir = tmp / ctx.layout.critic_dir(iteration).relative_to(ctx.layout.checkpoint_dir(iteration))
     return {
         "path": prev.path, "fresh": prev.fresh, "resume_state": None if prev.fresh else f"{prev.path}/ds_state",
-        "lr": c.lr, "value_clip": c.value_clip, "coef": c.coef,
+        "out_dir": str(out_dir), "lr": c.lr, "value_clip": c.value_clip, "coef": c.coef,
     }
 
 
@@ -70,7 +73,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
     ctx = load_run(storage_root, run_id)
     policy = weights_after(ctx, iteration - 1)
     o, lc, kl = ctx.cfg.optim, ctx.cfg.loss, ctx.cfg.kl
-    beta = kl_beta(ctx, iteration) if kl.placement != "none" else 0.0
+    beta = kl_beta(ctx, iteration)
 
     def compute():
         data_path = scratch_file(ctx, "optimize.in.parquet")
@@ -94,7 +97,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
                     "clip_eps_high": lc.clip_eps_high, "dual_clip": lc.dual_clip, "kl_estimator": kl.estimator,
                     "kl_in_loss": kl.placement == "loss", "kl_beta": beta, "entropy_coef": lc.entropy_coef,
                 },
-                "critic": critic_request(ctx, iteration),
+                "critic": critic_request(ctx, iteration, tmp),
                 "ptx_coef": lc.ptx_coef, "ptx_batch": lc.ptx_batch,
                 "ptx_data_path": str(ptx_data(ctx)) if lc.ptx_coef else None,
             },
@@ -103,15 +106,14 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         commit_dir(tmp, final)
         data_path.unlink()
         rollouts, advantages = read_stage(ctx.layout, "rollouts", iteration), read_stage(ctx.layout, "advantages", iteration)
-        critic_metrics = {}
-        if ctx.cfg.uses_critic:
-            critic_metrics["explained_variance"] = explained_variance(advantages, read_stage(ctx.layout, "logprobs", iteration))
+        logprobs = read_stage(ctx.layout, "logprobs", iteration)
+        critic_metrics = {"explained_variance": explained_variance(advantages, logprobs)} if ctx.cfg.uses_critic else {}
         row = {
             "iteration": iteration, "policy_version": iteration, **resp["metrics"], **critic_metrics, "kl_beta": beta,
             "loss_masked_fraction": masked,
             **rollout_metrics(rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)),
             **advantage_metrics(advantages),
-            "sampler_logprob_gap": sampler_gap(rollouts, read_stage(ctx.layout, "logprobs", iteration)),
+            "sampler_logprob_gap": sampler_gap(rollouts, logprobs),
             "seconds_optimize": resp["train_seconds"], **stage_seconds(ctx, iteration),
         }
         frame = pl.DataFrame([row]).with_columns(

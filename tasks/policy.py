@@ -58,4 +58,4 @@ def critic_after(ctx: RunContext, iteration: int) -> CriticWeights:
     """PPO's critic after `iteration` updates; before any, it is built from the starting policy."""
     if iteration == 0:
         return CriticWeights(ctx.cfg.model.path, True)
-    return CriticWeights(str(ctx.layout.checkpoint_dir(iteration) / "critic"), False)
+    return CriticWeights(str(ctx.layout.critic_dir(iteration)), False)

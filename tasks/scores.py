@@ -18,13 +18,12 @@ from tasks.rewards import code_hash, score_frame
 def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, rollouts_fp: str) -> StageOutput:
     ctx = load_run(storage_root, run_id)
     weights = dict(ctx.cfg.reward.weights)
-    max_tokens = ctx.cfg.rollout.max_tokens
 
     def compute():
         rollouts = read_stage(ctx.layout, "rollouts", iteration).filter(pl.col("round") == round_)
         prompts = read_stage(ctx.layout, "prompts", iteration)
         answers = dict(zip(prompts["prompt_id"].to_list(), prompts["answer"].to_list()))
-        return Computed(score_frame(rollouts, answers, ctx.cfg.reward, max_tokens))
+        return Computed(score_frame(rollouts, answers, ctx.cfg.reward, ctx.cfg.rollout.max_tokens))
 
     return run_stage(
         ctx, "scores", iteration, sections=("reward",), part=round_, salt=code_hash(weights),

@@ -5,7 +5,7 @@ lr, weight_decay, grad_clip, micro_batch_size, seed; optional resume_state (a De
 - sft: data_path (text, response), steps, batch_size, warmup_steps.
 - rl: data_path (prompt_token_ids, token_ids, old/ref_logprobs, token_advantages, loss_mask; values and
   returns with a critic), ppo_epochs, minibatches, max_tokens, loss settings; optional critic (path, fresh,
-  resume_state, lr, value_clip, coef) and ptx_coef/ptx_batch/ptx_data_path.
+  resume_state, out_dir, lr, value_clip, coef) and ptx_coef/ptx_batch/ptx_data_path.
 The checkpoint folder holds HF safetensors + tokenizer (what vLLM loads) and `ds_state/` (optimizer state),
 plus `critic/` (the same two) for PPO, written under tmp_dir and renamed into place by the caller's storage
 layer.
@@ -256,7 +256,7 @@ def handle(request: dict) -> dict:
         table.write_parquet(request["metrics_path"])
     _save(engine, tokenizer, request["tmp_dir"])
     if critic is not None:
-        _save(critic.engine, tokenizer, os.path.join(request["tmp_dir"], "critic"))
+        _save(critic.engine, tokenizer, request["critic"]["out_dir"])
     return {
         "metrics": metrics, "train_seconds": train_seconds, "deepspeed_version": deepspeed.__version__,
         "zero_stage": request["zero_stage"],
