@@ -24,6 +24,7 @@ from pathlib import Path
 import polars as pl
 
 from schemas.tables import TABLES, TableSchema
+from storage.crash import crash_point
 from storage.layout import RunLayout
 
 MANIFEST_VERSION = 1
@@ -172,6 +173,7 @@ def write_stage(
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     df.write_parquet(tmp, compression="zstd", statistics=True)
     os.replace(tmp, final)
+    crash_point(f"{stage}:{iteration}")
 
     previous = read_manifest(layout, stage, iteration, verify=False)
     kept = [p for p in (previous or {}).get("parts", []) if p["index"] < part]

@@ -7,6 +7,7 @@ Reads `rollouts`, `logprobs`, `advantages`, `scores` and `batch` of the iteratio
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import polars as pl
@@ -82,6 +83,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         masked = float((samples["loss_mask"] == 0).mean())
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save: never mix old and new files
         prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
         resp = run_worker(
             "deepspeed_train",
@@ -91,7 +93,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
                 "zero_stage": o.zero_stage, "lr": o.lr, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
                 "micro_batch_size": o.micro_batch_size, "ppo_epochs": o.ppo_epochs, "minibatches": o.minibatches,
                 "warmup_steps": o.warmup_steps, "first_step": (iteration - 1) * o.ppo_epochs * o.minibatches,
-                "max_tokens": ctx.cfg.rollout.max_tokens,
+                "max_tokens": ctx.cfg.rollout.max_tokens, "crash_point": f"optimize:{iteration}",
                 "loss": {
                     "objective": lc.objective, "aggregation": lc.aggregation, "clip_eps_low": lc.clip_eps_low,
                     "clip_eps_high": lc.clip_eps_high, "dual_clip": lc.dual_clip, "kl_estimator": kl.estimator,

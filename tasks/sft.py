@@ -41,6 +41,7 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
         data_path, metrics_path = scratch_file(ctx, "sft.in.parquet"), scratch_file(ctx, "sft.metrics.parquet")
         read_stage(ctx.layout, "sft_data", 0).write_parquet(data_path)
         tmp = final.with_name("sft.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
         resp = run_worker(
             "deepspeed_train",
             {

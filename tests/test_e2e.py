@@ -1,4 +1,5 @@
-"""End to end on a tiny model with real vLLM, DeepSpeed and Prefect: SFT, 2 RL iterations, SIGKILL, resume."""
+"""End to end on a tiny model with real vLLM, DeepSpeed and Prefect: SFT, 2 RL iterations, SIGKILL inside each
+stage and resume, the stateful presets, fork and diff."""
 
 import hashlib
 import json
@@ -6,62 +7,90 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from storage import RunLayout
+from storage import RunLayout, read_manifest
+from storage.crash import CRASH_ENV
 from tests.conftest import ROOT, rlpipe, tiny_config
 
 pytestmark = pytest.mark.e2e
 
 
-def stage_digest(layout: RunLayout, iteration: int) -> dict[str, str]:
+def complete_digest(layout: RunLayout) -> dict[str, str]:
+    """sha256 of every file of every complete stage-iteration, and of every committed checkpoint."""
     out = {}
-    for stage in ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages", "train_metrics"):
-        folder = layout.stage_dir(stage, iteration)
-        for f in sorted(folder.iterdir()):
-            out[f"{stage}/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
+    for stage in layout.stages():
+        for it in layout.iterations(stage):
+            if read_manifest(layout, stage, it, verify=False) is None:
+                continue
+            for f in sorted(layout.stage_dir(stage, it).iterdir()):
+                if not f.name.startswith("."):
+                    out[f"{stage}/{it}/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
+    for it in layout.checkpoint_iterations():
+        for f in sorted(layout.checkpoint_dir(it).rglob("*")):
+            if f.is_file():
+                out[str(f.relative_to(layout.run_dir))] = hashlib.sha256(f.read_bytes()).hexdigest()
     return out
 
 
-def test_rl_run_survives_sigkill_and_resumes(workspace):
-    cfg = tiny_config(workspace)
-    rlpipe("init-model", "--config", str(cfg), cwd=workspace)
-    rlpipe("sft", str(cfg), "--run-id", "e2e", cwd=workspace)
-    layout = RunLayout(workspace / "runs", "e2e")
+def run_until_killed(workspace, cfg, run_id: str, crash_at: str) -> None:
+    """`rlpipe run` in its own process group, SIGKILLed (the whole group, as a machine failure would) at the
+    named point inside a stage (storage/crash.py)."""
+    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT),
+           "PREFECT_LOGGING_LEVEL": "WARNING", CRASH_ENV: crash_at}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(cfg), "--run-id", run_id], cwd=workspace,
+                          env=env, capture_output=True, text=True, start_new_session=True, timeout=900)
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {crash_at} ({proc.returncode}): {proc.stderr[-2000:]}"
 
-    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT)}
-    # Its own process group, so the crash below takes everything the run started (Prefect's temporary API
-    # server included), as a machine failure would.
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(cfg), "--run-id", "e2e"], cwd=workspace,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 600
-    while not layout.manifest_path("train_metrics", 1).exists():
-        assert proc.poll() is None, "run ended before it could be interrupted"
-        assert time.time() < deadline
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done_before = stage_digest(layout, 1)
-    assert not layout.manifest_path("train_metrics", 2).exists()
 
-    rlpipe("run", str(cfg), "--run-id", "e2e", cwd=workspace)
-    assert stage_digest(layout, 1) == done_before  # completed stages were skipped, files untouched
+# Crash once inside each stage, in order, resuming each time: iteration 1's rollouts, scores, logprobs and
+# advantages are each killed after their Parquet part is written and before the manifest; optimize is
+# killed inside the DeepSpeed worker with new weights saved and the optimizer state not.
+CRASHES = [("rollouts", 1), ("scores", 1), ("logprobs", 1), ("advantages", 1), ("optimize", 1), ("optimize", 2)]
+
+
+def test_sigkill_inside_each_stage_then_resume(tiny_sft):
+    workspace, cfg = tiny_sft
+    layout = RunLayout(workspace / "runs", "crashy")
+    for stage, it in CRASHES:
+        done_before = complete_digest(layout)
+        run_until_killed(workspace, cfg, "crashy", f"{stage}:{it}")
+        table = "train_metrics" if stage == "optimize" else stage
+        assert not layout.manifest_path(table, it).exists(), f"{stage} {it} marked complete after a crash inside it"
+        if stage != "optimize":
+            assert layout.part_path(stage, it, 0).exists()  # the crash did land between the data and the manifest
+        else:
+            final = layout.checkpoint_dir(it)
+            assert not final.exists() and (final.with_name(final.name + ".tmp") / "model.safetensors").exists()
+        after = complete_digest(layout)
+        assert {k: after.get(k) for k in done_before} == done_before, f"complete files changed by the crash in {stage}"
+    done_before = complete_digest(layout)
+    rlpipe("run", str(cfg), "--run-id", "crashy", cwd=workspace)
+    after = complete_digest(layout)
+    assert {k: after.get(k) for k in done_before} == done_before  # completed stages were skipped, files untouched
     summary = json.loads(layout.summary_path.read_text())
     assert summary["iterations"] == 2 and summary["eval_prompts"] == 32
+    assert layout.checkpoint_iterations() == [1, 2] and layout.iterations("train_metrics") == [1, 2]
     assert summary["eval_accuracy_sft"] is not None and summary["eval_accuracy_final"] is not None
     for it in (1, 2):
         rollouts = json.loads(layout.manifest_path("rollouts", it).read_text())
         assert rollouts["engines"]["vllm"] == "0.32.0"
         metrics = json.loads(layout.manifest_path("train_metrics", it).read_text())
         assert metrics["engines"]["deepspeed"] == "0.19.8" and metrics["engines"]["zero_stage"] == 1
-    sql = rlpipe("sql", "e2e", "select iteration, avg(reward) from scores group by 1 order by 1",
-                 "--root", str(workspace / "runs"), cwd=workspace)
+        assert read_table(layout, "train_metrics", it)["optimizer_steps"][0] == 2  # ppo_epochs 1 × minibatches 2
+    root = str(workspace / "runs")
+    sql = rlpipe("sql", "crashy", "select iteration, avg(reward) from scores group by 1 order by 1", "--root", root, cwd=workspace)
     rows = [line for line in sql.stdout.splitlines() if line.strip().startswith("│")]
     assert [r.split("│")[1].strip() for r in rows] == ["1", "2"]
-    refused = rlpipe("sql", "e2e", "copy scores to 'x.csv'", "--root", str(workspace / "runs"), cwd=workspace, check=False)
+    refused = rlpipe("sql", "crashy", "copy scores to 'x.csv'", "--root", root, cwd=workspace, check=False)
     assert refused.returncode == 1 and "read-only" in refused.stderr
+    rlpipe("report", "crashy", "--root", root, cwd=workspace)
+    html = (layout.run_dir / "report.html").read_text()
+    for plot in ("reward", "accuracy", "kl", "entropy", "clip_fraction", "response_length", "nonzero_advantages",
+                 "repetition", "stage_seconds"):
+        assert (layout.run_dir / "report" / f"{plot}.png").read_bytes()[:4] == b"\x89PNG" and f"report/{plot}.png" in html
+    assert all(name in html for name in ("reward_vs_eval", "length_growth", "repetition"))
 
 
 @pytest.fixture(scope="module")

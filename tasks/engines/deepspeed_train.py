@@ -1,7 +1,7 @@
 """DeepSpeed trainer worker: SFT steps or one RL policy update, then an atomic checkpoint.
 
 Request (both modes): mode, model_path, out_dir (final checkpoint folder), tmp_dir, metrics_path, zero_stage,
-lr, weight_decay, grad_clip, micro_batch_size, seed; optional resume_state (a DeepSpeed state folder).
+lr, weight_decay, grad_clip, micro_batch_size, seed; optional resume_state (a DeepSpeed state folder), crash_point (storage/crash.py).
 - sft: data_path (text, response), steps, batch_size, warmup_steps.
 - rl: data_path (prompt_token_ids, token_ids, old/ref_logprobs, token_advantages, loss_mask; values and
   returns with a critic), ppo_epochs, minibatches, max_tokens, loss settings; optional critic (path, fresh,
@@ -18,6 +18,7 @@ import os
 import socket
 import time
 
+from storage.crash import crash_point
 from tasks.engines.launch import worker_main
 
 
@@ -51,9 +52,10 @@ def _engine(model, request, gas: int):
     return engine, optimizer
 
 
-def _save(engine, tokenizer, tmp_dir: str) -> None:
+def _save(engine, tokenizer, tmp_dir: str, crash_name: str = "") -> None:
     engine.module.save_pretrained(tmp_dir, safe_serialization=True)
     tokenizer.save_pretrained(tmp_dir)
+    crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
     engine.save_checkpoint(os.path.join(tmp_dir, "ds_state"), tag="state")
 
 
@@ -254,7 +256,7 @@ def handle(request: dict) -> dict:
     train_seconds = time.time() - t0
     if table is not None:
         table.write_parquet(request["metrics_path"])
-    _save(engine, tokenizer, request["tmp_dir"])
+    _save(engine, tokenizer, request["tmp_dir"], request.get("crash_point", ""))
     if critic is not None:
         _save(critic.engine, tokenizer, request["critic"]["out_dir"])
     return {
