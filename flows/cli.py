@@ -18,10 +18,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The temporary API must start while vLLM or DeepSpeed may hold both cores: Prefect's 20 s default is short.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
+from flows.deployments import DEMO_CONFIG, prepare_run  # noqa: E402  (imports prefect: after its settings above)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: LLM RL post-training as a Prefect DAG over Parquet stages.")
 console = Console(stderr=True)
 
-DEMO_CONFIG = "infra/configs/demo.yaml"
 SetOpt = typer.Option(None, "--set", help="Override a config value: --set a.b=value (repeatable).")
 
 
@@ -31,7 +32,9 @@ def _fail(message: str) -> None:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
+    from flows.deployments import DeployError
     from flows.inspect import QueryError
+    from flows.report import ReportError
     from schemas.config import ConfigError
     from schemas.tables import TableError
     from storage import LayoutError
@@ -43,7 +46,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from tasks.policy import ModelPathError
     from tasks.rollouts import ContextLengthError
 
-    return (ConfigError, FileExistsError, ModelPathError, TableError, LayoutError, EmptyBatchError, DatasetError, WorkerError, RewardError,
+    return (ConfigError, DeployError, ReportError, FileExistsError, ModelPathError, TableError, LayoutError, EmptyBatchError, DatasetError, WorkerError, RewardError,
             RewardPoolError, ContextLengthError, QueryError, FileNotFoundError, PermissionError)
 
 
@@ -73,21 +76,6 @@ def _exit_on_interrupt() -> None:
         os._exit(130)
 
     signal.signal(signal.SIGINT, stop)
-
-
-def prepare_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None):
-    """Validate the config, create the run folder and save the resolved config. Returns (cfg, layout)."""
-    from schemas.config import dump_config, load_config
-    from storage import RunLayout
-    from storage.stage_io import write_bytes_atomic
-
-    cfg = load_config(config, overrides, algo)
-    layout = RunLayout(Path(cfg.storage_root), run_id)
-    try:
-        write_bytes_atomic(layout.config_path, dump_config(cfg).encode())
-    except OSError as exc:
-        raise PermissionError(f"cannot write to storage root {cfg.storage_root!r}: {exc.strerror}") from None
-    return cfg, layout
 
 
 @app.command("init-model")
@@ -239,6 +227,24 @@ def diff(
     from flows.diff import diff_runs
 
     _guard(diff_runs, run_a, run_b, stage, iteration, root, limit)
+
+
+@app.command()
+def report(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
+    """runs/RUN/report.html: per-iteration plots (PNG) and reward-hacking flags."""
+    from flows.report import write_report
+
+    console.print(f"report: {_guard(write_report, run_id, root)}", highlight=False)
+
+
+@app.command()
+def deploy(api_url: Optional[str] = typer.Option(None, "--api-url", help="The server's API (default: $PREFECT_API_URL).")) -> None:
+    """Register the deployments of infra/prefect.yaml (rl, sft) on a Prefect server, on the `rlpipe`
+    process work pool (created if missing). Then start a worker: `prefect worker start --pool rlpipe`."""
+    from flows.deployments import deploy as do_deploy
+
+    for name in _guard(do_deploy, api_url):
+        console.print(f"deployed {name}", highlight=False)
 
 
 def _print_summary(summary: dict) -> None:

@@ -24,7 +24,7 @@ def _watch(layout, progress, bars, stop: threading.Event) -> None:
 
 
 def run_demo(config: str, overrides: list[str], run_id: str, console: Console) -> dict:
-    from flows.cli import prepare_run
+    from flows.deployments import prepare_run
     from flows.rl import rl_run
     from flows.sft import sft_flow
     from tasks.model_init import init_model

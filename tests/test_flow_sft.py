@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.cli import prepare_run
+from flows.deployments import prepare_run
 from flows.sft import sft_flow
 from storage import RunLayout, read_stage
 from tasks.model_init import init_model

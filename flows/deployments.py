@@ -1,0 +1,93 @@
+"""Entry flows for Prefect deployments (`infra/prefect.yaml`), and `rlpipe deploy`.
+
+A deployed run is triggered with parameters alone (from `prefect deployment run` or the UI), so each entry
+flow takes a config path, `--set`-style overrides and a run id, validates and saves the config exactly as
+the CLI does, and then runs the same flow the CLI runs. Paths are relative to the repository root: the
+deployments' pull step makes it the working directory of every flow run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prefect import flow
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PREFECT_FILE = REPO_ROOT / "infra" / "prefect.yaml"
+WORK_POOL = "rlpipe"
+DEMO_CONFIG = "infra/configs/demo.yaml"
+
+
+def prepare_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None):
+    """Validate the config, create the run folder and save the resolved config. Returns (cfg, layout)."""
+    from schemas.config import dump_config, load_config
+    from storage import RunLayout
+    from storage.stage_io import write_bytes_atomic
+
+    cfg = load_config(config, overrides, algo)
+    layout = RunLayout(Path(cfg.storage_root), run_id)
+    try:
+        write_bytes_atomic(layout.config_path, dump_config(cfg).encode())
+    except OSError as exc:
+        raise PermissionError(f"cannot write to storage root {cfg.storage_root!r}: {exc.strerror}") from None
+    return cfg, layout
+
+
+@flow(name="rlpipe-rl", flow_run_name="{run_id}")
+def rl_deployment(config: str = DEMO_CONFIG, run_id: str = "rl", overrides: list[str] | None = None,
+                  algo: str | None = None) -> dict:
+    """RL from the SFT model (or resume the run): the `rl` flow on a saved config."""
+    from flows.rl import rl_run
+    from tasks.policy import model_fingerprint
+
+    cfg, _ = prepare_run(config, overrides, run_id, algo)
+    model_fingerprint(cfg.model.path)  # fail before any stage if the model is missing
+    return rl_run(run_id, cfg.storage_root)
+
+
+@flow(name="rlpipe-sft", flow_run_name="{run_id}")
+def sft_deployment(config: str = DEMO_CONFIG, run_id: str = "sft", overrides: list[str] | None = None) -> dict:
+    """The SFT warm start; the base model is built from the recipe first if it is not there yet."""
+    from flows.sft import sft_flow
+    from tasks.model_init import init_model
+
+    cfg, _ = prepare_run(config, overrides, run_id)
+    init_model(cfg.model.recipe, cfg.model.base_path)
+    return sft_flow(run_id, cfg.storage_root)
+
+
+class DeployError(RuntimeError):
+    pass
+
+
+def _prefect(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True)
+
+
+def deploy(api_url: str | None) -> list[str]:
+    """Create the `rlpipe` process work pool if needed and register every deployment in infra/prefect.yaml
+    on the server at `api_url`. Returns the deployment names."""
+    import yaml
+
+    api_url = api_url or os.environ.get("PREFECT_API_URL")
+    if not api_url:
+        raise DeployError("no Prefect server: pass --api-url or set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api)")
+    env = {**os.environ, "PREFECT_API_URL": api_url, "RLPIPE_HOME": str(REPO_ROOT)}
+    pool = _prefect("work-pool", "create", WORK_POOL, "--type", "process", env=env)
+    if pool.returncode != 0 and "already exists" not in pool.stdout + pool.stderr:
+        raise DeployError(f"cannot create work pool {WORK_POOL!r} at {api_url}: {_last_line(pool)}")
+    out = _prefect("deploy", "--all", "--prefect-file", str(PREFECT_FILE), env=env)
+    if out.returncode != 0:
+        raise DeployError(f"prefect deploy failed at {api_url}: {_last_line(out)}")
+    spec = yaml.safe_load(PREFECT_FILE.read_text())
+    # Every entrypoint is a flow of this module: its name is the first half of the deployment's full name.
+    return [f"{globals()[d['entrypoint'].split(':')[1]].name}/{d['name']}" for d in spec["deployments"]]
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit {proc.returncode}"

@@ -1,0 +1,96 @@
+"""Deployment against a real `prefect server`: deploy infra/prefect.yaml, start a process worker, trigger a
+deployment run with parameters from the CLI and wait for Completed. Everything started is stopped."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from storage import RunLayout
+from tests.conftest import ROOT, tiny_config
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        assert proc.poll() is None, "prefect server exited"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"prefect server at {url} not healthy after {seconds} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, then SIGKILL what is left (a worker may keep retrying a dead server)."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
+    cfg = tiny_config(tmp_path)
+    api = f"http://127.0.0.1:{free_port()}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api, "PYTHONPATH": str(ROOT),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_LOGGING_LEVEL": "WARNING"}
+    host, port = api.removeprefix("http://").removesuffix("/api").split(":")
+    started = []
+    try:
+        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", port],
+                                  env=env, cwd=tmp_path, stdout=open(tmp_path / "server.log", "wb"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        started.append(server)
+        wait_healthy(api, server, 180)
+
+        deployed = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=ROOT, capture_output=True, text=True)
+        assert deployed.returncode == 0, deployed.stderr[-2000:]
+        names = yaml.safe_load((ROOT / "infra/prefect.yaml").read_text())["deployments"]
+        assert {d["name"] for d in names} >= {"rl", "sft"}
+        assert "deployed rlpipe-sft/sft" in deployed.stderr and "deployed rlpipe-rl/rl" in deployed.stderr
+
+        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "rlpipe", "--type", "process"],
+                                  env=env, cwd=ROOT, stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        started.append(worker)
+        triggered = subprocess.run(
+            [sys.executable, "-m", "prefect", "--no-prompt", "deployment", "run", "rlpipe-sft/sft",
+             "--param", f"config={cfg}", "--param", "run_id=deployed", "--param", "overrides=" + json.dumps(["sft.steps=6"]),
+             "--watch", "--watch-interval", "2", "--watch-timeout", "600"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=700,
+        )
+        worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-2000:]
+        assert triggered.returncode == 0 and "Completed" in triggered.stdout, f"{triggered.stdout[-2000:]}\n{worker_log}"
+    finally:
+        for proc in reversed(started):
+            stop(proc)
+
+    layout = RunLayout(tmp_path / "runs", "deployed")
+    saved = yaml.safe_load(layout.config_path.read_text())
+    assert saved["sft"]["steps"] == 6  # the parameter reached the flow run
+    manifest = json.loads(layout.manifest_path("sft_metrics", 0).read_text())
+    assert manifest["rows"] == 6 and manifest["engines"]["deepspeed"] == "0.19.8"
+    assert (tmp_path / "models/sft/model.safetensors").exists()
