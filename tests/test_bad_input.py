@@ -42,14 +42,37 @@ def test_cli_rejects_bad_run_input(workspace, args, needle):
     assert not list((workspace / "runs").glob("*/*/iter=*/_manifest.json"))
 
 
-def test_max_tokens_beyond_the_model_context_is_refused_before_generating(workspace):
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    """A workspace with the recipe's untrained model (no SFT: these runs only need to start)."""
+    workspace = tmp_path_factory.mktemp("base")
     cfg = tiny_config(workspace)
     rlpipe("init-model", "--config", str(cfg), cwd=workspace)
+    return workspace, cfg
+
+
+def test_max_tokens_beyond_the_model_context_is_refused_before_generating(base_model):
+    workspace, cfg = base_model
     # The demo model's context is 64 tokens.
     proc = rlpipe("run", str(cfg), "--set", f"model.path={workspace}/models/base", "--set", "rollout.max_tokens=200",
                   cwd=workspace, check=False)
     assert proc.returncode == 1 and "exceeds the model's context of 64" in proc.stderr
     assert not list((workspace / "runs").glob("*/*/iter=*/_manifest.json"))
+
+
+@pytest.mark.e2e
+def test_every_group_filtered_for_max_rounds_stops_the_run(base_model):
+    """All-zero reward weights give every group zero variance: after max_rounds the batch stage refuses to
+    train on nothing, names the cause, and no batch (nor anything after it) is marked complete."""
+    workspace, cfg = base_model
+    proc = rlpipe("run", str(cfg), "--run-id", "empty", "--set", f"model.path={workspace}/models/base",
+                  "--set", "reward.weights.accuracy=0", "--set", "reward.weights.format=0", "--set", "batch.max_rounds=2",
+                  cwd=workspace, check=False)
+    assert proc.returncode == 1
+    assert "every group of iteration 1 was filtered (zero reward variance) after batch.max_rounds=2" in proc.stderr
+    run = workspace / "runs" / "empty"
+    assert len(list(run.glob("scores/iter=00001/part-*.parquet"))) == 2  # both rounds were sampled and scored
+    assert not list(run.glob("batch/iter=*/_manifest.json")) and not (run / "train_metrics").exists()
 
 
 def test_cli_reports_a_missing_run_for_sql(workspace):
