@@ -32,7 +32,7 @@ def connect(run_ids: list[str], root: str):
                 stages.setdefault(stage, []).append((run_id, files))
     for stage, runs in stages.items():
         selects = [
-            f"SELECT *, '{rid}' AS run_id FROM read_parquet({[str(f) for f in files]!r}, union_by_name=true)"
+            f"SELECT *, '{rid}' AS run_id FROM read_parquet({[str(f) for f in files]!r}, union_by_name=true, hive_partitioning=false)"
             for rid, files in runs
         ]
         con.execute(f'CREATE VIEW "{stage}" AS ' + " UNION ALL BY NAME ".join(selects))
