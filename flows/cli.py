@@ -34,7 +34,7 @@ def _fail(message: str) -> None:
 def _known_errors() -> tuple[type[BaseException], ...]:
     from flows.deployments import DeployError
     from flows.inspect import QueryError
-    from flows.report import ReportError
+    from tasks.report import ReportError
     from schemas.config import ConfigError
     from schemas.tables import TableError
     from storage import LayoutError
@@ -176,7 +176,7 @@ def compare_advantages_cmd(
 ) -> None:
     """Every estimator on one iteration's cached Parquet (no generation): non-zero fraction, mean |A|,
     effective token weight by length, correlation with grpo."""
-    from flows.compare import compare_advantages
+    from tasks.compare_advantages import compare_advantages
 
     names = [e.strip() for e in estimators.split(",") if e.strip()]
     _guard(compare_advantages, run_id, iteration, names, aggregation, root)
@@ -224,7 +224,7 @@ def diff(
     root: str = typer.Option("runs", "--root"),
 ) -> None:
     """Per-sample differences of one stage between two runs, matched on the table's keys."""
-    from flows.diff import diff_runs
+    from tasks.run_diff import diff_runs
 
     _guard(diff_runs, run_a, run_b, stage, iteration, root, limit)
 
@@ -232,7 +232,7 @@ def diff(
 @app.command()
 def report(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
     """runs/RUN/report.html: per-iteration plots (PNG) and reward-hacking flags."""
-    from flows.report import write_report
+    from tasks.report import write_report
 
     console.print(f"report: {_guard(write_report, run_id, root)}", highlight=False)
 

@@ -5,7 +5,7 @@ import time
 
 import polars as pl
 
-from flows.diff import diff_frames
+from tasks.run_diff import diff_frames
 from flows.rerun import affected, fork, supersede
 from storage import RunLayout, write_stage
 
