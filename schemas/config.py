@@ -155,6 +155,43 @@ class SFTConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
 
 
+class PreferenceConfig(Section):
+    """Preference data: a user's file (`data`: Parquet or JSONL of pairs or K-wise rankings), or, when
+    `data` is None, generated from the task: `k` samples per prompt from model.path, ranked by the rule
+    reward (correct ≻ incorrect; equal rewards tie)."""
+
+    data: str | None = None
+    n_prompts: int = Field(4096, ge=2)
+    k: int = Field(4, ge=2)
+    temperature: float = Field(1.0, gt=0)
+    heldout_fraction: float = Field(0.1, gt=0, lt=1)
+
+
+class RewardModelConfig(Section):
+    """Bradley–Terry reward model: a sequence-classification head on the model.path backbone."""
+
+    out_path: str = "models/demo-rm"
+    steps: int = Field(600, ge=1)
+    batch_size: int = Field(32, ge=1)  # rankings per optimizer step (a ranking is one element)
+    micro_batch_size: int = Field(32, ge=1)
+    lr: float = Field(5e-4, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    zero_stage: Literal[0, 1, 2, 3] = 1
+
+
+class DPOConfig(Section):
+    out_path: str = "models/demo-dpo"
+    beta: float = Field(0.1, gt=0)
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(64, ge=1)  # pairs per optimizer step
+    micro_batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    zero_stage: Literal[0, 1, 2, 3] = 1
+
+
 class RunConfig(Section):
     seed: int = 0
     storage_root: str = "runs"
@@ -171,6 +208,9 @@ class RunConfig(Section):
     rl: RLConfig = RLConfig()
     eval: EvalConfig = EvalConfig()
     sft: SFTConfig = SFTConfig()
+    preference: PreferenceConfig = PreferenceConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
+    dpo: DPOConfig = DPOConfig()
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "RunConfig":

@@ -141,7 +141,45 @@ EVAL = _table(
     unique=("iteration", "prompt_id"),
 )
 
+# Preference data. A K-wise ranking: rank 1 is best, equal ranks are ties (no preference between them).
+LIST_STR = pl.List(pl.Utf8)
+PREFERENCE_RANKINGS = _table(
+    "preference_rankings", 1,
+    {"prompt_id": STR, "prompt": STR, "responses": LIST_STR, "ranks": LIST_I32, "split": STR},
+    unique=("prompt_id",),
+)
+
+# Every ordered pair of a ranking with strictly different ranks (what DPO trains on).
+PREFERENCE_PAIRS = _table(
+    "preference_pairs", 1,
+    {"prompt_id": STR, "pair_idx": I32, "prompt": STR, "chosen": STR, "rejected": STR, "split": STR},
+    unique=("prompt_id", "pair_idx"),
+)
+
+RM_METRICS = _table("rm_metrics", 1, {"step": I32, "loss": F64, "lr": F64}, open=True)
+
+# Held-out pairs scored by a trained reward model (rm_eval) or by DPO's implicit reward (dpo_eval).
+PAIR_EVAL_COLUMNS = {"prompt_id": STR, "pair_idx": I32, "chosen_score": F64, "rejected_score": F64, "correct": BOOL}
+RM_EVAL = _table("rm_eval", 1, PAIR_EVAL_COLUMNS, unique=("prompt_id", "pair_idx"))
+
+# The frozen reference's sequence logprobs (sums over response tokens) of every pair, for DPO.
+REF_LOGPROBS = _table(
+    "ref_logprobs", 1,
+    {"prompt_id": STR, "pair_idx": I32, "chosen_logp": F64, "rejected_logp": F64},
+    unique=("prompt_id", "pair_idx"),
+)
+
+DPO_METRICS = _table(
+    "dpo_metrics", 1,
+    {"step": I32, "loss": F64, "lr": F64, "reward_margin": F64, "reward_accuracy": F64, "chosen_logp": F64,
+     "rejected_logp": F64},
+    open=True,
+)
+
+DPO_EVAL = _table("dpo_eval", 1, PAIR_EVAL_COLUMNS, unique=("prompt_id", "pair_idx"))
+
 TABLES: dict[str, TableSchema] = {
     t.name: t
-    for t in (SFT_DATA, SFT_METRICS, PROMPTS, ROLLOUTS, SCORES, BATCH, LOGPROBS, ADVANTAGES, PROMPT_STATS, TRAIN_METRICS, EVAL)
+    for t in (SFT_DATA, SFT_METRICS, PROMPTS, ROLLOUTS, SCORES, BATCH, LOGPROBS, ADVANTAGES, PROMPT_STATS, TRAIN_METRICS, EVAL,
+              PREFERENCE_RANKINGS, PREFERENCE_PAIRS, RM_METRICS, RM_EVAL, REF_LOGPROBS, DPO_METRICS, DPO_EVAL)
 }
