@@ -44,10 +44,11 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from tasks.reward_pool import RewardPoolError
     from tasks.rewards import RewardError
     from tasks.policy import ModelPathError
+    from tasks.preferences import PreferenceDataError
     from tasks.rollouts import ContextLengthError
 
     return (ConfigError, DeployError, ReportError, FileExistsError, ModelPathError, TableError, LayoutError, EmptyBatchError, DatasetError, WorkerError, RewardError,
-            RewardPoolError, ContextLengthError, QueryError, FileNotFoundError, PermissionError)
+            RewardPoolError, PreferenceDataError, ContextLengthError, QueryError, FileNotFoundError, PermissionError)
 
 
 def _guard(fn, *args, **kwargs):
@@ -120,19 +121,36 @@ def run(
     algo: Optional[str] = typer.Option(None, "--algo", help="Algorithm preset from infra/algos/ (ppo, grpo, dapo, dcpo, ...)."),
 ) -> None:
     """Run (or resume) RL: one Prefect flow run per iteration. Re-running the same command resumes."""
+    from flows.rl import rl_run
 
-    def go():
-        _exit_on_interrupt()
-        cfg, _ = prepare_run(config, overrides, run_id, algo)
-        from tasks.policy import model_fingerprint
+    _guard(_start, rl_run, config, overrides, run_id, algo)
 
-        model_fingerprint(cfg.model.path)  # fail now, not inside a flow, if the model is missing
-        from flows.rl import rl_run
 
-        summary = rl_run(run_id, cfg.storage_root)
-        _print_summary(summary)
+def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None) -> None:
+    """Validate and save the config, check the starting model exists (before any flow starts), run."""
+    from tasks.policy import model_fingerprint
 
-    _guard(go)
+    _exit_on_interrupt()
+    cfg, _ = prepare_run(config, overrides, run_id, algo)
+    model_fingerprint(cfg.model.path)
+    _print_summary(flow_fn(run_id, cfg.storage_root))
+
+
+@app.command("rm-train")
+def rm_train(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("rm", "--run-id")) -> None:
+    """Train a Bradley–Terry reward model on preference data (generated from the task when
+    preference.data is unset); exported to reward_model.out_path. Re-running resumes."""
+    from flows.reward_model import reward_model_flow
+
+    _guard(_start, reward_model_flow, config, overrides, run_id)
+
+
+@app.command()
+def dpo(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("dpo", "--run-id")) -> None:
+    """DPO from model.path on preference data; exported to dpo.out_path. Re-running resumes."""
+    from flows.dpo import dpo_flow
+
+    _guard(_start, dpo_flow, config, overrides, run_id)
 
 
 @app.command()
@@ -239,7 +257,7 @@ def report(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
 
 @app.command()
 def deploy(api_url: Optional[str] = typer.Option(None, "--api-url", help="The server's API (default: $PREFECT_API_URL).")) -> None:
-    """Register the deployments of infra/prefect.yaml (rl, sft) on a Prefect server, on the `rlpipe`
+    """Register the deployments of infra/prefect.yaml (rl, sft, reward-model, dpo) on a Prefect server, on the `rlpipe`
     process work pool (created if missing). Then start a worker: `prefect worker start --pool rlpipe`."""
     from flows.deployments import deploy as do_deploy
 

@@ -41,11 +41,33 @@ def rl_deployment(config: str = DEMO_CONFIG, run_id: str = "rl", overrides: list
                   algo: str | None = None) -> dict:
     """RL from the SFT model (or resume the run): the `rl` flow on a saved config."""
     from flows.rl import rl_run
+
+    return rl_run(run_id, _prepared(config, overrides, run_id, algo))
+
+
+@flow(name="rlpipe-reward-model", flow_run_name="{run_id}")
+def reward_model_deployment(config: str = DEMO_CONFIG, run_id: str = "rm", overrides: list[str] | None = None) -> dict:
+    """A Bradley–Terry reward model on preference data (generated from the task unless preference.data)."""
+    from flows.reward_model import reward_model_flow
+
+    return reward_model_flow(run_id, _prepared(config, overrides, run_id))
+
+
+@flow(name="rlpipe-dpo", flow_run_name="{run_id}")
+def dpo_deployment(config: str = DEMO_CONFIG, run_id: str = "dpo", overrides: list[str] | None = None) -> dict:
+    """DPO from model.path on preference data."""
+    from flows.dpo import dpo_flow
+
+    return dpo_flow(run_id, _prepared(config, overrides, run_id))
+
+
+def _prepared(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None) -> str:
+    """Save the run's config and check its starting model exists (before any stage); the storage root."""
     from tasks.policy import model_fingerprint
 
     cfg, _ = prepare_run(config, overrides, run_id, algo)
-    model_fingerprint(cfg.model.path)  # fail before any stage if the model is missing
-    return rl_run(run_id, cfg.storage_root)
+    model_fingerprint(cfg.model.path)
+    return cfg.storage_root
 
 
 @flow(name="rlpipe-sft", flow_run_name="{run_id}")

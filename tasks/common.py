@@ -72,6 +72,17 @@ def run_stage(
     )
 
 
+def export_checkpoint(checkpoint: Path, dest: str | Path) -> None:
+    """Copy a committed checkpoint to a model folder (what `model.path` or vLLM loads), without the
+    optimizer state; an existing folder is replaced."""
+    import shutil
+
+    dest = Path(dest)
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(checkpoint, dest, ignore=shutil.ignore_patterns("ds_state"))
+
+
 def scratch_file(ctx: RunContext, name: str) -> Path:
     ctx.layout.scratch_dir.mkdir(parents=True, exist_ok=True)
     return ctx.layout.scratch_dir / name

@@ -51,9 +51,9 @@ def eval_table(held_out: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFra
 
 
 @stage_task("eval")
-def eval_task(storage_root: str, run_id: str, iteration: int) -> StageOutput:
+def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics") -> StageOutput:
     ctx = load_run(storage_root, run_id)
-    weights = weights_after(ctx, iteration)
+    weights = weights_after(ctx, iteration, weights_stage)
     e, r = ctx.cfg.eval, ctx.cfg.rollout
 
     def compute():

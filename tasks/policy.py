@@ -37,11 +37,12 @@ def starting_weights(ctx: RunContext) -> Weights:
     return Weights(ctx.cfg.model.path, model_fingerprint(ctx.cfg.model.path), 0)
 
 
-def weights_after(ctx: RunContext, iteration: int) -> Weights:
-    """The weights after `iteration` updates (0 = the starting model)."""
+def weights_after(ctx: RunContext, iteration: int, stage: str = "train_metrics") -> Weights:
+    """The weights after `iteration` updates (0 = the starting model). `stage` is the table whose manifest
+    marks that update's checkpoint complete (`dpo_metrics` for a DPO run)."""
     if iteration == 0:
         return starting_weights(ctx)
-    manifest = read_manifest(ctx.layout, "train_metrics", iteration, verify=False)
+    manifest = read_manifest(ctx.layout, stage, iteration, verify=False)
     ckpt = ctx.layout.checkpoint_dir(iteration)
     if manifest is None or not (ckpt / "config.json").exists():
         raise ModelPathError(f"run {ctx.layout.run_id!r} has no complete checkpoint for iteration {iteration}")

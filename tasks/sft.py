@@ -13,7 +13,7 @@ import polars as pl
 
 from storage import StageOutput, commit_dir, read_stage
 from tasks.arithmetic import demonstrations
-from tasks.common import Computed, stage_task, load_run, run_stage, scratch_file
+from tasks.common import Computed, export_checkpoint, stage_task, load_run, run_stage, scratch_file
 from tasks.datasets import load_prompt_dataset, task_splits
 from tasks.engines.launch import run_worker
 from tasks.policy import model_fingerprint
@@ -54,9 +54,7 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
         )
         commit_dir(tmp, final)
         export = Path(ctx.cfg.model.path)
-        if export.exists():
-            shutil.rmtree(export)
-        shutil.copytree(final, export, ignore=shutil.ignore_patterns("ds_state"))
+        export_checkpoint(final, export)
         metrics = pl.read_parquet(metrics_path)
         data_path.unlink(), metrics_path.unlink()
         return Computed(
@@ -69,5 +67,5 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
         compute=compute,
     )
     if not Path(ctx.cfg.model.path, "config.json").exists():  # a skipped stage whose export was removed
-        shutil.copytree(final, ctx.cfg.model.path, ignore=shutil.ignore_patterns("ds_state"))
+        export_checkpoint(final, ctx.cfg.model.path)
     return out

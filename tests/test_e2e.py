@@ -150,3 +150,47 @@ def check_fork_and_diff(workspace, layout: RunLayout):
     assert not (fork.run_dir / "logs" / "vllm.log").exists()  # no engine was started
     out = rlpipe("diff", layout.run_id, "forked", "--stage", "advantages", "--iteration", "1", "--root", root, cwd=workspace)
     assert "advantage_a" in out.stdout and "differing samples" in out.stdout
+
+
+def write_rankings(workspace, n: int = 160):
+    """K = 3 rankings from the task's own train prompts: the true sum first, two wrong sums tied second."""
+    import polars as pl
+
+    train = pl.read_parquet(workspace / "data" / "train.parquet").head(n)
+    rows = [{"prompt": t, "responses": [a, str(int(a) + 1), str(int(a) + 10)], "ranks": [1, 2, 2]}
+            for t, a in zip(train["text"], train["answer"])]
+    path = workspace / "rankings.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
+    """rm-train and dpo from a user's K-wise file: the stages, their tables and the summaries exist and hold
+    sane values (the accuracy targets are measured on the demo config, see the README)."""
+    import polars as pl
+
+    workspace, cfg = tiny_sft
+    data = write_rankings(workspace)
+    root = workspace / "runs"
+    common = ["--set", f"preference.data={data}", "--set", "preference.heldout_fraction=0.2"]
+    rlpipe("rm-train", str(cfg), "--run-id", "rm", *common, "--set", "reward_model.steps=20", "--set", "reward_model.batch_size=16",
+           "--set", f"reward_model.out_path={workspace}/models/rm", cwd=workspace)
+    rm = RunLayout(root, "rm")
+    summary = json.loads(rm.summary_path.read_text())
+    assert 0.0 <= summary["rm_pairwise_accuracy"] <= 1.0 and summary["rm_heldout_pairs"] == 32 * 2  # 2 pairs per ranking
+    assert read_table(rm, "rm_metrics", 1).height == 20
+    assert read_table(rm, "preference_rankings", 0)["ranks"].to_list()[0] == [1, 2, 2]
+    config = json.loads((workspace / "models/rm/config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
+
+    rlpipe("dpo", str(cfg), "--run-id", "dpo", *common, "--set", "dpo.steps=10", "--set", "dpo.batch_size=16",
+           "--set", f"dpo.out_path={workspace}/models/dpo", cwd=workspace)
+    dpo = RunLayout(root, "dpo")
+    summary = json.loads(dpo.summary_path.read_text())
+    assert 0.0 <= summary["dpo_reward_accuracy"] <= 1.0 and summary["dpo_heldout_pairs"] == 64
+    assert summary["eval_accuracy_sft"] is not None and summary["eval_accuracy_final"] is not None
+    metrics = read_table(dpo, "dpo_metrics", 1)
+    assert metrics.height == 10 and metrics["loss"][0] == pytest.approx(0.6931, abs=0.01)  # log 2 at the reference
+    ref = read_table(dpo, "ref_logprobs", 0)
+    assert ref.height == 160 * 2 and (ref["chosen_logp"] < 0).all()
+    assert pl.read_parquet(dpo.stage_dir("dpo_eval", 1) / "*.parquet").height == 64

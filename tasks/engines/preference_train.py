@@ -1,0 +1,216 @@
+"""Preference worker (DeepSpeed for training, torch for scoring). Modes:
+
+- `rm_train`: a Bradley–Terry reward model, `AutoModelForSequenceClassification` (one label, scoring the
+  last non-pad token) on the model_path backbone. Data: rankings (prompt, responses, ranks); a ranking is
+  ONE batch element whose loss is the mean over its pairs (tasks/preference_losses.py).
+- `rm_score`: a trained reward model's score of each (prompt, response) row.
+- `seq_logprobs`: a causal LM's sequence logprob (sum over response tokens) of chosen and rejected per pair.
+- `dpo_train`: DPO on pairs (prompt, chosen, rejected, ref_chosen_logp, ref_rejected_logp).
+
+Every sequence is BOS + prompt + response + EOS, so the reward model reads the response's end, and DPO
+counts the choice to stop. Requests: model_path, data_path, and out_path (scores) or tmp_dir/metrics_path
+(training: steps, batch_size, micro_batch_size, lr, warmup_steps, weight_decay, zero_stage, seed, beta).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from tasks.engines.launch import worker_main
+
+
+def _tokenize(tokenizer, prompts: list[str], responses: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    p = [tokenizer(t)["input_ids"] for t in prompts]
+    r = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in responses]
+    return p, r
+
+
+def _lr(request, step: int) -> float:
+    """Linear warmup, then cosine to 10% (as the SFT trainer)."""
+    steps, warmup = request["steps"], request["warmup_steps"]
+    return request["lr"] * min(1.0, (step + 1) / max(1, warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+
+
+def _batches(request, n: int):
+    """(step, lr, micro-batches of element indices) for each optimizer step: bs random elements."""
+    import torch
+
+    gen = torch.Generator().manual_seed(request["seed"])
+    bs, micro = request["batch_size"], min(request["micro_batch_size"], request["batch_size"])
+    for step in range(request["steps"]):
+        batch = torch.randint(n, (bs,), generator=gen).tolist()
+        yield step, _lr(request, step), [batch[i : i + micro] for i in range(0, bs, micro)]
+
+
+def _rm_model(path: str, tokenizer):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last token that is not padding
+    return model
+
+
+def _rm_forward(model, prompts, responses, pad_id):
+    """Scores (N,) of prompt+response sequences."""
+    from tasks.engines.token_batch import pack
+
+    ids, attn, _ = pack(prompts, responses, pad_id)
+    return model(input_ids=ids, attention_mask=attn).logits[:, 0].float()
+
+
+def _rm_train(request, tokenizer):
+    import polars as pl
+    import torch
+
+    from tasks.engines.deepspeed_train import _engine
+    from tasks.preference_losses import kwise_bradley_terry, pairwise_accuracy
+
+    data = pl.read_parquet(request["data_path"])
+    seqs = [_tokenize(tokenizer, [p] * len(rs), rs) for p, rs in zip(data["prompt"], data["responses"])]
+    ranks = data["ranks"].to_list()
+    model = _rm_model(request["model_path"], tokenizer)
+    gas = math.ceil(request["batch_size"] / min(request["micro_batch_size"], request["batch_size"]))
+    engine, optimizer = _engine(model, request, gas)
+    rows = []
+    for step, lr, parts in _batches(request, data.height):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum, correct, pairs = 0.0, 0.0, 0
+        for k, idx in enumerate(parts):
+            width = max(len(ranks[i]) for i in idx)
+            flat_p = [x for i in idx for x in seqs[i][0]]
+            flat_r = [x for i in idx for x in seqs[i][1]]
+            flat = _rm_forward(engine, flat_p, flat_r, tokenizer.pad_token_id)  # (sum of K,)
+            scores = torch.zeros(len(idx), width)  # (B, K): rankings of different K, padded
+            valid = torch.zeros(len(idx), width, dtype=torch.bool)
+            rank_t = torch.zeros(len(idx), width, dtype=torch.long)
+            offset = 0
+            for row, i in enumerate(idx):
+                k_i = len(ranks[i])
+                scores[row, :k_i] = flat[offset : offset + k_i]
+                valid[row, :k_i] = True
+                rank_t[row, :k_i] = torch.tensor(ranks[i])
+                offset += k_i
+            # A sum over elements divided by the whole batch: the accumulated gradient is the batch mean.
+            loss = kwise_bradley_terry(scores, rank_t, valid).sum() / request["batch_size"]
+            engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
+            engine.backward(loss, scale_wrt_gas=False)
+            engine.step()
+            loss_sum += float(loss.detach())
+            c, n = pairwise_accuracy(scores.detach(), rank_t, valid)
+            correct, pairs = correct + c, pairs + n
+        rows.append({"step": step, "loss": loss_sum, "lr": lr, "train_pair_accuracy": correct / max(pairs, 1)})
+    return engine, pl.DataFrame(rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64, "train_pair_accuracy": pl.Float64})
+
+
+def _rm_score(request, tokenizer) -> None:
+    import polars as pl
+    import torch
+
+    from tasks.engines.token_batch import chunks
+
+    data = pl.read_parquet(request["data_path"])
+    prompts, responses = _tokenize(tokenizer, data["prompt"].to_list(), data["response"].to_list())
+    model = _rm_model(request["model_path"], tokenizer).eval()
+    scores = []
+    with torch.no_grad():
+        for idx in chunks(list(range(data.height)), request.get("micro_batch_size", 256)):
+            scores += _rm_forward(model, [prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_token_id).tolist()
+    data.with_columns(pl.Series("score", scores, dtype=pl.Float64)).write_parquet(request["out_path"])
+
+
+def _sequence_logps(model, prompts, responses, pad_id):
+    """(N,) sum of log π over each response's tokens (EOS included)."""
+    from tasks.engines.token_batch import pack, token_logprobs
+
+    ids, attn, mask = pack(prompts, responses, pad_id)
+    logp, _ = token_logprobs(model, ids, attn, with_entropy=False)
+    return (logp * mask).sum(dim=1)
+
+
+def _seq_logprobs(request, tokenizer) -> None:
+    import polars as pl
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.engines.token_batch import chunks
+
+    data = pl.read_parquet(request["data_path"])
+    model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32).eval()
+    out = {}
+    for side in ("chosen", "rejected"):
+        prompts, responses = _tokenize(tokenizer, data["prompt"].to_list(), data[side].to_list())
+        values = []
+        with torch.no_grad():
+            for idx in chunks(list(range(data.height)), request.get("micro_batch_size", 256)):
+                values += _sequence_logps(model, [prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_token_id).tolist()
+        out[f"{side}_logp"] = pl.Series(values, dtype=pl.Float64)
+    data.select("prompt_id", "pair_idx").with_columns(**out).write_parquet(request["out_path"])
+
+
+def _dpo_train(request, tokenizer):
+    import polars as pl
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.engines.deepspeed_train import _engine
+    from tasks.preference_losses import dpo_loss
+
+    data = pl.read_parquet(request["data_path"])
+    pc, rc = _tokenize(tokenizer, data["prompt"].to_list(), data["chosen"].to_list())
+    pr, rr = _tokenize(tokenizer, data["prompt"].to_list(), data["rejected"].to_list())
+    ref_c, ref_r = torch.tensor(data["ref_chosen_logp"].to_list()), torch.tensor(data["ref_rejected_logp"].to_list())
+    model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32)
+    model.config.use_cache = False
+    gas = math.ceil(request["batch_size"] / min(request["micro_batch_size"], request["batch_size"]))
+    engine, optimizer = _engine(model, request, gas)
+    rows = []
+    for step, lr, parts in _batches(request, data.height):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        totals = dict.fromkeys(("loss", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"), 0.0)
+        for k, idx in enumerate(parts):
+            # Chosen and rejected in one forward pass: (2B,) sequence logprobs.
+            logps = _sequence_logps(engine, [pc[i] for i in idx] + [pr[i] for i in idx], [rc[i] for i in idx] + [rr[i] for i in idx],
+                                    tokenizer.pad_token_id)
+            chosen, rejected = logps[: len(idx)], logps[len(idx) :]
+            stats = dpo_loss(chosen, rejected, ref_c[idx], ref_r[idx], request["beta"])
+            weight = len(idx) / request["batch_size"]  # the accumulated gradient is the batch mean
+            engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
+            engine.backward(stats.loss * weight, scale_wrt_gas=False)
+            engine.step()
+            margin = stats.chosen_rewards - stats.rejected_rewards
+            totals["loss"] += float(stats.loss.detach()) * weight
+            totals["reward_margin"] += float(margin.sum()) / request["batch_size"]
+            totals["reward_accuracy"] += float((margin > 0).float().sum()) / request["batch_size"]
+            totals["chosen_logp"] += float(chosen.detach().sum()) / request["batch_size"]
+            totals["rejected_logp"] += float(rejected.detach().sum()) / request["batch_size"]
+        rows.append({"step": step, "lr": lr, **totals})
+    return engine, pl.DataFrame(rows).with_columns(pl.col("step").cast(pl.Int32), pl.exclude("step").cast(pl.Float64))
+
+
+def handle(request: dict) -> dict:
+    import deepspeed
+    import torch
+    from transformers import AutoTokenizer
+
+    from tasks.engines.deepspeed_train import _save
+
+    torch.manual_seed(request.get("seed", 0))
+    t0 = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(request["model_path"])
+    mode = request["mode"]
+    if mode in ("rm_score", "seq_logprobs"):
+        (_rm_score if mode == "rm_score" else _seq_logprobs)(request, tokenizer)
+        return {"seconds": time.time() - t0}
+    engine, table = (_rm_train if mode == "rm_train" else _dpo_train)(request, tokenizer)
+    train_seconds = time.time() - t0
+    table.write_parquet(request["metrics_path"])
+    _save(engine, tokenizer, request["tmp_dir"])
+    return {"train_seconds": train_seconds, "deepspeed_version": deepspeed.__version__, "zero_stage": request["zero_stage"]}
+
+
+if __name__ == "__main__":
+    worker_main(handle)
