@@ -44,7 +44,12 @@ RewardName = Literal["accuracy", "format", "overlong"]
 
 
 class RewardConfig(Section):
-    kind: Literal["rule"] = "rule"
+    # rule: the weighted rule functions. model: plus a trained reward model (`rlpipe rm-train`) at
+    # model_path, scored in batches into its own `score_model` column with weight model_weight. Rule
+    # functions with weight 0 are still scored, in their own columns, for monitoring.
+    kind: Literal["rule", "model"] = "rule"
+    model_path: str | None = None
+    model_weight: float = 1.0
     # Each reward function writes its own score column; the total is the weighted sum.
     weights: dict[RewardName, float] = {"accuracy": 1.0, "format": 0.1}
     timeout_s: float = Field(5.0, gt=0)  # per sample and function; past it the sample scores 0 with an error
@@ -52,6 +57,12 @@ class RewardConfig(Section):
     # DAPO soft overlong punishment: L_max (None = rollout.max_tokens) and the soft band L_cache below it.
     overlong_max_len: int | None = Field(None, ge=1)
     overlong_cache: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _model_needs_a_path(self) -> "RewardConfig":
+        if self.kind == "model" and not self.model_path:
+            raise ValueError("reward.kind=model needs reward.model_path (a model trained by `rlpipe rm-train`)")
+        return self
 
 
 class RolloutConfig(Section):

@@ -116,7 +116,11 @@ def score_frame(rollouts: pl.DataFrame, answers: dict[str, str], cfg: RewardConf
     out = rollouts.select("iteration", "round", "prompt_id", "sample_idx").with_columns(
         [pl.Series(k, v, dtype=pl.Float64 if k.startswith("score_") else pl.Utf8) for k, v in cols.items()]
     )
-    reward = sum(pl.col(f"score_{n}") * w for n, w in weights.items())
-    joined = pl.concat_str([pl.col(f"error_{n}") for n in weights], separator="; ", ignore_nulls=True)
-    error = pl.when(joined == "").then(None).otherwise(joined)  # all-null joins to "", which is no error
+    # No rule weights at all is allowed: with reward.kind=model the reward model is the whole reward.
+    reward = sum((pl.col(f"score_{n}") * w for n, w in weights.items()), pl.lit(0.0))
+    if weights:
+        joined = pl.concat_str([pl.col(f"error_{n}") for n in weights], separator="; ", ignore_nulls=True)
+        error = pl.when(joined == "").then(None).otherwise(joined)  # all-null joins to "", which is no error
+    else:
+        error = pl.lit(None, pl.Utf8)
     return out.with_columns(reward.cast(pl.Float64).alias("reward"), error.alias("error"))

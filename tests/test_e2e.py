@@ -183,6 +183,13 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
     config = json.loads((workspace / "models/rm/config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
 
+    # RL scored by that reward model (weight 1) with the rule functions kept at weight 0, in their own columns.
+    rlpipe("run", str(cfg), "--run-id", "rl-rm", "--set", "reward.kind=model", "--set", f"reward.model_path={workspace}/models/rm",
+           "--set", "reward.weights={accuracy: 0.0, format: 0.0}", "--set", "rl.iterations=1", "--set", "rl.eval_every=1", cwd=workspace)
+    scores = read_table(RunLayout(root, "rl-rm"), "scores", 1)
+    assert scores["score_model"].null_count() == 0 and scores["score_model"].n_unique() > 1
+    assert (scores["reward"] - scores["score_model"]).abs().max() < 1e-12 and "score_accuracy" in scores.columns
+
     rlpipe("dpo", str(cfg), "--run-id", "dpo", *common, "--set", "dpo.steps=10", "--set", "dpo.batch_size=16",
            "--set", f"dpo.out_path={workspace}/models/dpo", cwd=workspace)
     dpo = RunLayout(root, "dpo")

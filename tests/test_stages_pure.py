@@ -157,3 +157,13 @@ def test_artifact_markdown_summarises_rewards_and_shows_samples():
     prompts = pl.DataFrame({"prompt_id": ["p0"], "text": ["6+6="], "answer": ["12"]})
     sample = samples_markdown(prompts, rollouts(["12", "13", "x"]), df, n=2)
     assert "`6+6=`" in sample and "`13`" in sample and "`x`" not in sample
+
+
+def test_the_reward_model_column_adds_to_the_rule_reward_and_must_be_finite():
+    from tasks.scores import add_model_score
+
+    scores = pl.DataFrame({"reward": [1.0, 0.0]})
+    out = add_model_score(scores, pl.Series([0.5, -2.0]), 2.0)
+    assert out["score_model"].to_list() == [0.5, -2.0] and out["reward"].to_list() == [2.0, -4.0]
+    with pytest.raises(RewardError, match="non-finite"):
+        add_model_score(scores, pl.Series([0.5, math.nan]), 1.0)

@@ -3,7 +3,7 @@
 - `rm_train`: a Bradley–Terry reward model, `AutoModelForSequenceClassification` (one label, scoring the
   last non-pad token) on the model_path backbone. Data: rankings (prompt, responses, ranks); a ranking is
   ONE batch element whose loss is the mean over its pairs (tasks/preference_losses.py).
-- `rm_score`: a trained reward model's score of each (prompt, response) row.
+- `rm_score`: a trained reward model's score of each (prompt, response[, eos]) row.
 - `seq_logprobs`: a causal LM's sequence logprob (sum over response tokens) of chosen and rejected per pair.
 - `dpo_train`: DPO on pairs (prompt, chosen, rejected, ref_chosen_logp, ref_rejected_logp).
 
@@ -20,9 +20,12 @@ import time
 from tasks.engines.launch import worker_main
 
 
-def _tokenize(tokenizer, prompts: list[str], responses: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+def _tokenize(tokenizer, prompts: list[str], responses: list[str], eos: list[bool] | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of prompts (with BOS) and responses (with EOS, except where `eos` says the response was
+    cut off by the length limit)."""
+    eos = eos or [True] * len(responses)
     p = [tokenizer(t)["input_ids"] for t in prompts]
-    r = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in responses]
+    r = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * e for t, e in zip(responses, eos)]
     return p, r
 
 
@@ -112,7 +115,8 @@ def _rm_score(request, tokenizer) -> None:
     from tasks.engines.token_batch import chunks
 
     data = pl.read_parquet(request["data_path"])
-    prompts, responses = _tokenize(tokenizer, data["prompt"].to_list(), data["response"].to_list())
+    eos = data["eos"].to_list() if "eos" in data.columns else None
+    prompts, responses = _tokenize(tokenizer, data["prompt"].to_list(), data["response"].to_list(), eos)
     model = _rm_model(request["model_path"], tokenizer).eval()
     scores = []
     with torch.no_grad():
