@@ -23,17 +23,17 @@ def collect_summary(storage_root: str, run_id: str) -> dict:
             if m:
                 walls[stage] = walls.get(stage, 0.0) + float(m["wall_seconds"])
     k = ctx.cfg.eval.pass_k
-    summary = {
-        "run_id": run_id,
-        "iterations": iterations,
-        "eval_prompts": evals[final_it]["prompts"] if final_it is not None else 0,
-        "eval_accuracy_sft": evals.get(0, {}).get("accuracy"),
-        "eval_accuracy_final": evals[final_it]["accuracy"] if final_it is not None else None,
-        f"eval_pass_at_{k}_sft": evals.get(0, {}).get(f"pass_at_{k}"),
-        f"eval_pass_at_{k}_final": evals[final_it].get(f"pass_at_{k}") if final_it is not None else None,
-        "eval_by_iteration": {str(it): e.get("accuracy") for it, e in sorted(evals.items())},
-        "stage_seconds_total": {s: round(v, 2) for s, v in sorted(walls.items())},
-    }
+    summary = {"run_id": run_id, "iterations": iterations,
+               "stage_seconds_total": {s: round(v, 2) for s, v in sorted(walls.items())}}
+    if evals:  # a reward-model run has no eval of a policy
+        summary.update({
+            "eval_prompts": evals[final_it]["prompts"],
+            "eval_accuracy_sft": evals.get(0, {}).get("accuracy"),
+            "eval_accuracy_final": evals[final_it]["accuracy"],
+            f"eval_pass_at_{k}_sft": evals.get(0, {}).get(f"pass_at_{k}"),
+            f"eval_pass_at_{k}_final": evals[final_it].get(f"pass_at_{k}"),
+            "eval_by_iteration": {str(it): e.get("accuracy") for it, e in sorted(evals.items())},
+        })
     if iterations:
         last = metrics.sort("iteration").row(-1, named=True)
         summary["final_train_metrics"] = {k2: v for k2, v in last.items() if isinstance(v, (int, float))}

@@ -177,11 +177,12 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
            "--set", f"reward_model.out_path={workspace}/models/rm", cwd=workspace)
     rm = RunLayout(root, "rm")
     summary = json.loads(rm.summary_path.read_text())
+    assert "eval_accuracy_sft" not in summary  # no policy was evaluated
     assert 0.0 <= summary["rm_pairwise_accuracy"] <= 1.0 and summary["rm_heldout_pairs"] == 32 * 2  # 2 pairs per ranking
     assert read_table(rm, "rm_metrics", 1).height == 20
     assert read_table(rm, "preference_rankings", 0)["ranks"].to_list()[0] == [1, 2, 2]
     config = json.loads((workspace / "models/rm/config.json").read_text())
-    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
 
     # RL scored by that reward model (weight 1) with the rule functions kept at weight 0, in their own columns.
     rlpipe("run", str(cfg), "--run-id", "rl-rm", "--set", "reward.kind=model", "--set", f"reward.model_path={workspace}/models/rm",
