@@ -178,29 +178,33 @@ class PreferenceConfig(Section):
     heldout_fraction: float = Field(0.1, gt=0, lt=1)
 
 
-class RewardModelConfig(Section):
-    """Bradley–Terry reward model: a sequence-classification head on the model.path backbone."""
+class PreferenceTrainerConfig(Section):
+    """What the reward-model and DPO trainers share (DeepSpeed, warmup then cosine to 10%)."""
 
-    out_path: str = "models/demo-rm"
-    steps: int = Field(600, ge=1)
-    batch_size: int = Field(32, ge=1)  # rankings per optimizer step (a ranking is one element)
-    micro_batch_size: int = Field(32, ge=1)
-    lr: float = Field(5e-4, gt=0)
-    warmup_steps: int = Field(20, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    zero_stage: Literal[0, 1, 2, 3] = 1
-
-
-class DPOConfig(Section):
-    out_path: str = "models/demo-dpo"
-    beta: float = Field(0.1, gt=0)
+    out_path: str
     steps: int = Field(300, ge=1)
-    batch_size: int = Field(64, ge=1)  # pairs per optimizer step
+    batch_size: int = Field(64, ge=1)  # elements per optimizer step: rankings (RM) or pairs (DPO)
     micro_batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     zero_stage: Literal[0, 1, 2, 3] = 1
+
+
+class RewardModelConfig(PreferenceTrainerConfig):
+    """Bradley–Terry reward model: a sequence-classification head on the model.path backbone."""
+
+    out_path: str = "models/demo-rm"
+    steps: int = Field(600, ge=1)
+    batch_size: int = Field(32, ge=1)  # a ranking is one element, whatever its K
+    micro_batch_size: int = Field(32, ge=1)
+    lr: float = Field(5e-4, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+
+
+class DPOConfig(PreferenceTrainerConfig):
+    out_path: str = "models/demo-dpo"
+    beta: float = Field(0.1, gt=0)
 
 
 class RunConfig(Section):

@@ -35,15 +35,27 @@ def _lr(request, step: int) -> float:
     return request["lr"] * min(1.0, (step + 1) / max(1, warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
 
 
-def _batches(request, n: int):
-    """(step, lr, micro-batches of element indices) for each optimizer step: bs random elements."""
+def _trainer(model, request):
+    """The DeepSpeed engine, accumulating micro-batches up to batch_size elements."""
+    from tasks.engines.deepspeed_train import _engine
+
+    gas = math.ceil(request["batch_size"] / min(request["micro_batch_size"], request["batch_size"]))
+    return _engine(model, request, gas)
+
+
+def _steps(request, optimizer, n: int):
+    """For each optimizer step, with its learning rate set: (step, lr, micro-batches of element indices),
+    batch_size elements drawn at random."""
     import torch
 
     gen = torch.Generator().manual_seed(request["seed"])
     bs, micro = request["batch_size"], min(request["micro_batch_size"], request["batch_size"])
     for step in range(request["steps"]):
+        lr = _lr(request, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         batch = torch.randint(n, (bs,), generator=gen).tolist()
-        yield step, _lr(request, step), [batch[i : i + micro] for i in range(0, bs, micro)]
+        yield step, lr, [batch[i : i + micro] for i in range(0, bs, micro)]
 
 
 def _rm_model(path: str, tokenizer):
@@ -67,19 +79,14 @@ def _rm_train(request, tokenizer):
     import polars as pl
     import torch
 
-    from tasks.engines.deepspeed_train import _engine
     from tasks.preference_losses import kwise_bradley_terry, pairwise_accuracy
 
     data = pl.read_parquet(request["data_path"])
     seqs = [_tokenize(tokenizer, [p] * len(rs), rs) for p, rs in zip(data["prompt"], data["responses"])]
     ranks = data["ranks"].to_list()
-    model = _rm_model(request["model_path"], tokenizer)
-    gas = math.ceil(request["batch_size"] / min(request["micro_batch_size"], request["batch_size"]))
-    engine, optimizer = _engine(model, request, gas)
+    engine, optimizer = _trainer(_rm_model(request["model_path"], tokenizer), request)
     rows = []
-    for step, lr, parts in _batches(request, data.height):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    for step, lr, parts in _steps(request, optimizer, data.height):
         loss_sum, correct, pairs = 0.0, 0.0, 0
         for k, idx in enumerate(parts):
             width = max(len(ranks[i]) for i in idx)
@@ -159,7 +166,6 @@ def _dpo_train(request, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.engines.deepspeed_train import _engine
     from tasks.preference_losses import dpo_loss
 
     data = pl.read_parquet(request["data_path"])
@@ -168,12 +174,9 @@ def _dpo_train(request, tokenizer):
     ref_c, ref_r = torch.tensor(data["ref_chosen_logp"].to_list()), torch.tensor(data["ref_rejected_logp"].to_list())
     model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32)
     model.config.use_cache = False
-    gas = math.ceil(request["batch_size"] / min(request["micro_batch_size"], request["batch_size"]))
-    engine, optimizer = _engine(model, request, gas)
+    engine, optimizer = _trainer(model, request)
     rows = []
-    for step, lr, parts in _batches(request, data.height):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    for step, lr, parts in _steps(request, optimizer, data.height):
         totals = dict.fromkeys(("loss", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"), 0.0)
         for k, idx in enumerate(parts):
             # Chosen and rejected in one forward pass: (2B,) sequence logprobs.
