@@ -21,6 +21,9 @@ def rollout_metrics(rollouts: pl.DataFrame, scores: pl.DataFrame, batch: pl.Data
     for col in scores.columns:
         if col.startswith("score_"):
             out[f"{col}_mean"] = scores[col].mean()
+    if {"score_model", "score_accuracy"} <= set(scores.columns):
+        # How well the reward model ranks what the rule judges: the signal that it is still a good proxy.
+        out["reward_model_rule_spearman"] = scores.select(pl.corr("score_model", "score_accuracy", method="spearman")).item()
     return {k: float(v) if v is not None else float("nan") for k, v in out.items()}
 
 

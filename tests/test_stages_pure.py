@@ -167,3 +167,16 @@ def test_the_reward_model_column_adds_to_the_rule_reward_and_must_be_finite():
     assert out["score_model"].to_list() == [0.5, -2.0] and out["reward"].to_list() == [2.0, -4.0]
     with pytest.raises(RewardError, match="non-finite"):
         add_model_score(scores, pl.Series([0.5, math.nan]), 1.0)
+
+
+def test_reward_model_rule_spearman_is_recorded_when_both_columns_exist():
+    from tasks.metrics import rollout_metrics
+
+    rollouts = pl.DataFrame({"length": [2, 2, 2, 2], "truncated": [False] * 4})
+    batch = pl.DataFrame({"reward_std": [0.5], "rounds_used": [1], "kept": [True]})
+    scores = pl.DataFrame({"reward": [0.1, 0.9, 0.4, 0.2], "error": [None] * 4, "score_accuracy": [0.0, 1.0, 1.0, 0.0],
+                           "score_model": [0.1, 0.9, 0.4, 0.2]}, schema_overrides={"error": pl.Utf8})
+    # Ranks of the model's scores 1, 4, 3, 2 against the rule's ties 1.5, 3.5, 3.5, 1.5: ρ = 0.894 (by hand:
+    # Pearson of the two rank vectors, 4/√20).
+    assert rollout_metrics(rollouts, scores, batch)["reward_model_rule_spearman"] == pytest.approx(4 / 20**0.5)
+    assert "reward_model_rule_spearman" not in rollout_metrics(rollouts, scores.drop("score_model"), batch)
