@@ -128,12 +128,10 @@ def run(
 
 def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None) -> None:
     """Validate and save the config, check the starting model exists (before any flow starts), run."""
-    from tasks.policy import model_fingerprint
+    from flows.deployments import prepare_checked_run
 
     _exit_on_interrupt()
-    cfg, _ = prepare_run(config, overrides, run_id, algo)
-    model_fingerprint(cfg.model.path)
-    _print_summary(flow_fn(run_id, cfg.storage_root))
+    _print_summary(flow_fn(run_id, prepare_checked_run(config, overrides, run_id, algo)))
 
 
 @app.command("rm-train")

@@ -42,7 +42,7 @@ def rl_deployment(config: str = DEMO_CONFIG, run_id: str = "rl", overrides: list
     """RL from the SFT model (or resume the run): the `rl` flow on a saved config."""
     from flows.rl import rl_run
 
-    return rl_run(run_id, _prepared(config, overrides, run_id, algo))
+    return rl_run(run_id, prepare_checked_run(config, overrides, run_id, algo))
 
 
 @flow(name="rlpipe-reward-model", flow_run_name="{run_id}")
@@ -50,7 +50,7 @@ def reward_model_deployment(config: str = DEMO_CONFIG, run_id: str = "rm", overr
     """A Bradley–Terry reward model on preference data (generated from the task unless preference.data)."""
     from flows.reward_model import reward_model_flow
 
-    return reward_model_flow(run_id, _prepared(config, overrides, run_id))
+    return reward_model_flow(run_id, prepare_checked_run(config, overrides, run_id))
 
 
 @flow(name="rlpipe-dpo", flow_run_name="{run_id}")
@@ -58,10 +58,10 @@ def dpo_deployment(config: str = DEMO_CONFIG, run_id: str = "dpo", overrides: li
     """DPO from model.path on preference data."""
     from flows.dpo import dpo_flow
 
-    return dpo_flow(run_id, _prepared(config, overrides, run_id))
+    return dpo_flow(run_id, prepare_checked_run(config, overrides, run_id))
 
 
-def _prepared(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None) -> str:
+def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None) -> str:
     """Save the run's config and check its starting model exists (before any stage); the storage root."""
     from tasks.policy import model_fingerprint
 
