@@ -58,6 +58,15 @@ def _steps(request, optimizer, n: int):
         yield step, lr, [batch[i : i + micro] for i in range(0, bs, micro)]
 
 
+def _log_progress(rows: list[dict], every: int = 50) -> None:
+    """A line in the worker's log every `every` steps (the means since the last line), to follow a long run."""
+    if len(rows) % every == 0:
+        recent = rows[-every:]
+        keys = [k for k in recent[0] if k not in ("step", "lr")]
+        means = " ".join(f"{k}={sum(r[k] for r in recent) / len(recent):.4f}" for k in keys)
+        print(f"step {len(rows)}: {means}", flush=True)
+
+
 def _rm_model(path: str, tokenizer):
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -112,6 +121,7 @@ def _rm_train(request, tokenizer):
             c, n = pairwise_accuracy(scores.detach(), rank_t, valid)
             correct, pairs = correct + c, pairs + n
         rows.append({"step": step, "loss": loss_sum, "lr": lr, "train_pair_accuracy": correct / max(pairs, 1)})
+        _log_progress(rows)
     return engine, pl.DataFrame(rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64, "train_pair_accuracy": pl.Float64})
 
 
@@ -195,6 +205,7 @@ def _dpo_train(request, tokenizer):
             totals["chosen_logp"] += float(chosen.detach().sum()) / request["batch_size"]
             totals["rejected_logp"] += float(rejected.detach().sum()) / request["batch_size"]
         rows.append({"step": step, "lr": lr, **totals})
+        _log_progress(rows)
     return engine, pl.DataFrame(rows).with_columns(pl.col("step").cast(pl.Int32), pl.exclude("step").cast(pl.Float64))
 
 
