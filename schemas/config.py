@@ -205,6 +205,9 @@ class RewardModelConfig(PreferenceTrainerConfig):
 class DPOConfig(PreferenceTrainerConfig):
     out_path: str = "models/demo-dpo"
     beta: float = Field(0.1, gt=0)
+    # RPO: + nll_coef × the chosen responses' per-token NLL. Plain DPO (0) lowers the chosen likelihood too,
+    # and on the demo task that costs greedy accuracy (see the README).
+    nll_coef: float = Field(0.0, ge=0)
 
 
 class RunConfig(Section):

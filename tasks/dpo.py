@@ -51,7 +51,7 @@ def dpo_optimize_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str
     def compute():
         ref = read_stage(ctx.layout, "ref_logprobs", 0).rename({"chosen_logp": "ref_chosen_logp", "rejected_logp": "ref_rejected_logp"})
         train = read_stage(ctx.layout, "preference_pairs", 0).filter(pl.col("split") == "train").join(ref, on=KEYS, validate="1:1")
-        final, resp, metrics = train_preference_model(ctx, "dpo_train", train, d, ctx.cfg.model.path, {"beta": d.beta})
+        final, resp, metrics = train_preference_model(ctx, "dpo_train", train, d, ctx.cfg.model.path, {"beta": d.beta, "nll_coef": d.nll_coef})
         return Computed(
             metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
             extra={"checkpoint": str(final), "exported_to": d.out_path, "train_seconds": resp["train_seconds"], "pairs": train.height},

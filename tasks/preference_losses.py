@@ -48,3 +48,9 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     rejected = beta * (policy_rejected - ref_rejected)
     loss = -F.logsigmoid(chosen - rejected).mean()
     return DPOStats(loss, chosen.detach(), rejected.detach())
+
+
+def chosen_nll(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torch.Tensor:
+    """Mean over pairs of the chosen response's per-token NLL, −log π(y_w)/|y_w|: the term RPO (Pang et al.
+    2024) adds to DPO so that the chosen response's likelihood is not pushed down along with the rejected."""
+    return -(chosen_logps / chosen_lengths.clamp(min=1)).mean()

@@ -81,3 +81,10 @@ def test_dpo_by_hand():
 def test_dpo_at_the_reference_is_log2():
     x = torch.tensor([-2.0, -7.0])
     assert dpo_loss(x, x - 1, x, x - 1, 0.1).loss.item() == pytest.approx(math.log(2))
+
+
+def test_chosen_nll_is_the_mean_per_token_nll():
+    from tasks.preference_losses import chosen_nll
+
+    # −(−3/3 + −1/2)/2 = (1 + 0.5)/2 = 0.75
+    assert chosen_nll(torch.tensor([-3.0, -1.0]), torch.tensor([3.0, 2.0])).item() == pytest.approx(0.75)

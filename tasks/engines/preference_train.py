@@ -5,7 +5,8 @@
   ONE batch element whose loss is the mean over its pairs (tasks/preference_losses.py).
 - `rm_score`: a trained reward model's score of each (prompt, response[, eos]) row.
 - `seq_logprobs`: a causal LM's sequence logprob (sum over response tokens) of chosen and rejected per pair.
-- `dpo_train`: DPO on pairs (prompt, chosen, rejected, ref_chosen_logp, ref_rejected_logp).
+- `dpo_train`: DPO on pairs (prompt, chosen, rejected, ref_chosen_logp, ref_rejected_logp), plus
+  nll_coef × the chosen responses' per-token NLL when nll_coef > 0 (RPO).
 
 Every sequence is BOS + prompt + response + EOS, so the reward model reads the response's end, and DPO
 counts the choice to stop. Requests: model_path, data_path, and out_path (scores) or tmp_dir/metrics_path
@@ -176,7 +177,7 @@ def _dpo_train(request, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.preference_losses import dpo_loss
+    from tasks.preference_losses import chosen_nll, dpo_loss
 
     data = pl.read_parquet(request["data_path"])
     pc, rc = _tokenize(tokenizer, data["prompt"].to_list(), data["chosen"].to_list())
@@ -194,9 +195,14 @@ def _dpo_train(request, tokenizer):
                                     tokenizer.pad_token_id)
             chosen, rejected = logps[: len(idx)], logps[len(idx) :]
             stats = dpo_loss(chosen, rejected, ref_c[idx], ref_r[idx], request["beta"])
+            loss = stats.loss
+            if request.get("nll_coef"):
+                nll = chosen_nll(chosen, torch.tensor([float(len(rc[i])) for i in idx]))
+                loss = loss + request["nll_coef"] * nll
+                totals["chosen_nll"] = totals.get("chosen_nll", 0.0) + float(nll.detach()) * len(idx) / request["batch_size"]
             weight = len(idx) / request["batch_size"]  # the accumulated gradient is the batch mean
             engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
-            engine.backward(stats.loss * weight, scale_wrt_gas=False)
+            engine.backward(loss * weight, scale_wrt_gas=False)
             engine.step()
             margin = stats.chosen_rewards - stats.rejected_rewards
             totals["loss"] += float(stats.loss.detach()) * weight
