@@ -11,11 +11,12 @@ from storage.stage_io import (
     read_manifest,
     read_stage,
     scan,
+    temp_dir_for,
     write_json_atomic,
     write_stage,
 )
 
 __all__ = [
     "LayoutError", "RunLayout", "StageOutput", "check_name", "commit_dir", "complete_files", "find_complete",
-    "fingerprint", "package_versions", "read_manifest", "read_stage", "scan", "write_json_atomic", "write_stage",
+    "fingerprint", "package_versions", "read_manifest", "read_stage", "scan", "temp_dir_for", "write_json_atomic", "write_stage",
 ]

@@ -70,6 +70,14 @@ def write_json_atomic(path: Path, obj) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
+def temp_dir_for(final: Path) -> Path:
+    """The folder to write `final` under before `commit_dir` renames it into place. Whatever a crash
+    mid-save left there is removed first, so old and new files never mix."""
+    tmp = final.with_name(final.name + ".tmp")
+    _rmtree(tmp)
+    return tmp
+
+
 def commit_dir(tmp: Path, final: Path) -> None:
     """Publish a folder written under a temporary name (a checkpoint) by renaming it into place."""
     if final.exists():

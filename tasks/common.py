@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from schemas.config import RunConfig, build_config
 from storage import RunLayout, StageOutput, find_complete, fingerprint, write_stage
+from tasks.engines.launch import run_worker
 
 
 def stage_task(name: str):
@@ -86,6 +87,18 @@ def export_checkpoint(checkpoint: Path, dest: str | Path) -> None:
 def scratch_file(ctx: RunContext, name: str) -> Path:
     ctx.layout.scratch_dir.mkdir(parents=True, exist_ok=True)
     return ctx.layout.scratch_dir / name
+
+
+def frame_worker(ctx: RunContext, module: str, request: dict, frame: pl.DataFrame, name: str, log: str | None = None) -> pl.DataFrame:
+    """Run a worker on one table: `frame` goes in as `data_path`, the table it writes to `out_path` comes
+    back (both scratch files, removed after); its log is logs/{log or name}.log."""
+    data_path, out_path = scratch_file(ctx, f"{name}.in.parquet"), scratch_file(ctx, f"{name}.out.parquet")
+    frame.write_parquet(data_path)
+    run_worker(module, {**request, "data_path": str(data_path), "out_path": str(out_path)}, ctx.layout.scratch_dir,
+               ctx.layout.log_path(log or name))
+    out = pl.read_parquet(out_path)
+    data_path.unlink(), out_path.unlink()
+    return out
 
 
 @stage_task("plan")

@@ -12,8 +12,7 @@ from __future__ import annotations
 import polars as pl
 
 from storage import StageOutput, read_stage
-from tasks.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task
-from tasks.engines.launch import run_worker
+from tasks.common import Computed, RunContext, frame_worker, load_run, run_stage, stage_task
 from tasks.policy import model_fingerprint
 from tasks.reward_model import ensure_exported, pair_eval_frame, train_preference_model
 
@@ -22,13 +21,8 @@ KEYS = ["prompt_id", "pair_idx"]
 
 def sequence_logprobs(ctx: RunContext, model_path: str, pairs: pl.DataFrame, name: str) -> pl.DataFrame:
     """prompt_id, pair_idx, chosen_logp, rejected_logp of `pairs` under the model at `model_path`."""
-    data_path, out_path = scratch_file(ctx, f"{name}.in.parquet"), scratch_file(ctx, f"{name}.out.parquet")
-    pairs.select(*KEYS, "prompt", "chosen", "rejected").write_parquet(data_path)
-    run_worker("preference_train", {"mode": "seq_logprobs", "model_path": model_path, "data_path": str(data_path),
-                                    "out_path": str(out_path)}, ctx.layout.scratch_dir, ctx.layout.log_path(name))
-    out = pl.read_parquet(out_path)
-    data_path.unlink(), out_path.unlink()
-    return out
+    request = {"mode": "seq_logprobs", "model_path": model_path}
+    return frame_worker(ctx, "preference_train", request, pairs.select(*KEYS, "prompt", "chosen", "rejected"), name)
 
 
 @stage_task("ref_logprobs")

@@ -7,12 +7,11 @@ Reads `rollouts`, `logprobs`, `advantages`, `scores` and `batch` of the iteratio
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import polars as pl
 
-from storage import StageOutput, commit_dir, read_manifest, read_stage
+from storage import StageOutput, commit_dir, read_manifest, read_stage, temp_dir_for
 from tasks.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
 from tasks.engines.launch import run_worker
 from tasks.logprobs import kept_rollouts
@@ -82,8 +81,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         samples.write_parquet(data_path)
         masked = float((samples["loss_mask"] == 0).mean())
         final = ctx.layout.checkpoint_dir(iteration)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save: never mix old and new files
+        tmp = temp_dir_for(final)
         prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
         resp = run_worker(
             "deepspeed_train",

@@ -8,12 +8,12 @@ of prompts is held out. `preference_pairs`: every (better, worse) pair of each r
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import polars as pl
 
 from storage import StageOutput, read_stage
+from storage.stage_io import sha256_file
 from tasks.common import Computed, load_run, run_stage, stage_task
 from tasks.datasets import load_prompt_dataset, task_splits
 from tasks.evaluate import judge
@@ -24,7 +24,7 @@ from tasks.rollouts import generate
 
 
 def _file_fingerprint(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:20] if Path(path).exists() else "missing"
+    return sha256_file(Path(path))[:20] if Path(path).exists() else "missing"
 
 
 @stage_task("preference_rankings")

@@ -8,13 +8,12 @@ every held-out pair of `preference_pairs`; one row per pair, `correct` when chos
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import polars as pl
 
-from storage import StageOutput, commit_dir, read_stage
-from tasks.common import Computed, RunContext, export_checkpoint, load_run, run_stage, scratch_file, stage_task
+from storage import StageOutput, commit_dir, read_stage, temp_dir_for
+from tasks.common import Computed, RunContext, export_checkpoint, frame_worker, load_run, run_stage, scratch_file, stage_task
 from tasks.engines.launch import run_worker
 from tasks.policy import model_fingerprint
 
@@ -25,8 +24,7 @@ def train_preference_model(ctx: RunContext, mode: str, data: pl.DataFrame, setti
     data_path, metrics_path = scratch_file(ctx, f"{mode}.in.parquet"), scratch_file(ctx, f"{mode}.metrics.parquet")
     data.write_parquet(data_path)
     final = ctx.layout.checkpoint_dir(1)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
+    tmp = temp_dir_for(final)
     resp = run_worker(
         "preference_train",
         {
@@ -92,13 +90,8 @@ def rm_eval_task(storage_root: str, run_id: str, pairs_fp: str, rm_fp: str) -> S
 
     def compute():
         sides = heldout_sides(read_stage(ctx.layout, "preference_pairs", 0))
-        data_path, out_path = scratch_file(ctx, "rm_eval.in.parquet"), scratch_file(ctx, "rm_eval.out.parquet")
-        sides.write_parquet(data_path)
-        run_worker("preference_train", {"mode": "rm_score", "model_path": str(ctx.layout.checkpoint_dir(1)),
-                                        "data_path": str(data_path), "out_path": str(out_path)},
-                   ctx.layout.scratch_dir, ctx.layout.log_path("rm_eval"))
-        scored = pl.read_parquet(out_path).select("prompt_id", "pair_idx", "side", "score")
-        data_path.unlink(), out_path.unlink()
+        request = {"mode": "rm_score", "model_path": str(ctx.layout.checkpoint_dir(1))}
+        scored = frame_worker(ctx, "preference_train", request, sides, "rm_eval").select("prompt_id", "pair_idx", "side", "score")
         df = pair_eval_frame(*(scored.filter(pl.col("side") == s).drop("side") for s in ("chosen", "rejected")))
         return Computed(df, extra={"pairwise_accuracy": float(df["correct"].mean()), "pairs": df.height})
 

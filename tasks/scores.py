@@ -12,8 +12,7 @@ from __future__ import annotations
 import polars as pl
 
 from storage import StageOutput, read_stage
-from tasks.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task
-from tasks.engines.launch import run_worker
+from tasks.common import Computed, RunContext, frame_worker, load_run, run_stage, stage_task
 from tasks.policy import model_fingerprint
 from tasks.rewards import RewardError, code_hash, score_frame
 
@@ -48,13 +47,8 @@ def reward_model_scores(ctx: RunContext, rollouts: pl.DataFrame, prompts: pl.Dat
     data = rollouts.select("prompt_id", pl.col("text").alias("response"), (pl.col("finish_reason") == "stop").alias("eos")).join(
         prompts.select("prompt_id", pl.col("text").alias("prompt")), on="prompt_id", how="left", maintain_order="left",
     )
-    data_path, out_path = scratch_file(ctx, f"{name}.in.parquet"), scratch_file(ctx, f"{name}.out.parquet")
-    data.write_parquet(data_path)
-    run_worker("preference_train", {"mode": "rm_score", "model_path": ctx.cfg.reward.model_path, "data_path": str(data_path),
-                                    "out_path": str(out_path)}, ctx.layout.scratch_dir, ctx.layout.log_path("rm_score"))
-    scores = pl.read_parquet(out_path)["score"]
-    data_path.unlink(), out_path.unlink()
-    return scores
+    request = {"mode": "rm_score", "model_path": ctx.cfg.reward.model_path}
+    return frame_worker(ctx, "preference_train", request, data, name, log="rm_score")["score"]
 
 
 def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float) -> pl.DataFrame:

@@ -6,12 +6,11 @@ RL flow starts from (its policy and its frozen reference).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import polars as pl
 
-from storage import StageOutput, commit_dir, read_stage
+from storage import StageOutput, commit_dir, read_stage, temp_dir_for
 from tasks.arithmetic import demonstrations
 from tasks.common import Computed, export_checkpoint, stage_task, load_run, run_stage, scratch_file
 from tasks.datasets import load_prompt_dataset, task_splits
@@ -40,8 +39,7 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
     def compute():
         data_path, metrics_path = scratch_file(ctx, "sft.in.parquet"), scratch_file(ctx, "sft.metrics.parquet")
         read_stage(ctx.layout, "sft_data", 0).write_parquet(data_path)
-        tmp = final.with_name("sft.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
+        tmp = temp_dir_for(final)
         resp = run_worker(
             "deepspeed_train",
             {
