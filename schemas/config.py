@@ -195,11 +195,14 @@ class RewardModelConfig(PreferenceTrainerConfig):
     """Bradley–Terry reward model: a sequence-classification head on the model.path backbone."""
 
     out_path: str = "models/demo-rm"
-    steps: int = Field(600, ge=1)
-    batch_size: int = Field(32, ge=1)  # a ranking is one element, whatever its K
-    micro_batch_size: int = Field(32, ge=1)
-    lr: float = Field(5e-4, gt=0)
+    steps: int = Field(1500, ge=1)
+    batch_size: int = Field(64, ge=1)  # a ranking is one element, whatever its K
+    micro_batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
+    # Weight decay is what lets the demo RM generalise: without it held-out accuracy stalled near 0.69 (lr 5e-4
+    # or 1e-3, 500 steps); with 0.1 it rose to 0.90 at 1,000 steps and 0.95 at 1,250 (README).
+    weight_decay: float = Field(0.1, ge=0)
 
 
 class DPOConfig(PreferenceTrainerConfig):
