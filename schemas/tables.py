@@ -183,3 +183,11 @@ TABLES: dict[str, TableSchema] = {
     for t in (SFT_DATA, SFT_METRICS, PROMPTS, ROLLOUTS, SCORES, BATCH, LOGPROBS, ADVANTAGES, PROMPT_STATS, TRAIN_METRICS, EVAL,
               PREFERENCE_RANKINGS, PREFERENCE_PAIRS, RM_METRICS, RM_EVAL, REF_LOGPROBS, DPO_METRICS, DPO_EVAL)
 }
+
+# `make bench`: one row per benchmark, the baseline and rlpipe measured side by side in the same run. `ratio` is
+# rlpipe's advantage (greater is better), except for iteration_overhead, where it is the overhead fraction.
+BENCH_RESULTS = _table(
+    "bench_results", 1,
+    {"benchmark": STR, "baseline": STR, "baseline_value": F64, "rlpipe_value": F64, "unit": STR, "ratio": F64},
+    unique=("benchmark",),
+)
