@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlpipe-setup
 
-.PHONY: setup demo test test-fast clean-runs
+.PHONY: setup demo test test-fast bench clean-runs
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not e2e"
+
+# Side-by-side benchmarks (not part of make test): prints ratios, writes runs/bench/results.parquet.
+bench: setup
+	$(PY) -m tests.benchmarks.run
 
 clean-runs:
 	rm -rf runs

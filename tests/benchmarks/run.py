@@ -1,0 +1,41 @@
+"""`make bench`: run the side-by-side benchmarks and write runs/bench/results.parquet (schemas.tables.BENCH_RESULTS).
+
+Each benchmark times its baseline and rlpipe in the same process on the same inputs, so the ratio holds on a
+noisy machine where absolute times do not. Usage: python -m tests.benchmarks.run [NAME-PREFIX ...]
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import polars as pl
+from rich.console import Console
+from rich.table import Table
+
+from schemas.tables import BENCH_RESULTS
+from storage.stage_io import write_bytes_atomic
+from tests.benchmarks import bench_advantages
+
+RESULTS = Path("runs/bench/results.parquet")
+SUITES = {"advantages": bench_advantages.run}
+
+
+def main(prefixes: list[str]) -> None:
+    rows = []
+    for name, suite in SUITES.items():
+        if not prefixes or any(name.startswith(p) for p in prefixes):
+            rows += suite()
+    table = BENCH_RESULTS.validate(pl.DataFrame(rows, schema=BENCH_RESULTS.polars))
+    buffer = io.BytesIO()
+    table.write_parquet(buffer)
+    write_bytes_atomic(RESULTS, buffer.getvalue())
+    view = Table("benchmark", "baseline", "baseline", "rlpipe", "unit", "ratio", title=str(RESULTS))
+    for r in table.iter_rows(named=True):
+        view.add_row(r["benchmark"], r["baseline"], f"{r['baseline_value']:.4g}", f"{r['rlpipe_value']:.4g}", r["unit"], f"{r['ratio']:.2f}")
+    Console(width=150).print(view)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
