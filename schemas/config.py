@@ -72,6 +72,9 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     kv_cache_gib: float = Field(1.0, gt=0)
+    # After every weight sync the sampler's logprobs on the checkpoint's probe sequences are compared with the
+    # trainer's; a larger mean gap stops the run (fp32 on CPU measures ~1e-7; bf16 samplers need more room).
+    max_sync_logprob_gap: float = Field(1e-2, gt=0)
 
 
 class BatchConfig(Section):

@@ -59,6 +59,16 @@ def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> dict | None:
     }
 
 
+def weight_sync_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
+    """The seconds this iteration's rollouts spent syncing the sampler to the policy (0 when the engine started on
+    it), and the sampler's logprob gap to the trainer on the checkpoint's probe (NaN when it has none)."""
+    m = read_manifest(ctx.layout, "rollouts", iteration, verify=False) or {}
+    rounds = [v for k, v in m.get("extra", {}).items() if k.startswith("round")]
+    gaps = [r["sync_logprob_gap"] for r in rounds if r.get("sync_logprob_gap") is not None]
+    return {"weight_sync_seconds": float(sum(r.get("sync_seconds", 0.0) for r in rounds)),
+            "weight_sync_logprob_gap": float(max(gaps)) if gaps else float("nan")}
+
+
 def stage_seconds(ctx: RunContext, iteration: int) -> dict[str, float]:
     out = {}
     for stage in STAGES_OF_AN_ITERATION:
@@ -113,7 +123,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
             "loss_masked_fraction": masked,
             **rollout_metrics(rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)),
             **advantage_metrics(advantages),
-            "sampler_logprob_gap": sampler_gap(rollouts, logprobs),
+            "sampler_logprob_gap": sampler_gap(rollouts, logprobs), **weight_sync_metrics(ctx, iteration),
             "seconds_optimize": resp["train_seconds"], **stage_seconds(ctx, iteration),
         }
         frame = pl.DataFrame([row]).with_columns(

@@ -15,6 +15,7 @@ import polars as pl
 
 from storage import StageOutput, read_stage
 from tasks.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
+from tasks.engines.launch import WorkerError
 from tasks.engines.vllm_client import close_all, resident_engine
 from tasks.policy import weights_after
 
@@ -49,6 +50,10 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
         {"kv_cache_gib": ctx.cfg.rollout.kv_cache_gib, "seed": ctx.cfg.seed},
     )
     resp = engine.generate(model_path, [{**j, "prompts_path": str(inp), "out_path": str(o)} for j, o in zip(jobs, outs)])
+    gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
+    if gap is not None and not gap <= limit:
+        raise WorkerError(f"the sampler's weights do not match the trainer's: mean logprob gap {gap:.3g} on the "
+                          f"probe sequences of {model_path} (rollout.max_sync_logprob_gap = {limit:g})")
     frames = []
     for o in outs:
         df = pl.read_parquet(o).join(
@@ -79,7 +84,8 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
         return Computed(
             df, engines={"vllm": resp["vllm_version"]},
             extra={f"round{round_}": {"engine_start_seconds": resp["engine_start_seconds"],
-                                      "sync_seconds": resp["sync_seconds"], **timing}},
+                                      "sync_seconds": resp["sync_seconds"], "sync_logprob_gap": resp["sync_logprob_gap"],
+                                      **timing}},
         )
 
     return run_stage(

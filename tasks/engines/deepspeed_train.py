@@ -6,7 +6,8 @@ lr, weight_decay, grad_clip, micro_batch_size, seed; optional resume_state (a De
 - rl: data_path (prompt_token_ids, token_ids, old/ref_logprobs, token_advantages, loss_mask; values and
   returns with a critic), ppo_epochs, minibatches, max_tokens, loss settings; optional critic (path, fresh,
   resume_state, out_dir, lr, value_clip, coef) and ptx_coef/ptx_batch/ptx_data_path.
-The checkpoint folder holds HF safetensors + tokenizer (what vLLM loads) and `ds_state/` (optimizer state),
+The checkpoint folder holds HF safetensors + tokenizer (what vLLM loads), `sync_probe.json` (the trainer's logprobs
+that the sampler checks its weight sync against) and `ds_state/` (optimizer state),
 plus `critic/` (the same two) for PPO, written under tmp_dir and renamed into place by the caller's storage
 layer.
 """
@@ -53,8 +54,11 @@ def _engine(model, request, gas: int):
 
 
 def _save(engine, tokenizer, tmp_dir: str, crash_name: str = "") -> None:
+    from tasks.engines.sync_probe import write_probe
+
     engine.module.save_pretrained(tmp_dir, safe_serialization=True)
     tokenizer.save_pretrained(tmp_dir)
+    write_probe(engine.module, tmp_dir)  # the sampler checks its weight sync against these logprobs
     crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
     engine.save_checkpoint(os.path.join(tmp_dir, "ds_state"), tag="state")
 

@@ -1,8 +1,8 @@
 """Client of the resident vLLM server: one engine per Prefect process, reused across rounds, iterations and eval.
 
 Correctness never depends on the engine's memory: every request names the weights it must use, and the
-server syncs to them (or is restarted) before generating. If the server dies, the next request starts a new
-one from the requested weights.
+server syncs to them in place before generating, and reports its logprob gap to the trainer's probe
+(tasks/engines/sync_probe.py). If the server dies, the next request starts a new one from the requested weights.
 """
 
 from __future__ import annotations
@@ -46,22 +46,17 @@ class ResidentEngine:
         self.conn = Client(sock, family="AF_UNIX", authkey=key)
 
     def generate(self, model_path: str, jobs: list[dict]) -> dict:
-        for _ in range(2):
-            if self.conn is None:
-                self._start(model_path)
-            try:
-                self.conn.send({"op": "generate", "model_path": model_path, "jobs": jobs})
-                resp = self.conn.recv()
-            except (EOFError, OSError):
-                self.close()
-                raise WorkerError(f"vLLM server died: {last_error_line(self.log)} [log: {self.log}]") from None
-            if resp.get("restart_required"):
-                self.close()
-                continue
-            if "error" in resp:
-                raise WorkerError(f"vLLM generation failed: {resp['error']}")
-            return resp
-        raise WorkerError("vLLM server asked for a restart twice")
+        if self.conn is None:
+            self._start(model_path)
+        try:
+            self.conn.send({"op": "generate", "model_path": model_path, "jobs": jobs})
+            resp = self.conn.recv()
+        except (EOFError, OSError):
+            self.close()
+            raise WorkerError(f"vLLM server died: {last_error_line(self.log)} [log: {self.log}]") from None
+        if "error" in resp:
+            raise WorkerError(f"vLLM generation failed: {resp['error']}")
+        return resp
 
     def close(self) -> None:
         if self.conn is not None:

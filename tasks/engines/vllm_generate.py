@@ -32,6 +32,8 @@ def _rows(outputs, prompt_ids):
 
 def _start_engine(request: dict):
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(request.get("kv_cache_gib", 1))))
+    # collective_rpc with a function (_refresh_lm_head) pickles it to the engine's own worker process.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
 
     return LLM(
@@ -70,19 +72,49 @@ def _run_jobs(llm, jobs: list[dict]) -> list[dict]:
     return timings
 
 
-def ties_embeddings(model_path: str) -> bool:
-    import json
+def _refresh_lm_head(worker) -> None:
+    """Rebuild the output projection's kernel state from its current weight.
 
-    with open(os.path.join(model_path, "config.json")) as f:
-        return bool(json.load(f).get("tie_word_embeddings", False))
+    The in-place reload re-processes each layer it loads. With tied embeddings the lm_head shares the embedding's
+    weight, is loaded through it, and keeps the GEMM handle it packed from the OLD weight at start-up (on CPU,
+    dispatch_cpu_unquantized_gemm), so the sampler kept the old output layer: a 0.42 mean logprob gap on the
+    demo model, 3.7e-7 after this refresh. For untied models it recomputes what the reload already did."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+def sync_weights(llm, model_path: str) -> None:
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": model_path})
+    llm.collective_rpc(_refresh_lm_head)
+    llm.reset_prefix_cache()
+
+
+def sampler_probe_gap(llm, model_path: str) -> float | None:
+    """Mean |log π_sampler − log π_trainer| on the checkpoint's probe sequences (tasks/engines/sync_probe.py);
+    None for a model folder without a probe (one a trainer of ours did not write)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tasks.engines.sync_probe import mean_abs_gap, read_probe
+
+    probe = read_probe(model_path)
+    if probe is None:
+        return None
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in probe["token_ids"]], params, use_tqdm=False)
+    # prompt_logprobs[t] (t ≥ 1) maps the prompt's own token t to its logprob given the tokens before it.
+    sampler = [[step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], ids[1:])] for o, ids in zip(outs, probe["token_ids"])]
+    return mean_abs_gap(sampler, probe["logprobs"])
 
 
 def serve(socket_path: str, authkey: bytes, request: dict) -> None:
     """Resident mode: keep one engine and answer `generate` messages until `shutdown` or the parent dies.
 
-    A `generate` for other weights first syncs them in place (`reload_weights`), which DESIGN §4 measured
-    exact for untied embeddings and wrong for tied ones; for a tied model the server answers
-    `restart_required` and exits, and the client starts a fresh engine on the new weights.
+    A `generate` for other weights first syncs them in place (tied embeddings included). After the start and
+    after every sync the answer carries `sync_logprob_gap`, the sampler's gap to the trainer's probe logprobs,
+    which the caller checks against its threshold.
     """
     from multiprocessing.connection import Listener
 
@@ -92,6 +124,7 @@ def serve(socket_path: str, authkey: bytes, request: dict) -> None:
     llm = _start_engine(request)
     current = request["model_path"]
     start_seconds = time.time() - t0
+    gap = sampler_probe_gap(llm, current)
     with Listener(socket_path, family="AF_UNIX", authkey=authkey) as listener:
         with listener.accept() as conn:
             while True:
@@ -101,21 +134,18 @@ def serve(socket_path: str, authkey: bytes, request: dict) -> None:
                     return
                 sync_seconds = 0.0
                 if msg["model_path"] != current:
-                    if ties_embeddings(msg["model_path"]):
-                        conn.send({"restart_required": True})
-                        return
                     t1 = time.time()
-                    llm.collective_rpc("reload_weights", kwargs={"weights_path": msg["model_path"]})
-                    llm.reset_prefix_cache()
+                    sync_weights(llm, msg["model_path"])
                     sync_seconds, current = time.time() - t1, msg["model_path"]
+                    gap = sampler_probe_gap(llm, current)
                 try:
                     timings = _run_jobs(llm, msg["jobs"])
                 except Exception as exc:  # report to the client; the engine itself is still usable
                     conn.send({"error": f"{type(exc).__name__}: {exc}"})
                     continue
                 conn.send({
-                    "engine_start_seconds": start_seconds, "sync_seconds": sync_seconds, "jobs": timings,
-                    "vllm_version": vllm.__version__,
+                    "engine_start_seconds": start_seconds, "sync_seconds": sync_seconds, "sync_logprob_gap": gap,
+                    "jobs": timings, "vllm_version": vllm.__version__,
                 })
                 start_seconds = 0.0  # only the first answer pays the start
 
