@@ -18,6 +18,7 @@ import polars as pl
 import torch
 
 from tasks.advantage_estimators import AdvantageSettings, gae, grpo
+from tests.benchmarks import result_row
 
 
 def _best_of(fn, repeats: int) -> tuple[float, object]:
@@ -68,7 +69,7 @@ def bench_group(n: int, repeats: int = 2) -> dict:
     ours_s, ours = _best_of(lambda: grpo(df, settings), repeats)
     np.testing.assert_allclose(ours["advantage"].to_numpy(), base[:, 0].numpy(), atol=1e-4)
     name = "advantages_group_1e6" if n == 10**6 else f"advantages_group_1e{round(np.log10(n))}"
-    return _row(name, "python loop, verl structure", n / base_s, n / ours_s, "responses/s")
+    return result_row(name, "python loop, verl structure", n / base_s, n / ours_s, "responses/s")
 
 
 def gae_inputs(n: int, length: int, seed: int = 0) -> tuple[pl.DataFrame, torch.Tensor, torch.Tensor]:
@@ -103,12 +104,7 @@ def bench_gae(n: int = 10**4, length: int = 512, repeats: int = 2) -> dict:
     ours_s, ours = _best_of(lambda: gae(df, s), repeats)
     first = np.array([row[0] for row in ours["token_advantages"].to_list()])
     np.testing.assert_allclose(first, base[:, 0].numpy(), atol=1e-3)
-    return _row("advantages_gae", "torch reverse loop", n * length / base_s, n * length / ours_s, "tokens/s")
-
-
-def _row(benchmark: str, baseline: str, baseline_value: float, rlpipe_value: float, unit: str) -> dict:
-    return {"benchmark": benchmark, "baseline": baseline, "baseline_value": baseline_value, "rlpipe_value": rlpipe_value,
-            "unit": unit, "ratio": rlpipe_value / baseline_value}
+    return result_row("advantages_gae", "torch reverse loop", n * length / base_s, n * length / ours_s, "tokens/s")
 
 
 def run() -> list[dict]:
