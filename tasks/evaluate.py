@@ -1,7 +1,8 @@
 """Stage `eval`: greedy pass@1 and sampled pass@k on the held-out prompts, with vLLM.
 
 Reads the held-out split and the weights after iteration k (k = 0: the starting model); writes `eval`, one
-row per prompt. Correctness is the `accuracy` reward function, the same judge as training.
+row per prompt. Correctness is the `accuracy` reward function, the same judge as training. When RL is scored
+by a reward model, the manifest also gets its Spearman correlation with that judge on the sampled responses.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from tasks.common import Computed, stage_task, load_run, run_stage
 from tasks.datasets import load_prompt_dataset, task_splits
 from tasks.rewards import REWARD_FUNCTIONS, Sample, code_hash
 from tasks.rollouts import generate
-from tasks.policy import weights_after
+from tasks.scores import reward_model_scores
+from tasks.policy import model_fingerprint, weights_after
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -50,6 +52,17 @@ def eval_table(held_out: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFra
     )
 
 
+def rm_rule_spearman(ctx, held_out: pl.DataFrame, sampled: pl.DataFrame) -> float:
+    """Spearman correlation of the reward model's score with the rule's correctness over the sampled responses."""
+    answers = dict(zip(held_out["prompt_id"], held_out["answer"]))
+    scored = sampled.with_columns(
+        reward_model_scores(ctx, sampled, held_out, f"eval-rm-{ctx.layout.run_id}").alias("rm"),
+        judge(sampled, answers).cast(pl.Float64).alias("rule"),
+    )
+    rho = scored.select(pl.corr("rm", "rule", method="spearman")).item()
+    return float(rho) if rho is not None else float("nan")
+
+
 @stage_task("eval")
 def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics") -> StageOutput:
     ctx = load_run(storage_root, run_id)
@@ -68,9 +81,13 @@ def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str
             "accuracy": float(df["greedy_correct"].mean()), f"pass_at_{e.pass_k}": float(df["pass_at_k"].mean()),
             "mean_length": float(df["greedy_length"].mean()), "prompts": df.height,
         }
+        if ctx.cfg.reward.kind == "model":  # does the reward model still rank like the rule on unseen prompts?
+            summary["reward_model_rule_spearman"] = rm_rule_spearman(ctx, held_out, sampled)
         return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=summary)
 
+    inputs = {"weights": weights.fingerprint}
+    if ctx.cfg.reward.kind == "model":
+        inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
     return run_stage(
-        ctx, "eval", iteration, sections=("eval", "task"), salt=code_hash(["accuracy"]),
-        inputs={"weights": weights.fingerprint}, compute=compute,
+        ctx, "eval", iteration, sections=("eval", "task"), salt=code_hash(["accuracy"]), inputs=inputs, compute=compute,
     )

@@ -34,6 +34,9 @@ def collect_summary(storage_root: str, run_id: str) -> dict:
             f"eval_pass_at_{k}_final": evals[final_it].get(f"pass_at_{k}"),
             "eval_by_iteration": {str(it): e.get("accuracy") for it, e in sorted(evals.items())},
         })
+        rhos = {str(it): e["reward_model_rule_spearman"] for it, e in sorted(evals.items()) if "reward_model_rule_spearman" in e}
+        if rhos:  # RL scored by a reward model: its agreement with the rule on the held-out prompts
+            summary["eval_reward_model_rule_spearman_by_iteration"] = rhos
     if iterations:
         last = metrics.sort("iteration").row(-1, named=True)
         summary["final_train_metrics"] = {k2: v for k2, v in last.items() if isinstance(v, (int, float))}

@@ -121,6 +121,10 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
         for key in ("clip_frac_low", "clip_frac_high", "nonzero_advantage_fraction", "zero_std_group_fraction", "kl_ref",
                     "entropy", "ppo_kl", "response_length_mean", "truncation_rate"):
             assert m[key] == m[key], key  # present and not NaN
+    # Iteration 1 samples with the weights the engine started on; iteration 2's are synced in place. Both are
+    # checked against the trainer's probe logprobs.
+    assert metrics[0]["weight_sync_seconds"] == 0 and metrics[1]["weight_sync_seconds"] > 0
+    assert all(m["weight_sync_logprob_gap"] < 1e-3 for m in metrics)
     if algo == "ppo":
         assert (layout.checkpoint_dir(1) / "critic" / "model.safetensors").exists()
         values = read_table(layout, "logprobs", 2)["values"]
@@ -190,6 +194,8 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
     scores = read_table(RunLayout(root, "rl-rm"), "scores", 1)
     assert scores["score_model"].null_count() == 0 and scores["score_model"].n_unique() > 1
     assert (scores["reward"] - scores["score_model"]).abs().max() < 1e-12 and "score_accuracy" in scores.columns
+    rhos = json.loads(RunLayout(root, "rl-rm").summary_path.read_text())["eval_reward_model_rule_spearman_by_iteration"]
+    assert set(rhos) == {"0", "1"} and all(r != r or -1 <= r <= 1 for r in rhos.values())  # NaN if all judged alike
 
     rlpipe("dpo", str(cfg), "--run-id", "dpo", *common, "--set", "dpo.steps=10", "--set", "dpo.batch_size=16",
            "--set", f"dpo.out_path={workspace}/models/dpo", cwd=workspace)
