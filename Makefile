@@ -30,7 +30,7 @@ test-fast: setup
 
 # Side-by-side benchmarks (not part of make test): prints ratios, writes runs/bench/results.parquet.
 bench: setup
-	$(PY) -m tests.benchmarks.run
+	$(PY) -m tests.benchmarks.run $(ARGS)
 
 clean-runs:
 	rm -rf runs

@@ -28,6 +28,9 @@ def main(prefixes: list[str]) -> None:
         if not prefixes or any(name.startswith(p) for p in prefixes):
             rows += suite()
     table = BENCH_RESULTS.validate(pl.DataFrame(rows, schema=BENCH_RESULTS.polars))
+    if prefixes and RESULTS.exists():  # a partial run replaces its own rows and keeps the others
+        kept = pl.read_parquet(RESULTS).join(table.select("benchmark"), on="benchmark", how="anti")
+        table = BENCH_RESULTS.validate(pl.concat([kept, table]))
     buffer = io.BytesIO()
     table.write_parquet(buffer)
     write_bytes_atomic(RESULTS, buffer.getvalue())
