@@ -110,10 +110,12 @@ def _kl_expr(estimator: str) -> pl.Expr:
 def explode_tokens(df: pl.DataFrame, lists: list[str], keep: tuple[str, ...] = ()) -> pl.DataFrame:
     """One row per response token: the `lists` columns exploded, the `keep` columns repeated, plus `_seq`
     (row of df), `_t` (position) and `_T` (response length)."""
-    long = df.select(pl.int_range(pl.len(), dtype=pl.UInt32).alias("_seq"), *keep, *lists).explode(lists)
-    return long.with_columns(
-        pl.int_range(pl.len(), dtype=pl.Int32).over("_seq").alias("_t"), pl.len().over("_seq").cast(pl.Int32).alias("_T")
-    )
+    # Positions from the list lengths, exploded alongside: no window over `_seq` (2× faster at 5·10^6 tokens).
+    n = pl.col(lists[0]).list.len()
+    return df.select(
+        pl.int_range(pl.len(), dtype=pl.UInt32).alias("_seq"), *keep, *lists,
+        pl.int_ranges(0, n, dtype=pl.Int32).alias("_t"), n.cast(pl.Int32).alias("_T"),
+    ).explode([*lists, "_t"])
 
 
 def implode_tokens(df: pl.DataFrame, long: pl.DataFrame, **token_cols: pl.Expr) -> pl.DataFrame:
@@ -268,7 +270,8 @@ def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     token_reward = pl.when(last).then(pl.col("reward")).otherwise(0.0)
     if s.kl_beta:
         token_reward = token_reward - s.kl_beta * _kl_expr(s.kl_estimator)
-    v_next = v.shift(-1).over("_seq").fill_null(0.0)
+    # Tokens of a response are consecutive rows, so the next row holds V_{t+1} except on the last token.
+    v_next = pl.when(last).then(0.0).otherwise(v.shift(-1))
     long = long.with_columns((token_reward + s.gamma * v_next - v).alias("_delta"))
     long = long.with_columns(discounted_reverse_cumsum("_delta", s.gamma * s.lam).alias("_a"))
     long = long.with_columns((pl.col("_a") + v).alias("_ret"), whiten(pl.col("_a"), s.eps).alias("_a"))

@@ -78,7 +78,7 @@ def gae_inputs(n: int, length: int, seed: int = 0) -> tuple[pl.DataFrame, torch.
     rewards = rng.integers(0, 2, n).astype(np.float64)
     df = pl.DataFrame({
         "prompt_id": [f"p{i:07d}" for i in range(n)], "reward": rewards,
-        "length": np.full(n, length, np.int32), "values": pl.Series(list(values), dtype=pl.List(pl.Float32)),
+        "length": np.full(n, length, np.int32), "values": pl.Series(values).cast(pl.List(pl.Float32)),  # as in `logprobs`
     })
     return df, torch.from_numpy(values), torch.from_numpy(rewards).float()
 
