@@ -14,6 +14,7 @@ import polars as pl
 from storage import StageOutput
 from tasks.common import Computed, stage_task, load_run, run_stage
 from tasks.datasets import load_prompt_dataset, task_splits
+from tasks.metrics import spearman
 from tasks.rewards import REWARD_FUNCTIONS, Sample, code_hash
 from tasks.rollouts import generate
 from tasks.scores import reward_model_scores
@@ -36,11 +37,12 @@ def judge(samples: pl.DataFrame, answers: dict[str, str]) -> pl.Series:
 
 
 def eval_table(held_out: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFrame, k: int, iteration: int) -> pl.DataFrame:
-    answers = dict(zip(held_out["prompt_id"], held_out["answer"]))
-    g = greedy.with_columns(judge(greedy, answers).alias("greedy_correct")).select(
-        "prompt_id", pl.col("text").alias("greedy_text"), "greedy_correct", pl.col("length").alias("greedy_length")
+    """One row per held-out prompt from the greedy and sampled responses, each already judged (`correct`)."""
+    g = greedy.select(
+        "prompt_id", pl.col("text").alias("greedy_text"), pl.col("correct").alias("greedy_correct"),
+        pl.col("length").alias("greedy_length"),
     )
-    s = sampled.with_columns(judge(sampled, answers).alias("correct")).group_by("prompt_id").agg(
+    s = sampled.group_by("prompt_id").agg(
         pl.len().cast(pl.Int32).alias("n_samples"), pl.col("correct").sum().cast(pl.Int32).alias("n_correct")
     )
     out = held_out.select("prompt_id", "answer").join(g, on="prompt_id").join(s, on="prompt_id")
@@ -53,14 +55,10 @@ def eval_table(held_out: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFra
 
 
 def rm_rule_spearman(ctx, held_out: pl.DataFrame, sampled: pl.DataFrame) -> float:
-    """Spearman correlation of the reward model's score with the rule's correctness over the sampled responses."""
-    answers = dict(zip(held_out["prompt_id"], held_out["answer"]))
-    scored = sampled.with_columns(
-        reward_model_scores(ctx, sampled, held_out, f"eval-rm-{ctx.layout.run_id}").alias("rm"),
-        judge(sampled, answers).cast(pl.Float64).alias("rule"),
-    )
-    rho = scored.select(pl.corr("rm", "rule", method="spearman")).item()
-    return float(rho) if rho is not None else float("nan")
+    """Spearman correlation of the reward model's score with the rule's judgement (`correct`) of the sampled
+    responses."""
+    scored = sampled.with_columns(reward_model_scores(ctx, sampled, held_out, "eval_rm").alias("rm"))
+    return spearman(scored, "rm", "correct")
 
 
 @stage_task("eval")
@@ -76,6 +74,8 @@ def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str
             {"n": e.samples, "temperature": e.temperature, "max_tokens": r.max_tokens, "seed": ctx.cfg.seed + 1},
         ]
         (greedy, sampled), resp = generate(ctx, weights.path, held_out, jobs, f"eval-{iteration:05d}")
+        answers = dict(zip(held_out["prompt_id"], held_out["answer"]))
+        greedy, sampled = (f.with_columns(judge(f, answers).alias("correct")) for f in (greedy, sampled))
         df = eval_table(held_out, greedy, sampled, e.pass_k, iteration)
         summary = {
             "accuracy": float(df["greedy_correct"].mean()), f"pass_at_{e.pass_k}": float(df["pass_at_k"].mean()),

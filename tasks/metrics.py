@@ -23,8 +23,14 @@ def rollout_metrics(rollouts: pl.DataFrame, scores: pl.DataFrame, batch: pl.Data
             out[f"{col}_mean"] = scores[col].mean()
     if {"score_model", "score_accuracy"} <= set(scores.columns):
         # How well the reward model ranks what the rule judges: the signal that it is still a good proxy.
-        out["reward_model_rule_spearman"] = scores.select(pl.corr("score_model", "score_accuracy", method="spearman")).item()
+        out["reward_model_rule_spearman"] = spearman(scores, "score_model", "score_accuracy")
     return {k: float(v) if v is not None else float("nan") for k, v in out.items()}
+
+
+def spearman(frame: pl.DataFrame, a: str, b: str) -> float:
+    """Rank correlation of two columns; NaN when it is undefined (a constant column)."""
+    rho = frame.select(pl.corr(a, b, method="spearman")).item()
+    return float(rho) if rho is not None else float("nan")
 
 
 def sampler_gap(rollouts: pl.DataFrame, logprobs: pl.DataFrame) -> float:

@@ -27,14 +27,13 @@ def probe_token_ids(vocab_size: int, max_positions: int, seed: int = 0) -> list[
 def trainer_logprobs(model, token_ids: list[list[int]]) -> list[list[float]]:
     import torch
 
+    from tasks.engines.token_batch import token_logprobs
+
     was_training = model.training
     model.eval()
-    out = []
-    with torch.no_grad():
-        for seq in token_ids:
-            ids = torch.tensor([seq])
-            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # (T−1, V)
-            out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].tolist())
+    with torch.no_grad():  # one sequence at a time: no padding, the same positions vLLM scores
+        out = [token_logprobs(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), with_entropy=False)[0][0].tolist()
+               for seq in token_ids]
     model.train(was_training)
     return out
 
