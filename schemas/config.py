@@ -139,6 +139,14 @@ class OptimConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
 
 
+class EnginesConfig(Section):
+    """How engines live, not what they compute (no stage fingerprint includes it: both ways give the same data)."""
+
+    # Keep the DeepSpeed engines and the reference in one process across iterations (tasks/engines/trainer_server.py);
+    # false starts a worker process per logprobs and optimize stage that loads everything from disk.
+    resident_trainer: bool = True
+
+
 class RLConfig(Section):
     iterations: int = Field(10, ge=1)
     eval_every: int = Field(5, ge=1)
@@ -230,6 +238,7 @@ class RunConfig(Section):
     kl: KLConfig = KLConfig()
     critic: CriticConfig = CriticConfig()
     optim: OptimConfig = OptimConfig()
+    engines: EnginesConfig = EnginesConfig()
     rl: RLConfig = RLConfig()
     eval: EvalConfig = EvalConfig()
     sft: SFTConfig = SFTConfig()

@@ -11,7 +11,7 @@ import polars as pl
 
 from storage import StageOutput, read_stage
 from tasks.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
-from tasks.engines.launch import run_worker
+from tasks.engines.trainer_client import call_trainer
 from tasks.policy import critic_after, starting_weights, weights_after
 
 
@@ -30,12 +30,12 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str)
         inp, out = scratch_file(ctx, "logprobs.in.parquet"), scratch_file(ctx, "logprobs.out.parquet")
         samples.write_parquet(inp)
         critic = critic_after(ctx, iteration - 1) if ctx.cfg.uses_critic else None
-        resp = run_worker(
-            "torch_logprobs",
+        resp = call_trainer(
+            ctx, "logprobs",
             {"policy_path": policy.path, "ref_path": ref.path, "samples_path": str(inp), "out_path": str(out),
              "micro_batch_size": ctx.cfg.optim.micro_batch_size,
              "critic_path": critic.path if critic else None, "critic_fresh": bool(critic and critic.fresh)},
-            ctx.layout.scratch_dir, ctx.layout.log_path(f"logprobs-{iteration:05d}"),
+            f"logprobs-{iteration:05d}",
         )
         df = pl.read_parquet(out).with_columns(pl.lit(iteration, pl.Int32).alias("iteration"))
         inp.unlink(), out.unlink()

@@ -13,7 +13,7 @@ import polars as pl
 
 from storage import StageOutput, commit_dir, read_manifest, read_stage, temp_dir_for
 from tasks.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
-from tasks.engines.launch import run_worker
+from tasks.engines.trainer_client import call_trainer
 from tasks.logprobs import kept_rollouts
 from tasks.arithmetic import demonstrations
 from tasks.datasets import load_prompt_dataset, task_splits
@@ -70,11 +70,19 @@ def weight_sync_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
 
 
 def stage_seconds(ctx: RunContext, iteration: int) -> dict[str, float]:
+    """Wall seconds of each earlier stage of the iteration, and the engine time inside them: vLLM generation
+    (`seconds_generate`) and the logprobs forward passes (`seconds_logprobs_forward`)."""
     out = {}
     for stage in STAGES_OF_AN_ITERATION:
         m = read_manifest(ctx.layout, stage, iteration, verify=False)
         if m:
             out[f"seconds_{stage}"] = float(m["wall_seconds"])
+            extra = m.get("extra", {})
+            if stage == "rollouts":
+                rounds = [v for k, v in extra.items() if k.startswith("round")]
+                out["seconds_generate"] = float(sum(r.get("generate_seconds", 0.0) for r in rounds))
+            if stage == "logprobs" and "forward_seconds" in extra:
+                out["seconds_logprobs_forward"] = float(extra["forward_seconds"])
     return out
 
 
@@ -93,8 +101,8 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = temp_dir_for(final)
         prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
-        resp = run_worker(
-            "deepspeed_train",
+        resp = call_trainer(
+            ctx, "train",
             {
                 "mode": "rl", "model_path": policy.path, "tmp_dir": str(tmp), "metrics_path": "",
                 "data_path": str(data_path), "resume_state": prev_state, "seed": ctx.cfg.seed + iteration,
@@ -111,7 +119,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
                 "ptx_coef": lc.ptx_coef, "ptx_batch": lc.ptx_batch,
                 "ptx_data_path": str(ptx_data(ctx)) if lc.ptx_coef else None,
             },
-            ctx.layout.scratch_dir, ctx.layout.log_path(f"optimize-{iteration:05d}"),
+            f"optimize-{iteration:05d}",
         )
         commit_dir(tmp, final)
         data_path.unlink()
@@ -125,6 +133,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
             **advantage_metrics(advantages),
             "sampler_logprob_gap": sampler_gap(rollouts, logprobs), **weight_sync_metrics(ctx, iteration),
             "seconds_optimize": resp["train_seconds"], **stage_seconds(ctx, iteration),
+            "trainer_engines_reused": float(resp.get("reused_engine", 0)),
         }
         frame = pl.DataFrame([row]).with_columns(
             pl.col("iteration", "policy_version").cast(pl.Int32), pl.col("optimizer_steps").cast(pl.Int32),

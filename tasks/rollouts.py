@@ -16,7 +16,8 @@ import polars as pl
 from storage import StageOutput, read_stage
 from tasks.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
 from tasks.engines.launch import WorkerError
-from tasks.engines.vllm_client import close_all, resident_engine
+from tasks.engines.resident import close_all
+from tasks.engines.vllm_client import resident_engine
 from tasks.policy import weights_after
 
 

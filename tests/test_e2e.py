@@ -125,7 +125,10 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
     # checked against the trainer's probe logprobs.
     assert metrics[0]["weight_sync_seconds"] == 0 and metrics[1]["weight_sync_seconds"] > 0
     assert all(m["weight_sync_logprob_gap"] < 1e-3 for m in metrics)
+    # The resident trainer reused its engines at iteration 2 (both policy and critic for PPO).
+    assert metrics[0]["trainer_engines_reused"] == 0 and metrics[1]["trainer_engines_reused"] == (2 if algo == "ppo" else 1)
     if algo == "ppo":
+        check_resident_update_equals_one_shot(workspace, layout)
         assert (layout.checkpoint_dir(1) / "critic" / "model.safetensors").exists()
         values = read_table(layout, "logprobs", 2)["values"]
         assert values.null_count() == 0 and values.list.len().sum() > 0
@@ -137,6 +140,20 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
         for name in ("grpo", "drgrpo", "lite_ppo", "rloo", "dcpo"):
             assert name in out.stdout
         check_fork_and_diff(workspace, layout)
+
+
+def check_resident_update_equals_one_shot(workspace, layout: RunLayout):
+    """Iteration 2's update ran on the engines kept in memory since iteration 1. Redo it in a fork by a one-shot
+    worker that loads checkpoint 1 and its optimizer state from disk: policy and critic weights are identical."""
+    from safetensors.torch import load_file
+
+    rlpipe("rerun", layout.run_id, "--iteration", "2", "--stage", "optimize", "--set", "engines.resident_trainer=false",
+           "--fork", "one-shot", "--root", str(workspace / "runs"), cwd=workspace)
+    fork = RunLayout(workspace / "runs", "one-shot")
+    for sub in ("model.safetensors", "critic/model.safetensors"):
+        resident, one_shot = load_file(layout.checkpoint_dir(2) / sub), load_file(fork.checkpoint_dir(2) / sub)
+        assert resident.keys() == one_shot.keys() and all(resident[k].equal(one_shot[k]) for k in resident), sub
+        assert not all(resident[k].equal(v) for k, v in load_file(layout.checkpoint_dir(1) / sub).items())  # it did train
 
 
 def check_fork_and_diff(workspace, layout: RunLayout):

@@ -7,7 +7,8 @@ lr, weight_decay, grad_clip, micro_batch_size, seed; optional resume_state (a De
   returns with a critic), ppo_epochs, minibatches, max_tokens, loss settings; optional critic (path, fresh,
   resume_state, out_dir, lr, value_clip, coef) and ptx_coef/ptx_batch/ptx_data_path.
 The checkpoint folder holds HF safetensors + tokenizer (what vLLM loads), `sync_probe.json` (the trainer's logprobs
-that the sampler checks its weight sync against) and `ds_state/` (optimizer state),
+that the sampler checks its weight sync against), `ds_state/` (optimizer state) and `trainer_state.json` (the id
+a resident trainer reuses its engine by, tasks/engines/engine_cache.py),
 plus `critic/` (the same two) for PPO, written under tmp_dir and renamed into place by the caller's storage
 layer.
 """
@@ -53,7 +54,9 @@ def _engine(model, request, gas: int):
     return engine, optimizer
 
 
-def _save(engine, tokenizer, tmp_dir: str, crash_name: str = "") -> None:
+def _save(engine, tokenizer, tmp_dir: str, crash_name: str = "") -> str:
+    """Write the checkpoint; return its state id (written last: a checkpoint without one is never reused)."""
+    from tasks.engines.engine_cache import write_state_id
     from tasks.engines.sync_probe import write_probe
 
     engine.module.save_pretrained(tmp_dir, safe_serialization=True)
@@ -61,6 +64,7 @@ def _save(engine, tokenizer, tmp_dir: str, crash_name: str = "") -> None:
     write_probe(engine.module, tmp_dir)  # the sampler checks its weight sync against these logprobs
     crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
     engine.save_checkpoint(os.path.join(tmp_dir, "ds_state"), tag="state")
+    return write_state_id(tmp_dir)
 
 
 def _sft(request, model, tokenizer):
@@ -133,7 +137,27 @@ class _Ptx:
         return -self.coef * (logp * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def _rl(request, model, tokenizer):
+def engine_settings(request: dict, lr: float) -> dict:
+    """What an engine is built with, besides its state: a kept engine is reused only when these are equal."""
+    return {k: request[k] for k in ("zero_stage", "weight_decay", "grad_clip", "micro_batch_size")} | {"lr": lr}
+
+
+def _policy_engine(request, gas: int, cache):
+    """The policy's engine: the resident one when it holds exactly request's starting state, else loaded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    settings = engine_settings(request, request["lr"])
+    kept = cache.take_engine("policy", request["model_path"], request.get("resume_state"), settings) if cache else None
+    if kept is not None:
+        kept[0].set_train_batch_size(request["micro_batch_size"] * gas)
+        return kept
+    model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32)
+    model.config.use_cache = False
+    return _engine(model, request, gas)
+
+
+def _rl(request, tokenizer, cache=None):
     """ppo_epochs × minibatches optimizer steps; each minibatch is split into micro-batches whose losses
     use the minibatch's normalizers, so the accumulated gradient equals the minibatch's."""
     import polars as pl
@@ -149,13 +173,14 @@ def _rl(request, model, tokenizer):
     n, micro = data.height, request["micro_batch_size"]
     minibatches = min(request["minibatches"], n)
     gas = max(1, math.ceil(math.ceil(n / minibatches) / micro))
-    engine, optimizer = _engine(model, request, gas)
-    critic = _critic_engine(request, gas, data) if request.get("critic") else None
+    engine, optimizer = _policy_engine(request, gas, cache)
+    critic = _critic_engine(request, gas, data, cache) if request.get("critic") else None
     ptx = _Ptx(request, tokenizer, request["seed"]) if request.get("ptx_coef") else None
     settings = _policy_settings(request["loss"])
     gen = torch.Generator().manual_seed(request["seed"])
     totals: dict[str, float] = {}
     entropy_sum, grad_norms, steps = 0.0, [], 0
+    t0 = time.time()
 
     def add(key, value):
         totals[key] = totals.get(key, 0.0) + float(value)
@@ -206,14 +231,15 @@ def _rl(request, model, tokenizer):
     metrics["entropy"] = entropy_sum / tokens
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["samples"] = float(n)
-    return engine, None, {"optimizer_steps": steps, **metrics}, critic
+    metrics["seconds_forward_backward"] = time.time() - t0  # the update itself: no load, no save
+    return engine, optimizer, {"optimizer_steps": steps, **metrics}, critic
 
 
 class _Critic:
     """The value model's DeepSpeed engine, stepped in lockstep with the policy's micro-batches."""
 
-    def __init__(self, engine, request, old_values, returns):
-        self.engine, self.request = engine, request
+    def __init__(self, engine, optimizer, request, old_values, returns):
+        self.engine, self.optimizer, self.request = engine, optimizer, request
         self.old_values, self.returns = old_values, returns
 
     def micro_step(self, idx, ids, attn, mask, plen, width, norm, last) -> dict:
@@ -232,17 +258,24 @@ class _Critic:
         return {"value_loss": loss.detach(), "value_clip_frac": clipped}
 
 
-def _critic_engine(request, gas, data):
+def _critic_engine(request, gas, data, cache=None):
     from tasks.engines.critic import load_critic
 
     c = request["critic"]
-    model = load_critic(c["path"], c["fresh"])
-    critic_request = {**request, "lr": c["lr"], "resume_state": c.get("resume_state")}
-    engine, _ = _engine(model, critic_request, gas)
-    return _Critic(engine, request, data["values"].to_list(), data["returns"].to_list())
+    settings = engine_settings(request, c["lr"])
+    kept = cache.take_engine("critic", c["path"], c.get("resume_state"), settings) if cache else None
+    if kept is not None:
+        kept[0].set_train_batch_size(request["micro_batch_size"] * gas)
+        engine, optimizer = kept
+    else:
+        critic_request = {**request, "lr": c["lr"], "resume_state": c.get("resume_state")}
+        engine, optimizer = _engine(load_critic(c["path"], c["fresh"]), critic_request, gas)
+    return _Critic(engine, optimizer, request, data["values"].to_list(), data["returns"].to_list())
 
 
-def handle(request: dict) -> dict:
+def handle(request: dict, cache=None) -> dict:
+    """One request. `cache` (an EngineCache) is given by the resident trainer (tasks/engines/trainer_server.py):
+    RL updates then reuse the engines the previous update left, when they hold exactly the requested state."""
     import deepspeed
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -250,19 +283,23 @@ def handle(request: dict) -> dict:
     torch.manual_seed(request["seed"])
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(request["model_path"])
-    model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32)
-    model.config.use_cache = False
+    critic = None
     if request["mode"] == "sft":
+        model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32)
+        model.config.use_cache = False
         engine, table, metrics = _sft(request, model, tokenizer)
-        critic = None
     else:
-        engine, table, metrics, critic = _rl(request, model, tokenizer)
+        engine, optimizer, metrics, critic = _rl(request, tokenizer, cache)
+        table = None
     train_seconds = time.time() - t0
     if table is not None:
         table.write_parquet(request["metrics_path"])
-    _save(engine, tokenizer, request["tmp_dir"], request.get("crash_point", ""))
-    if critic is not None:
-        _save(critic.engine, tokenizer, request["critic"]["out_dir"])
+    state_id = _save(engine, tokenizer, request["tmp_dir"], request.get("crash_point", ""))
+    critic_id = _save(critic.engine, tokenizer, request["critic"]["out_dir"]) if critic is not None else None
+    if cache is not None:
+        cache.keep_engine("policy", state_id, engine, optimizer, engine_settings(request, request["lr"]))
+        if critic is not None:
+            cache.keep_engine("critic", critic_id, critic.engine, critic.optimizer, engine_settings(request, request["critic"]["lr"]))
     return {
         "metrics": metrics, "train_seconds": train_seconds, "deepspeed_version": deepspeed.__version__,
         "zero_stage": request["zero_stage"],

@@ -109,49 +109,40 @@ def sampler_probe_gap(llm, model_path: str) -> float | None:
     return mean_abs_gap(sampler, probe["logprobs"])
 
 
-def serve(socket_path: str, authkey: bytes, request: dict) -> None:
-    """Resident mode: keep one engine and answer `generate` messages until `shutdown` or the parent dies.
+def make_answer(settings: dict):
+    """Resident mode: start one engine, then answer `generate` messages.
 
     A `generate` for other weights first syncs them in place (tied embeddings included). After the start and
     after every sync the answer carries `sync_logprob_gap`, the sampler's gap to the trainer's probe logprobs,
     which the caller checks against its threshold.
     """
-    from multiprocessing.connection import Listener
-
     import vllm
 
     t0 = time.time()
-    llm = _start_engine(request)
-    current = request["model_path"]
-    start_seconds = time.time() - t0
-    gap = sampler_probe_gap(llm, current)
-    with Listener(socket_path, family="AF_UNIX", authkey=authkey) as listener:
-        with listener.accept() as conn:
-            while True:
-                msg = conn.recv()
-                if msg["op"] == "shutdown":
-                    conn.send({"ok": True})
-                    return
-                sync_seconds = 0.0
-                if msg["model_path"] != current:
-                    t1 = time.time()
-                    sync_weights(llm, msg["model_path"])
-                    sync_seconds, current = time.time() - t1, msg["model_path"]
-                    gap = sampler_probe_gap(llm, current)
-                try:
-                    timings = _run_jobs(llm, msg["jobs"])
-                except Exception as exc:  # report to the client; the engine itself is still usable
-                    conn.send({"error": f"{type(exc).__name__}: {exc}"})
-                    continue
-                conn.send({
-                    "engine_start_seconds": start_seconds, "sync_seconds": sync_seconds, "sync_logprob_gap": gap,
-                    "jobs": timings, "vllm_version": vllm.__version__,
-                })
-                start_seconds = 0.0  # only the first answer pays the start
+    llm = _start_engine(settings)
+    state = {"current": settings["model_path"], "start_seconds": time.time() - t0}
+    state["gap"] = sampler_probe_gap(llm, state["current"])
+
+    def answer(msg: dict) -> dict:
+        sync_seconds = 0.0
+        if msg["model_path"] != state["current"]:
+            state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
+            t1 = time.time()
+            sync_weights(llm, msg["model_path"])
+            sync_seconds, state["current"] = time.time() - t1, msg["model_path"]
+            state["gap"] = sampler_probe_gap(llm, state["current"])
+        timings = _run_jobs(llm, msg["jobs"])
+        resp = {
+            "engine_start_seconds": state["start_seconds"], "sync_seconds": sync_seconds,
+            "sync_logprob_gap": state["gap"], "jobs": timings, "vllm_version": vllm.__version__,
+        }
+        state["start_seconds"] = 0.0  # only the first answer pays the start
+        return resp
+
+    return answer
 
 
 if __name__ == "__main__":
-    import json
-    import sys
+    from tasks.engines.resident import serve_main
 
-    serve(sys.argv[2], bytes.fromhex(os.environ["RLPIPE_AUTHKEY"]), json.loads(sys.argv[3]))
+    serve_main(make_answer)

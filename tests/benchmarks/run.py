@@ -16,10 +16,10 @@ from rich.table import Table
 
 from schemas.tables import BENCH_RESULTS
 from storage.stage_io import write_bytes_atomic
-from tests.benchmarks import bench_advantages, bench_rollout
+from tests.benchmarks import bench_advantages, bench_iteration, bench_rollout
 
 RESULTS = Path("runs/bench/results.parquet")
-SUITES = {"rollout": bench_rollout.run, "advantages": bench_advantages.run}
+SUITES = {"rollout": bench_rollout.run, "advantages": bench_advantages.run, "iteration": bench_iteration.run}
 
 
 def main(prefixes: list[str]) -> None:

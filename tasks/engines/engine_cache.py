@@ -1,0 +1,94 @@
+"""What a resident trainer keeps between requests, and the rule for when it may reuse it.
+
+Every checkpoint a trainer writes carries `trainer_state.json` with a fresh random id, and the trainer keeps
+the engine that wrote it tagged with that id. A later request that resumes from a checkpoint reuses the engine
+only if the checkpoint's id is the engine's, the request resumes its optimizer state from that same
+checkpoint, and the engine settings are the same: then the engine's weights and optimizer moments are exactly
+what a fresh load would give. Any other request (another checkpoint, a rewind, a resumed run after a crash, a
+failed update) loads from disk. An engine is taken out of the cache while it trains, so a failure halfway
+leaves nothing stale behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+
+STATE_FILE = "trainer_state.json"
+
+
+def read_state_id(checkpoint: str) -> str | None:
+    try:
+        return json.loads(open(os.path.join(checkpoint, STATE_FILE)).read())["id"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def write_state_id(checkpoint: str) -> str:
+    state_id = uuid.uuid4().hex
+    with open(os.path.join(checkpoint, STATE_FILE), "w") as f:
+        json.dump({"id": state_id}, f)
+    return state_id
+
+
+@dataclass
+class _Slot:
+    state_id: str
+    settings: str
+    engine: object
+    optimizer: object
+
+
+class EngineCache:
+    """Trainer engines by role ("policy", "critic"), plus frozen inference models (the reference) by path."""
+
+    MAX_FROZEN = 2  # the reference and the starting policy, which are usually the same folder anyway
+
+    def __init__(self) -> None:
+        self._slots: dict[str, _Slot] = {}
+        self._frozen: dict[tuple[str, str | None, float], object] = {}
+        self.hits = {"engine": 0, "frozen": 0}
+
+    def take_engine(self, role: str, checkpoint: str, resume_state: str | None, settings: dict):
+        """(engine, optimizer) whose state is exactly `checkpoint` + `resume_state`, or None."""
+        slot = self._slots.pop(role, None)  # while it trains it matches no checkpoint
+        if (slot is None or resume_state != os.path.join(checkpoint, "ds_state")
+                or slot.state_id != read_state_id(checkpoint) or slot.settings != _key(settings)):
+            return None
+        self.hits["engine"] += 1
+        return slot.engine, slot.optimizer
+
+    def keep_engine(self, role: str, state_id: str, engine, optimizer, settings: dict) -> None:
+        self._slots[role] = _Slot(state_id, _key(settings), engine, optimizer)
+
+    def engine_module(self, role: str, checkpoint: str):
+        """The module of the kept engine whose state `checkpoint` holds (for a forward pass), or None."""
+        slot = self._slots.get(role)
+        if slot is None or slot.state_id != read_state_id(checkpoint):
+            return None
+        self.hits["engine"] += 1
+        return slot.engine.module
+
+    def frozen(self, path: str, load):
+        """A model that is never trained here, loaded once: keyed by its folder, state id and weight files' mtime."""
+        key = (path, read_state_id(path), _weights_mtime(path))
+        if key in self._frozen:
+            self.hits["frozen"] += 1
+            return self._frozen[key]
+        while len(self._frozen) >= self.MAX_FROZEN:
+            self._frozen.pop(next(iter(self._frozen)))
+        self._frozen[key] = model = load()
+        return model
+
+
+def _key(settings: dict) -> str:
+    return json.dumps(settings, sort_keys=True)
+
+
+def _weights_mtime(path: str) -> float:
+    try:
+        return max(os.path.getmtime(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    except (OSError, ValueError):
+        return 0.0

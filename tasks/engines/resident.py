@@ -1,0 +1,119 @@
+"""Resident engine processes: a worker kept alive across requests, spoken to over a local Unix socket.
+
+The client starts `python -m tasks.engines.<module> --serve SOCKET SETTINGS_JSON` on first use, and again after
+the process died. Stage tasks send it paths and small settings; the data still travels as Parquet on disk.
+Correctness never depends on the process's memory: every request names the checkpoint it starts from, and a
+server reuses what it holds only when that is provably the same state (see each server's docstring).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import traceback
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Callable
+
+from tasks.engines.launch import WorkerError, die_with_parent, last_error_line, worker_env
+
+
+class ResidentProcess:
+    def __init__(self, module: str, socket_dir: Path, log: Path, settings: dict):
+        self.module, self.socket_dir, self.log, self.settings = module, socket_dir, log, settings
+        self.proc: subprocess.Popen | None = None
+        self.conn = None
+
+    def _start(self, start_settings: dict) -> None:
+        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        sock = str(self.socket_dir / f"{self.module}-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        key = secrets.token_bytes(16)
+        args = json.dumps({**self.settings, **start_settings})
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", f"tasks.engines.{self.module}", "--serve", sock, args],
+                stdout=out, stderr=subprocess.STDOUT, env=worker_env({"RLPIPE_AUTHKEY": key.hex()}),
+                cwd=os.getcwd(), preexec_fn=die_with_parent,
+            )
+        deadline = time.time() + 600
+        while not os.path.exists(sock):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise WorkerError(f"{self.module} server failed to start: {last_error_line(self.log)} [log: {self.log}]")
+            time.sleep(0.2)
+        self.conn = Client(sock, family="AF_UNIX", authkey=key)
+
+    def call(self, msg: dict, start_settings: dict | None = None) -> dict:
+        """Send one request (starting the server first if needed, with `start_settings` added to its settings)."""
+        if self.conn is None:
+            self._start(start_settings or {})
+        try:
+            self.conn.send(msg)
+            resp = self.conn.recv()
+        except (EOFError, OSError):
+            self.close()
+            raise WorkerError(f"{self.module} server died: {last_error_line(self.log)} [log: {self.log}]") from None
+        if "error" in resp:
+            raise WorkerError(f"{self.module} failed: {resp['error']} [log: {self.log}]")
+        return resp
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.send({"op": "shutdown"})
+                self.conn.recv()
+            except (EOFError, OSError):
+                pass
+            self.conn.close()
+            self.conn = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc = None
+
+
+_PROCESSES: dict[tuple[str, str], ResidentProcess] = {}
+
+
+def resident(module: str, key: str, make: Callable[[], ResidentProcess]) -> ResidentProcess:
+    """This process's server of `module` for `key` (a run id): one per Prefect worker process, made on first use."""
+    if (module, key) not in _PROCESSES:
+        _PROCESSES[(module, key)] = make()
+    return _PROCESSES[(module, key)]
+
+
+def close_all() -> None:
+    while _PROCESSES:
+        _PROCESSES.popitem()[1].close()
+
+
+atexit.register(close_all)
+
+
+def serve_main(make_answer: Callable[[dict], Callable[[dict], dict]]) -> None:
+    """Server side: build the answering function from the settings (engine start-up happens here, before the
+    socket exists, so the client's wait covers it), then answer messages until `shutdown` or the parent dies.
+    A failed request is reported to the client as one line; the server keeps serving."""
+    socket_path, settings = sys.argv[2], json.loads(sys.argv[3])
+    answer = make_answer(settings)
+    authkey = bytes.fromhex(os.environ["RLPIPE_AUTHKEY"])
+    with Listener(socket_path, family="AF_UNIX", authkey=authkey) as listener, listener.accept() as conn:
+        while True:
+            msg = conn.recv()
+            if msg.get("op") == "shutdown":
+                conn.send({"ok": True})
+                return
+            try:
+                resp = answer(msg)
+            except Exception as exc:
+                traceback.print_exc()
+                resp = {"error": f"{type(exc).__name__}: {exc}"}
+            sys.stdout.flush()
+            conn.send(resp)

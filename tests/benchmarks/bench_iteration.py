@@ -1,0 +1,79 @@
+"""Iteration overhead at demo scale: the fraction of an RL iteration's wall time not spent generating (vLLM) or in
+forward and backward passes (the logprobs pass and the update), i.e. orchestration, Parquet I/O, scoring,
+checkpointing and weight sync.
+
+The demo config (GRPO, 64 groups × 8 samples, 8 optimizer steps) from the demo's SFT model, run iteration by
+iteration as Prefect flow runs, twice: with the resident trainer (rlpipe's default) and with a worker process per
+logprobs and optimize stage that loads everything from disk (`engines.resident_trainer=false`, the restart
+figure). The vLLM engine is resident in both. Iteration 1 pays the one-off starts (Prefect's API, vLLM,
+DeepSpeed's op build) and is not counted; the figure is over the iterations after it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+
+DEMO_CONFIG = "infra/configs/demo.yaml"
+ITERATIONS = 5  # 1 warm-up + 4 measured
+ROOT = Path("runs/bench/iteration")
+ENGINE_SECONDS = ("seconds_generate", "seconds_logprobs_forward", "seconds_forward_backward")
+
+
+def _ensure_demo_model() -> None:
+    from schemas.config import load_config
+
+    if not (Path(load_config(DEMO_CONFIG).model.path) / "config.json").exists():  # what `make demo` builds first
+        for args in (["init-model", "--config", DEMO_CONFIG], ["sft", DEMO_CONFIG, "--run-id", "sft"]):
+            subprocess.run([sys.executable, "-m", "flows.cli", *args], check=True)
+
+
+def iteration_profile(resident: bool) -> pl.DataFrame:
+    """Per measured iteration: wall seconds (the flow run, measured here) and engine seconds (from train_metrics)."""
+    from flows.deployments import prepare_checked_run
+    from flows.rl import rl_iteration
+    from storage import RunLayout, read_stage
+    from tasks.engines.resident import close_all
+
+    run_id = "resident" if resident else "one-shot"
+    shutil.rmtree(ROOT / run_id, ignore_errors=True)
+    root = prepare_checked_run(DEMO_CONFIG, [f"storage_root={ROOT}", f"rl.iterations={ITERATIONS}",
+                                             f"engines.resident_trainer={str(resident).lower()}"], run_id)
+    walls = {}
+    try:
+        for k in range(1, ITERATIONS + 1):
+            t0 = time.perf_counter()
+            rl_iteration(run_id, k, root)
+            walls[k] = time.perf_counter() - t0
+    finally:
+        close_all()
+    layout = RunLayout(Path(root), run_id)
+    rows = []
+    for k in range(2, ITERATIONS + 1):
+        m = read_stage(layout, "train_metrics", k).row(0, named=True)
+        rows.append({"iteration": k, "wall": walls[k], **{c: m[c] for c in ENGINE_SECONDS},
+                     **{c: m[c] for c in m if c.startswith("seconds_") and c not in ENGINE_SECONDS}})
+    return pl.DataFrame(rows)
+
+
+def overhead_fraction(profile: pl.DataFrame) -> float:
+    engine = profile.select(pl.sum_horizontal(*ENGINE_SECONDS).sum()).item()
+    return 1.0 - engine / profile["wall"].sum()
+
+
+def run() -> list[dict]:
+    _ensure_demo_model()
+    profiles = {mode: iteration_profile(mode == "resident") for mode in ("resident", "one-shot")}
+    for mode, profile in profiles.items():
+        print(f"iteration profile, {mode} trainer (seconds):")
+        print(profile.mean().drop("iteration").transpose(include_header=True, column_names=["mean"]))
+    resident, restarts = (overhead_fraction(profiles[m]) for m in ("resident", "one-shot"))
+    # The ratio of this benchmark is the overhead fraction itself (lower is better), not an advantage.
+    return [{"benchmark": "iteration_overhead", "baseline": "one-shot trainer workers (restart per stage)",
+             "baseline_value": restarts, "rlpipe_value": resident, "unit": "fraction of iteration wall",
+             "ratio": resident}]
