@@ -29,7 +29,9 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not e2e"
 
 # Side-by-side benchmarks (not part of make test): prints ratios, writes runs/bench/results.parquet.
+# TRL is only the e2e_vs_trl baseline, not a dependency of rlpipe (it adds accelerate, datasets, pandas).
 bench: setup
+	$(PY) -m pip install -q trl==1.16.0
 	$(PY) -m tests.benchmarks.run $(ARGS)
 
 clean-runs:

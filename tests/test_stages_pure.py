@@ -48,6 +48,20 @@ def test_score_frame_weights_and_columns():
     assert df["error"].null_count() == 3  # no function raised
 
 
+def test_each_distinct_sample_is_scored_once_and_every_row_gets_its_score(monkeypatch):
+    calls = []
+
+    def counting_accuracy(sample, cfg):
+        calls.append(sample.response)
+        return float(sample.response == sample.answer)
+
+    monkeypatch.setitem(REWARD_FUNCTIONS, "accuracy", counting_accuracy)
+    texts = ["12", "13", "12", "12", "x", "13"]
+    df = score_frame(rollouts(texts), {"p0": "12"}, RewardConfig(weights={"accuracy": 1.0}, workers=0))
+    assert sorted(calls) == ["12", "13", "x"]
+    assert df["score_accuracy"].to_list() == [float(t == "12") for t in texts]  # a reference loop over the rows
+
+
 def test_a_raising_reward_function_scores_zero_with_an_error(monkeypatch):
     def boom(sample, cfg):
         raise ZeroDivisionError("bad")

@@ -10,16 +10,18 @@ import io
 import sys
 from pathlib import Path
 
+import flows.cli  # noqa: F401  (first: Prefect's home and start-up timeout, as the rlpipe command sets them)
 import polars as pl
 from rich.console import Console
 from rich.table import Table
 
 from schemas.tables import BENCH_RESULTS
 from storage.stage_io import write_bytes_atomic
-from tests.benchmarks import bench_advantages, bench_iteration, bench_rollout
+from tests.benchmarks import bench_advantages, bench_iteration, bench_rollout, bench_trl
 
 RESULTS = Path("runs/bench/results.parquet")
-SUITES = {"rollout": bench_rollout.run, "advantages": bench_advantages.run, "iteration": bench_iteration.run}
+SUITES = {"rollout": bench_rollout.run, "advantages": bench_advantages.run, "iteration": bench_iteration.run,
+          "e2e_vs_trl": bench_trl.run}
 
 
 def main(prefixes: list[str]) -> None:
