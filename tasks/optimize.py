@@ -59,19 +59,19 @@ def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> dict | None:
     }
 
 
-def weight_sync_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
-    """The seconds this iteration's rollouts spent syncing the sampler to the policy (0 when the engine started on
-    it), and the sampler's logprob gap to the trainer on the checkpoint's probe (NaN when it has none)."""
-    m = read_manifest(ctx.layout, "rollouts", iteration, verify=False) or {}
-    rounds = [v for k, v in m.get("extra", {}).items() if k.startswith("round")]
+def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
+    """From the rollouts manifest's per-round records: vLLM's generation seconds, the seconds spent syncing the
+    sampler to the policy (0 when the engine started on it), and the sampler's logprob gap to the trainer on the
+    checkpoint's probe (NaN when it has none)."""
     gaps = [r["sync_logprob_gap"] for r in rounds if r.get("sync_logprob_gap") is not None]
-    return {"weight_sync_seconds": float(sum(r.get("sync_seconds", 0.0) for r in rounds)),
+    return {"seconds_generate": float(sum(r.get("generate_seconds", 0.0) for r in rounds)),
+            "weight_sync_seconds": float(sum(r.get("sync_seconds", 0.0) for r in rounds)),
             "weight_sync_logprob_gap": float(max(gaps)) if gaps else float("nan")}
 
 
-def stage_seconds(ctx: RunContext, iteration: int) -> dict[str, float]:
-    """Wall seconds of each earlier stage of the iteration, and the engine time inside them: vLLM generation
-    (`seconds_generate`) and the logprobs forward passes (`seconds_logprobs_forward`)."""
+def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
+    """Wall seconds of each earlier stage of the iteration, and what their manifests record of the engines: the
+    rollouts' generation and weight sync, the logprobs forward passes (`seconds_logprobs_forward`)."""
     out = {}
     for stage in STAGES_OF_AN_ITERATION:
         m = read_manifest(ctx.layout, stage, iteration, verify=False)
@@ -79,8 +79,7 @@ def stage_seconds(ctx: RunContext, iteration: int) -> dict[str, float]:
             out[f"seconds_{stage}"] = float(m["wall_seconds"])
             extra = m.get("extra", {})
             if stage == "rollouts":
-                rounds = [v for k, v in extra.items() if k.startswith("round")]
-                out["seconds_generate"] = float(sum(r.get("generate_seconds", 0.0) for r in rounds))
+                out.update(rollout_engine_metrics([v for k, v in extra.items() if k.startswith("round")]))
             if stage == "logprobs" and "forward_seconds" in extra:
                 out["seconds_logprobs_forward"] = float(extra["forward_seconds"])
     return out
@@ -131,8 +130,8 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
             "loss_masked_fraction": masked,
             **rollout_metrics(rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)),
             **advantage_metrics(advantages),
-            "sampler_logprob_gap": sampler_gap(rollouts, logprobs), **weight_sync_metrics(ctx, iteration),
-            "seconds_optimize": resp["train_seconds"], **stage_seconds(ctx, iteration),
+            "sampler_logprob_gap": sampler_gap(rollouts, logprobs),
+            "seconds_optimize": resp["train_seconds"], **stage_metrics(ctx, iteration),
             "trainer_engines_reused": float(resp.get("reused_engine", 0)),
         }
         frame = pl.DataFrame([row]).with_columns(

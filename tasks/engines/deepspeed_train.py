@@ -142,19 +142,24 @@ def engine_settings(request: dict, lr: float) -> dict:
     return {k: request[k] for k in ("zero_stage", "weight_decay", "grad_clip", "micro_batch_size")} | {"lr": lr}
 
 
-def _policy_engine(request, gas: int, cache):
-    """The policy's engine: the resident one when it holds exactly request's starting state, else loaded."""
+def _kept_or_new_engine(cache, role: str, request: dict, gas: int, load_model):
+    """(engine, optimizer) for `request` (its model_path, resume_state and lr): the resident trainer's kept engine
+    when it holds exactly that starting state, else `load_model()` wrapped in a new engine."""
+    kept = cache.take_engine(role, request["model_path"], request.get("resume_state"),
+                             engine_settings(request, request["lr"])) if cache else None
+    if kept is None:
+        return _engine(load_model(), request, gas)
+    kept[0].set_train_batch_size(request["micro_batch_size"] * gas)  # the batch may differ from the last update's
+    return kept
+
+
+def _load_policy(path: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    settings = engine_settings(request, request["lr"])
-    kept = cache.take_engine("policy", request["model_path"], request.get("resume_state"), settings) if cache else None
-    if kept is not None:
-        kept[0].set_train_batch_size(request["micro_batch_size"] * gas)
-        return kept
-    model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
-    return _engine(model, request, gas)
+    return model
 
 
 def _rl(request, tokenizer, cache=None):
@@ -173,7 +178,7 @@ def _rl(request, tokenizer, cache=None):
     n, micro = data.height, request["micro_batch_size"]
     minibatches = min(request["minibatches"], n)
     gas = max(1, math.ceil(math.ceil(n / minibatches) / micro))
-    engine, optimizer = _policy_engine(request, gas, cache)
+    engine, optimizer = _kept_or_new_engine(cache, "policy", request, gas, lambda: _load_policy(request["model_path"]))
     critic = _critic_engine(request, gas, data, cache) if request.get("critic") else None
     ptx = _Ptx(request, tokenizer, request["seed"]) if request.get("ptx_coef") else None
     settings = _policy_settings(request["loss"])
@@ -262,14 +267,8 @@ def _critic_engine(request, gas, data, cache=None):
     from tasks.engines.critic import load_critic
 
     c = request["critic"]
-    settings = engine_settings(request, c["lr"])
-    kept = cache.take_engine("critic", c["path"], c.get("resume_state"), settings) if cache else None
-    if kept is not None:
-        kept[0].set_train_batch_size(request["micro_batch_size"] * gas)
-        engine, optimizer = kept
-    else:
-        critic_request = {**request, "lr": c["lr"], "resume_state": c.get("resume_state")}
-        engine, optimizer = _engine(load_critic(c["path"], c["fresh"]), critic_request, gas)
+    critic_request = {**request, "model_path": c["path"], "lr": c["lr"], "resume_state": c.get("resume_state")}
+    engine, optimizer = _kept_or_new_engine(cache, "critic", critic_request, gas, lambda: load_critic(c["path"], c["fresh"]))
     return _Critic(engine, optimizer, request, data["values"].to_list(), data["returns"].to_list())
 
 
@@ -278,16 +277,14 @@ def handle(request: dict, cache=None) -> dict:
     RL updates then reuse the engines the previous update left, when they hold exactly the requested state."""
     import deepspeed
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.manual_seed(request["seed"])
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(request["model_path"])
     critic = None
     if request["mode"] == "sft":
-        model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32)
-        model.config.use_cache = False
-        engine, table, metrics = _sft(request, model, tokenizer)
+        engine, table, metrics = _sft(request, _load_policy(request["model_path"]), tokenizer)
     else:
         engine, optimizer, metrics, critic = _rl(request, tokenizer, cache)
         table = None

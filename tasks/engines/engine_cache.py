@@ -21,7 +21,8 @@ STATE_FILE = "trainer_state.json"
 
 def read_state_id(checkpoint: str) -> str | None:
     try:
-        return json.loads(open(os.path.join(checkpoint, STATE_FILE)).read())["id"]
+        with open(os.path.join(checkpoint, STATE_FILE)) as f:
+            return json.load(f)["id"]
     except (OSError, ValueError, KeyError):
         return None
 

@@ -27,15 +27,11 @@ def probe_token_ids(vocab_size: int, max_positions: int, seed: int = 0) -> list[
 def trainer_logprobs(model, token_ids: list[list[int]]) -> list[list[float]]:
     import torch
 
-    from tasks.engines.token_batch import token_logprobs
+    from tasks.engines.token_batch import eval_mode, token_logprobs
 
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():  # one sequence at a time: no padding, the same positions vLLM scores
-        out = [token_logprobs(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), with_entropy=False)[0][0].tolist()
-               for seq in token_ids]
-    model.train(was_training)
-    return out
+    with eval_mode(model), torch.no_grad():  # one sequence at a time: no padding, the same positions vLLM scores
+        return [token_logprobs(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), with_entropy=False)[0][0].tolist()
+                for seq in token_ids]
 
 
 def write_probe(model, out_dir: str) -> None:

@@ -6,6 +6,8 @@ next-token predictions: response token j of a sample with prompt length P sits a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -46,6 +48,17 @@ def token_logprobs(model, input_ids, attention_mask, with_entropy: bool = True):
     logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, L-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None  # (B, L-1)
     return logp, entropy
+
+
+@contextmanager
+def eval_mode(model):
+    """The model in eval mode for the block, then back to its previous mode (a resident engine's module trains)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def chunks(indices: list[int], size: int) -> list[list[int]]:

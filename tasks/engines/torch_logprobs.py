@@ -46,19 +46,6 @@ def _values(critic, prompts, responses, pad_id, micro):
     return out
 
 
-class _Eval:
-    """A model in eval mode for the block, then back to its previous mode (a resident engine's module trains)."""
-
-    def __init__(self, model):
-        self.model, self.was_training = model, model.training
-
-    def __enter__(self):
-        return self.model.eval()
-
-    def __exit__(self, *exc):
-        self.model.train(self.was_training)
-
-
 def handle(request: dict, cache=None) -> dict:
     """One request. With `cache` (the resident trainer's EngineCache), the policy and critic come from the engines
     that wrote their checkpoints and the reference is loaded once, so no weights are read from disk in steady state."""
@@ -67,6 +54,7 @@ def handle(request: dict, cache=None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from tasks.engines.critic import load_critic
+    from tasks.engines.token_batch import eval_mode
 
     torch.manual_seed(0)
     samples = pl.read_parquet(request["samples_path"])
@@ -90,7 +78,7 @@ def handle(request: dict, cache=None) -> dict:
     policy = model_at("policy", policy_path, lambda: load_lm(policy_path), frozen=policy_path == ref_path)
     pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
     t1 = time.time()
-    with _Eval(policy):
+    with eval_mode(policy):
         old, entropy = _score(policy, prompts, responses, pad_id, micro, True)
     forward += time.time() - t1
     if ref_path == policy_path:
@@ -99,7 +87,7 @@ def handle(request: dict, cache=None) -> dict:
         del policy
         ref_model = model_at(None, ref_path, lambda: load_lm(ref_path), frozen=True)
         t1 = time.time()
-        with _Eval(ref_model):
+        with eval_mode(ref_model):
             ref, _ = _score(ref_model, prompts, responses, pad_id, micro, False)
         forward += time.time() - t1
     values = None
@@ -107,7 +95,7 @@ def handle(request: dict, cache=None) -> dict:
         critic_path, fresh = request["critic_path"], request.get("critic_fresh", False)
         critic = load_critic(critic_path, True) if fresh else model_at("critic", critic_path, lambda: load_critic(critic_path, False), frozen=False)
         t1 = time.time()
-        with _Eval(critic):
+        with eval_mode(critic):
             values = _values(critic, prompts, responses, pad_id, micro)
         forward += time.time() - t1
     lst = pl.List(pl.Float32)

@@ -25,7 +25,7 @@ ROOT = Path("runs/bench/iteration")
 ENGINE_SECONDS = ("seconds_generate", "seconds_logprobs_forward", "seconds_forward_backward")
 
 
-def _ensure_demo_model() -> None:
+def ensure_demo_model() -> None:
     from schemas.config import load_config
 
     if not (Path(load_config(DEMO_CONFIG).model.path) / "config.json").exists():  # what `make demo` builds first
@@ -67,7 +67,7 @@ def overhead_fraction(profile: pl.DataFrame) -> float:
 
 
 def run() -> list[dict]:
-    _ensure_demo_model()
+    ensure_demo_model()
     profiles = {mode: iteration_profile(mode == "resident") for mode in ("resident", "one-shot")}
     for mode, profile in profiles.items():
         print(f"iteration profile, {mode} trainer (seconds):")

@@ -21,7 +21,7 @@ from pathlib import Path
 import polars as pl
 
 from tests.benchmarks import result_row
-from tests.benchmarks.bench_iteration import DEMO_CONFIG, _ensure_demo_model
+from tests.benchmarks.bench_iteration import DEMO_CONFIG, ensure_demo_model
 
 ITERATIONS = 10  # × 8 optimizer steps
 WORK = Path("runs/bench/trl")
@@ -114,7 +114,7 @@ def run() -> list[dict]:
     from schemas.config import load_config
     from tasks.datasets import load_prompt_dataset, task_splits
 
-    _ensure_demo_model()
+    ensure_demo_model()
     cfg = load_config(DEMO_CONFIG)
     splits = task_splits(cfg.task)
     train, held_out = load_prompt_dataset(splits["train"]), load_prompt_dataset(splits["eval"])
