@@ -18,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import polars as pl
 
 from schemas.tables import PROMPT_STATS
+from tasks.token_lists import flat_lists, from_flat, offsets_of
 
 KEY = "prompt_id"
 TOKEN_LISTS = pl.List(pl.Float32)
@@ -126,21 +128,6 @@ def implode_tokens(df: pl.DataFrame, long: pl.DataFrame, **token_cols: pl.Expr) 
     return out.with_columns([pl.col(c).fill_null([]).cast(TOKEN_LISTS) for c in token_cols])
 
 
-def discounted_reverse_cumsum(x: str, c: float) -> pl.Expr:
-    """y_t = x_t + c·y_{t+1} within each `_seq`, vectorised.
-
-    Read backwards this is an exponential moving average: with α = 1 − c and adjust=False, Polars' ewm gives
-    m_k = c·m_{k−1} + (1−c)·z_k and m_0 = z_0, so feeding z = x/(1−c) (and z = x for the sequence's last
-    token) yields exactly m_k = c·m_{k−1} + x_k. c = 1 is a plain reverse cumulative sum.
-    """
-    if c >= 1.0:
-        return pl.col(x).cum_sum(reverse=True).over("_seq")
-    if c <= 0.0:
-        return pl.col(x)
-    z = pl.when(pl.col("_t") == pl.col("_T") - 1).then(pl.col(x)).otherwise(pl.col(x) / (1.0 - c))
-    return z.reverse().ewm_mean(alpha=1.0 - c, adjust=False).reverse().over("_seq")
-
-
 def whiten(expr: pl.Expr, eps: float) -> pl.Expr:
     """(x − mean)/(std + ε) over every response token of the batch (std unbiased)."""
     return (expr - expr.mean()) / (expr.std(ddof=1).fill_null(0.0) + eps)
@@ -153,9 +140,10 @@ def to_tokens(df: pl.DataFrame, s: AdvantageSettings, whiten_tokens: bool = Fals
     −β·Σ_{s≥t} kl_s (REINFORCE++); with `whiten_tokens` the result is whitened over the batch's tokens.
     Without a critic the returns equal the advantages.
     """
-    if s.kl_beta == 0 and not whiten_tokens:
-        tokens = pl.col("advantage").cast(pl.Float32).repeat_by(pl.col("length"))
-        return df.with_columns(tokens.alias("token_advantages"), tokens.alias("returns"))
+    if s.kl_beta == 0 and not whiten_tokens:  # one flat buffer serves both columns (4× repeat_by at 10^6 rows)
+        offsets = offsets_of(df["length"])
+        flat = np.repeat(df["advantage"].to_numpy().astype(np.float32), np.diff(offsets))
+        return df.with_columns(from_flat("token_advantages", flat, offsets), from_flat("returns", flat, offsets))
     if s.kl_beta:
         long = explode_tokens(df, ["old_logprobs", "ref_logprobs"], keep=("advantage",))
         penalty = (-s.kl_beta * _kl_expr(s.kl_estimator)).alias("_pen")
@@ -262,21 +250,25 @@ def dcpo(df: pl.DataFrame, s: AdvantageSettings, history: pl.DataFrame | None = 
 @register("gae")
 def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     """Token rewards R_t = −β·kl_t, plus r on the last token; δ_t = R_t + γ·V_{t+1} − V_t (V_{T+1} = 0);
-    A_t = δ_t + γλ·A_{t+1}; returns = A + V; then A is whitened over the batch's response tokens."""
-    cols = ["values"] + (["old_logprobs", "ref_logprobs"] if s.kl_beta else [])
-    long = explode_tokens(df, cols, keep=("reward",))
-    v = pl.col("values").cast(pl.Float64)
-    last = pl.col("_t") == pl.col("_T") - 1
-    token_reward = pl.when(last).then(pl.col("reward")).otherwise(0.0)
+    A_t = δ_t + γλ·A_{t+1}; returns = A + V; then A is whitened over the batch's response tokens.
+    The scan runs on the list columns' flat buffers (tasks.token_scan)."""
+    from tasks.token_scan import gae_flat  # numba (0.6 s to import) loads only for the estimator that needs it
+
+    values, offsets = flat_lists(df["values"])
+    penalty = None
     if s.kl_beta:
-        token_reward = token_reward - s.kl_beta * _kl_expr(s.kl_estimator)
-    # Tokens of a response are consecutive rows, so the next row holds V_{t+1} except on the last token.
-    v_next = pl.when(last).then(0.0).otherwise(v.shift(-1))
-    long = long.with_columns((token_reward + s.gamma * v_next - v).alias("_delta"))
-    long = long.with_columns(discounted_reverse_cumsum("_delta", s.gamma * s.lam).alias("_a"))
-    long = long.with_columns((pl.col("_a") + v).alias("_ret"), whiten(pl.col("_a"), s.eps).alias("_a"))
-    out = implode_tokens(df, long, token_advantages=pl.col("_a"), returns=pl.col("_ret"))
-    return out.with_columns(pl.col("token_advantages").list.first().cast(pl.Float64).fill_null(0.0).alias("advantage"))
+        flat = {}
+        for col in ("old_logprobs", "ref_logprobs"):
+            flat[col], col_offsets = flat_lists(df[col])
+            if not np.array_equal(col_offsets, offsets):
+                raise ValueError(f"gae: {col} and values have different lengths in some response")
+        penalty = pl.DataFrame(flat).select(-s.kl_beta * _kl_expr(s.kl_estimator)).to_series().to_numpy()
+    advantages, returns = gae_flat(values, offsets, df["reward"].to_numpy(), penalty, s.gamma, s.lam, s.eps)
+    nonempty = offsets[1:] > offsets[:-1]
+    first = np.zeros(df.height)
+    first[nonempty] = advantages[offsets[:-1][nonempty]]
+    return df.with_columns(from_flat("token_advantages", advantages, offsets), from_flat("returns", returns, offsets),
+                           pl.Series("advantage", first))
 
 
 def compute_advantages(df: pl.DataFrame, estimator: str, s: AdvantageSettings, history: pl.DataFrame | None = None) -> pl.DataFrame:

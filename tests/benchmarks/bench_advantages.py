@@ -4,7 +4,9 @@
   score lists per prompt, torch mean/std per group, a second loop to normalise, then the broadcast onto the
   response tokens) against `tasks.advantage_estimators.grpo`, which also fills the per-token lists.
 - GAE: a torch reverse loop over positions, vectorised across the batch (verl's `compute_gae_advantage_return`,
-  with the whitening), against the Polars `gae` estimator on the same values and rewards.
+  with the whitening), against the `gae` estimator on the same values and rewards: Polars list columns in and
+  out, the scan compiled over their flat buffers (tasks.token_scan). Its first call compiles the scan (or loads
+  numba's on-disk cache); like every timing here, the best of the repeats is reported.
 Both sides get the same inputs and their outputs are compared before any time is reported.
 """
 
@@ -96,7 +98,7 @@ def torch_gae(values: torch.Tensor, rewards: torch.Tensor, gamma: float, lam: fl
     return (adv - adv.mean()) / (adv.std() + eps)
 
 
-def bench_gae(n: int = 10**4, length: int = 512, repeats: int = 2) -> dict:
+def bench_gae(n: int = 10**4, length: int = 512, repeats: int = 5) -> dict:
     df, values, rewards = gae_inputs(n, length)
     s = AdvantageSettings(gamma=1.0, lam=0.95)
     base_s, base = _best_of(lambda: torch_gae(values, rewards, s.gamma, s.lam, s.eps), repeats)
