@@ -8,7 +8,6 @@ and eval, and synced to the weights each request names.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import polars as pl
@@ -47,7 +46,7 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
     prompts.select("prompt_id").with_columns(pl.Series("prompt_token_ids", ids, dtype=pl.List(pl.Int32))).write_parquet(inp)
     outs = [scratch_file(ctx, f"{log_name}.out{i}.parquet") for i in range(len(jobs))]
     engine = resident_engine(
-        ctx.layout.run_id, Path(tempfile.gettempdir()), ctx.layout.log_path("vllm"),
+        ctx.layout.run_id, ctx.layout.log_path("vllm"),
         {"kv_cache_gib": ctx.cfg.rollout.kv_cache_gib, "seed": ctx.cfg.seed},
     )
     resp = engine.generate(model_path, [{**j, "prompts_path": str(inp), "out_path": str(o)} for j, o in zip(jobs, outs)])

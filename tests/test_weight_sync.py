@@ -50,7 +50,7 @@ def test_sync_in_place_matches_the_trainer(tmp_path, tied):
                  schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)}).write_parquet(prompts)
     job = {"prompts_path": str(prompts), "out_path": str(tmp_path / "out.parquet"), "n": 2, "temperature": 1.0,
            "max_tokens": 4, "seed": 0}
-    engine = ResidentEngine(tmp_path / "sock", tmp_path / "vllm.log", {"kv_cache_gib": 1, "seed": 0})
+    engine = ResidentEngine(tmp_path / "vllm.log", {"kv_cache_gib": 1, "seed": 0})
     try:
         first = engine.generate(str(before), [job])
         assert first["engine_start_seconds"] > 0 and first["sync_logprob_gap"] < 1e-3

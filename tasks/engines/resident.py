@@ -14,6 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import Client, Listener
@@ -24,15 +25,15 @@ from tasks.engines.launch import WorkerError, die_with_parent, last_error_line, 
 
 
 class ResidentProcess:
-    def __init__(self, module: str, socket_dir: Path, log: Path, settings: dict):
-        self.module, self.socket_dir, self.log, self.settings = module, socket_dir, log, settings
+    def __init__(self, module: str, log: Path, settings: dict):
+        self.module, self.log, self.settings = module, log, settings
         self.proc: subprocess.Popen | None = None
         self.conn = None
 
     def _start(self, start_settings: dict) -> None:
-        self.socket_dir.mkdir(parents=True, exist_ok=True)
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        sock = str(self.socket_dir / f"{self.module}-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        # In the temp dir, not the run folder: a Unix socket's path is limited to about 107 bytes.
+        sock = os.path.join(tempfile.gettempdir(), f"{self.module}-{os.getpid()}-{secrets.token_hex(4)}.sock")
         key = secrets.token_bytes(16)
         args = json.dumps({**self.settings, **start_settings})
         with open(self.log, "ab") as out:

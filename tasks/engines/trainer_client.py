@@ -5,9 +5,6 @@
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 from tasks.common import RunContext
 from tasks.engines.launch import run_worker
 from tasks.engines.resident import ResidentProcess, resident
@@ -19,6 +16,5 @@ def call_trainer(ctx: RunContext, op: str, request: dict, log_name: str) -> dict
     if not ctx.cfg.engines.resident_trainer:
         return run_worker(ONE_SHOT_MODULES[op], request, ctx.layout.scratch_dir, ctx.layout.log_path(log_name))
     log = ctx.layout.log_path("trainer")
-    server = resident("trainer_server", ctx.layout.run_id,
-                      lambda: ResidentProcess("trainer_server", Path(tempfile.gettempdir()), log, {}))
+    server = resident("trainer_server", ctx.layout.run_id, lambda: ResidentProcess("trainer_server", log, {}))
     return server.call({"op": op, "request": request, "label": log_name})

@@ -13,12 +13,12 @@ from tasks.engines.resident import ResidentProcess, resident
 
 
 class ResidentEngine(ResidentProcess):
-    def __init__(self, socket_dir: Path, log: Path, settings: dict):
-        super().__init__("vllm_generate", socket_dir, log, settings)
+    def __init__(self, log: Path, settings: dict):
+        super().__init__("vllm_generate", log, settings)
 
     def generate(self, model_path: str, jobs: list[dict]) -> dict:
         return self.call({"op": "generate", "model_path": model_path, "jobs": jobs}, {"model_path": model_path})
 
 
-def resident_engine(key: str, socket_dir: Path, log: Path, settings: dict) -> ResidentEngine:
-    return resident("vllm_generate", key, lambda: ResidentEngine(socket_dir, log, settings))
+def resident_engine(key: str, log: Path, settings: dict) -> ResidentEngine:
+    return resident("vllm_generate", key, lambda: ResidentEngine(log, settings))

@@ -54,7 +54,7 @@ def vllm_tokens_per_second(model_dir: Path, prompt_ids: list[list[int]], work: P
                  schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)}).write_parquet(prompts)
     job = {"prompts_path": str(prompts), "out_path": str(work / "out.parquet"), "n": GROUP, "temperature": 1.0,
            "max_tokens": MAX_TOKENS, "seed": 0}
-    engine = ResidentEngine(work / "sock", work / "vllm.log", {"kv_cache_gib": 2, "seed": 0})
+    engine = ResidentEngine(work / "vllm.log", {"kv_cache_gib": 2, "seed": 0})
     try:
         engine.generate(str(model_dir), [job])  # warm-up: the first generate pays one-off compilation
         timing = engine.generate(str(model_dir), [job])["jobs"][0]
