@@ -33,19 +33,19 @@ def _fail(message: str) -> None:
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     from flows.deployments import DeployError
-    from flows.inspect import QueryError
-    from tasks.report import ReportError
+    from tasks.analysis.query import QueryError
+    from tasks.analysis.report import ReportError
     from schemas.config import ConfigError
     from schemas.tables import TableError
     from storage import LayoutError
-    from tasks.batch import EmptyBatchError
-    from tasks.datasets import DatasetError
+    from tasks.stages.batch import EmptyBatchError
+    from tasks.data.datasets import DatasetError
     from tasks.engines.launch import WorkerError
-    from tasks.reward_pool import RewardPoolError
-    from tasks.rewards import RewardError
-    from tasks.policy import ModelPathError
-    from tasks.preferences import PreferenceDataError
-    from tasks.rollouts import ContextLengthError
+    from tasks.rewards.pool import RewardPoolError
+    from tasks.rewards.builtin import RewardError
+    from tasks.stages.weights import ModelPathError
+    from tasks.data.preferences import PreferenceDataError
+    from tasks.stages.rollouts import ContextLengthError
 
     return (ConfigError, DeployError, ReportError, FileExistsError, ModelPathError, TableError, LayoutError, EmptyBatchError, DatasetError, WorkerError, RewardError,
             RewardPoolError, PreferenceDataError, ContextLengthError, QueryError, FileNotFoundError, PermissionError)
@@ -89,7 +89,7 @@ def init_model_cmd(
     from schemas.config import load_config
 
     def run():
-        from tasks.model_init import init_model
+        from tasks.data.model_recipe import init_model
 
         cfg = load_config(config, overrides)
         out = init_model(cfg.model.recipe, cfg.model.base_path, force=force)
@@ -169,7 +169,7 @@ def sql(run: list[str] = typer.Argument(..., help="RUN [RUN ...] QUERY"), root: 
     """Query stage tables with DuckDB: each stage is a view; `iteration` is a column."""
     if len(run) < 2:
         _fail("usage: rlpipe sql RUN [RUN ...] \"QUERY\"")
-    from flows.inspect import run_sql
+    from tasks.analysis.query import run_sql
 
     _guard(run_sql, run[:-1], run[-1], root, console)
 
@@ -177,7 +177,7 @@ def sql(run: list[str] = typer.Argument(..., help="RUN [RUN ...] QUERY"), root: 
 @app.command()
 def show(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
     """Each stage's status per iteration, and the key metrics."""
-    from flows.inspect import show_run
+    from tasks.analysis.query import show_run
 
     _guard(show_run, run_id, root, console)
 
@@ -192,7 +192,7 @@ def compare_advantages_cmd(
 ) -> None:
     """Every estimator on one iteration's cached Parquet (no generation): non-zero fraction, mean |A|,
     effective token weight by length, correlation with grpo."""
-    from tasks.compare_advantages import compare_advantages
+    from tasks.analysis.compare_advantages import compare_advantages
 
     names = [e.strip() for e in estimators.split(",") if e.strip()]
     _guard(compare_advantages, run_id, iteration, names, aggregation, root)
@@ -221,7 +221,7 @@ def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
 
     def go():
         from flows.rl import rl_run
-        from tasks.common import load_run
+        from tasks.stages.common import load_run
 
         _exit_on_interrupt()
         load_run(root, run_id)  # a missing run fails here, before a flow starts
@@ -240,7 +240,7 @@ def diff(
     root: str = typer.Option("runs", "--root"),
 ) -> None:
     """Per-sample differences of one stage between two runs, matched on the table's keys."""
-    from tasks.run_diff import diff_runs
+    from tasks.analysis.run_diff import diff_runs
 
     _guard(diff_runs, run_a, run_b, stage, iteration, root, limit)
 
@@ -248,7 +248,7 @@ def diff(
 @app.command()
 def report(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
     """runs/RUN/report.html: per-iteration plots (PNG) and reward-hacking flags."""
-    from tasks.report import write_report
+    from tasks.analysis.report import write_report
 
     console.print(f"report: {_guard(write_report, run_id, root)}", highlight=False)
 

@@ -27,8 +27,8 @@ def run_demo(config: str, overrides: list[str], run_id: str, console: Console) -
     from flows.deployments import prepare_run
     from flows.rl import rl_run
     from flows.sft import sft_flow
-    from tasks.model_init import init_model
-    from tasks.summary import summary_task
+    from tasks.data.model_recipe import init_model
+    from tasks.stages.summary import summary_task
 
     started = time.time()
     cfg, layout = prepare_run(config, overrides, run_id)

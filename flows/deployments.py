@@ -63,7 +63,7 @@ def dpo_deployment(config: str = DEMO_CONFIG, run_id: str = "dpo", overrides: li
 
 def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None) -> str:
     """Save the run's config and check its starting model exists (before any stage); the storage root."""
-    from tasks.policy import model_fingerprint
+    from tasks.stages.weights import model_fingerprint
 
     cfg, _ = prepare_run(config, overrides, run_id, algo)
     model_fingerprint(cfg.model.path)
@@ -74,7 +74,7 @@ def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, a
 def sft_deployment(config: str = DEMO_CONFIG, run_id: str = "sft", overrides: list[str] | None = None) -> dict:
     """The SFT warm start; the base model is built from the recipe first if it is not there yet."""
     from flows.sft import sft_flow
-    from tasks.model_init import init_model
+    from tasks.data.model_recipe import init_model
 
     cfg, _ = prepare_run(config, overrides, run_id)
     init_model(cfg.model.recipe, cfg.model.base_path)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.dpo import dpo_eval_task, dpo_optimize_task, ref_logprobs_task
-from tasks.evaluate import eval_task
-from tasks.preference_data import preference_pairs_task, preference_rankings_task
-from tasks.rollouts import release_engines_task
-from tasks.summary import summary_task
+from tasks.stages.dpo import dpo_eval_task, dpo_optimize_task, ref_logprobs_task
+from tasks.stages.evaluate import eval_task
+from tasks.stages.preference_data import preference_pairs_task, preference_rankings_task
+from tasks.stages.rollouts import release_engines_task
+from tasks.stages.summary import summary_task
 
 
 @flow(name="dpo", flow_run_name="{run_id}")

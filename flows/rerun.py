@@ -120,12 +120,12 @@ def _manifest(layout, stage: str, iteration: int) -> dict:
 def recompute(root: str, run_id: str, stage: str, iteration: int):
     """Run one stage's task body on its cached inputs (their fingerprints come from their manifests)."""
     from storage import RunLayout
-    from tasks.advantages import advantages_task
-    from tasks.batch import batch_task
-    from tasks.logprobs import logprobs_task
-    from tasks.optimize import optimize_task
-    from tasks.rollouts import release_engines_task, rollouts_task
-    from tasks.scores import scores_task
+    from tasks.stages.advantages import advantages_task
+    from tasks.stages.batch import batch_task
+    from tasks.stages.logprobs import logprobs_task
+    from tasks.stages.optimize import optimize_task
+    from tasks.stages.rollouts import release_engines_task, rollouts_task
+    from tasks.stages.scores import scores_task
 
     layout = RunLayout(Path(root), run_id)
     fp = lambda s: _manifest(layout, s, iteration)["fingerprint"]  # noqa: E731

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.preference_data import preference_pairs_task, preference_rankings_task
-from tasks.reward_model import rm_eval_task, rm_optimize_task
-from tasks.rollouts import release_engines_task
-from tasks.summary import summary_task
+from tasks.stages.preference_data import preference_pairs_task, preference_rankings_task
+from tasks.stages.reward_model import rm_eval_task, rm_optimize_task
+from tasks.stages.rollouts import release_engines_task
+from tasks.stages.summary import summary_task
 
 
 @flow(name="reward-model", flow_run_name="{run_id}")

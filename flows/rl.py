@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.advantages import advantages_task
-from tasks.artifacts import artifacts_task
-from tasks.batch import batch_task
-from tasks.common import plan_task
-from tasks.evaluate import eval_task
-from tasks.logprobs import logprobs_task
-from tasks.optimize import optimize_task
-from tasks.prompts import prompts_task
-from tasks.rollouts import release_engines_task, rollouts_task
-from tasks.scores import scores_task
-from tasks.summary import summary_task
+from tasks.stages.advantages import advantages_task
+from tasks.stages.artifacts import artifacts_task
+from tasks.stages.batch import batch_task
+from tasks.stages.common import plan_task
+from tasks.stages.evaluate import eval_task
+from tasks.stages.logprobs import logprobs_task
+from tasks.stages.optimize import optimize_task
+from tasks.stages.prompts import prompts_task
+from tasks.stages.rollouts import release_engines_task, rollouts_task
+from tasks.stages.scores import scores_task
+from tasks.stages.summary import summary_task
 
 
 @flow(name="rl-iteration", flow_run_name="{run_id}-iter-{iteration}")

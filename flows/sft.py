@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.sft import sft_data_task, sft_train_task
+from tasks.stages.sft import sft_data_task, sft_train_task
 
 
 @flow(name="sft", flow_run_name="{run_id}-sft")

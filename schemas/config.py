@@ -142,7 +142,7 @@ class OptimConfig(Section):
 class EnginesConfig(Section):
     """How engines live, not what they compute (no stage fingerprint includes it: both ways give the same data)."""
 
-    # Keep the DeepSpeed engines and the reference in one process across iterations (tasks/engines/trainer_server.py);
+    # Keep the DeepSpeed engines and the reference in one process across iterations (tasks/engines/workers/trainer_server.py);
     # false starts a worker process per logprobs and optimize stage that loads everything from disk.
     resident_trainer: bool = True
 

@@ -7,7 +7,7 @@ import statistics
 import polars as pl
 import pytest
 
-from tasks.advantage_estimators import (
+from tasks.algos.advantages import (
     ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages, empty_prompt_stats, update_prompt_stats,
 )
 
@@ -243,7 +243,7 @@ def test_every_configured_estimator_is_registered():
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "only-token-mean"])
 def test_effective_token_weights_match_a_loop(aggregation):
-    from tasks.advantage_analysis import estimator_summary
+    from tasks.analysis.advantage_analysis import estimator_summary
 
     rnd = random.Random(3)
     lengths = [rnd.choice([1, 2, 3, 5, 9, 17]) for _ in range(60)]

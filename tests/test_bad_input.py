@@ -3,7 +3,7 @@
 import polars as pl
 import pytest
 
-from tasks.datasets import DatasetError, load_prompt_dataset
+from tasks.data.datasets import DatasetError, load_prompt_dataset
 from tests.conftest import rlpipe, tiny_config
 
 

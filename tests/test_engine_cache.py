@@ -1,11 +1,11 @@
-"""The resident trainer's reuse rule (tasks/engines/engine_cache.py): an engine is reused only for the exact
+"""The resident trainer's reuse rule (tasks/engines/workers/engine_cache.py): an engine is reused only for the exact
 checkpoint it wrote, resumed with its own optimizer state and the same settings. The engines here are plain
 objects: the rule is pure bookkeeping over files (the e2e PPO test checks a reused engine against a fresh one)."""
 
 import os
 from types import SimpleNamespace
 
-from tasks.engines.engine_cache import EngineCache, write_state_id
+from tasks.engines.workers.engine_cache import EngineCache, write_state_id
 
 SETTINGS = {"zero_stage": 1, "lr": 1e-4}
 

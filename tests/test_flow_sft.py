@@ -9,8 +9,8 @@ from prefect.testing.utilities import prefect_test_harness
 from flows.deployments import prepare_run
 from flows.sft import sft_flow
 from storage import RunLayout, read_stage
-from tasks.model_init import init_model
-from tasks.summary import summary_task
+from tasks.data.model_recipe import init_model
+from tasks.stages.summary import summary_task
 from tests.conftest import tiny_config
 
 

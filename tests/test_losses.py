@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tasks.losses import (
+from tasks.algos.losses import (
     AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, ClipSettings, MinibatchNorm, PolicyLossSettings, clip_objective, dcpo_bounds,
     policy_loss, token_mean, value_loss,
 )
@@ -222,7 +222,7 @@ def test_every_configured_option_is_registered():
 
 
 def test_adaptive_kl_controller_hand_values():
-    from tasks.kl_control import adapt_beta
+    from tasks.stages.kl_control import adapt_beta
 
     # KL 0.15 vs target 0.1: error 0.5 is clipped to 0.2; n/horizon = 512/10000 → β·(1 + 0.2·0.0512)
     assert adapt_beta(0.04, 0.15, 0.1, 512, 10_000) == pytest.approx(0.04 * 1.01024)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tasks.preference_losses import dpo_loss, kwise_bradley_terry, pairwise_accuracy
+from tasks.algos.preference_losses import dpo_loss, kwise_bradley_terry, pairwise_accuracy
 
 
 def bt(margin: float) -> float:
@@ -84,7 +84,7 @@ def test_dpo_at_the_reference_is_log2():
 
 
 def test_chosen_nll_is_the_mean_per_token_nll():
-    from tasks.preference_losses import chosen_nll
+    from tasks.algos.preference_losses import chosen_nll
 
     # −(−3/3 + −1/2)/2 = (1 + 0.5)/2 = 0.75
     assert chosen_nll(torch.tensor([-3.0, -1.0]), torch.tensor([3.0, 2.0])).item() == pytest.approx(0.75)

@@ -7,7 +7,7 @@ import random
 import polars as pl
 import pytest
 
-from tasks.preferences import PreferenceDataError, assign_splits, load_preferences, pairs_from_rankings, rankings_from_samples
+from tasks.data.preferences import PreferenceDataError, assign_splits, load_preferences, pairs_from_rankings, rankings_from_samples
 
 
 def test_rankings_rank_correct_over_incorrect_with_ties():

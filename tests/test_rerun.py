@@ -5,7 +5,7 @@ import time
 
 import polars as pl
 
-from tasks.run_diff import diff_frames
+from tasks.analysis.run_diff import diff_frames
 from flows.rerun import affected, fork, supersede
 from storage import RunLayout, write_stage
 
@@ -51,7 +51,7 @@ def test_supersede_moves_aside_and_records(tmp_path):
     assert (kept / "scores/iter=00003/_manifest.json").exists() and (kept / "checkpoints/iter=00003/model.safetensors").exists()
     log = json.loads((layout.run_dir / "superseded.json").read_text())
     assert log[0]["stage"] == "scores" and "scores/iter=00003" in log[0]["moved"]
-    from flows.inspect import superseded_stages
+    from tasks.analysis.query import superseded_stages
 
     assert ("scores", 3) in superseded_stages(layout) and ("rollouts", 3) not in superseded_stages(layout)
 

@@ -5,7 +5,7 @@ import random
 import polars as pl
 import pytest
 
-from tasks.reward_hacking import hacking_flags, quarter_means, repetition_rate
+from tasks.analysis.reward_hacking import hacking_flags, quarter_means, repetition_rate
 
 
 def repetition_loop(rollouts: list[tuple[int, list[int]]]) -> dict[int, float]:

@@ -5,13 +5,13 @@ import math
 import polars as pl
 import pytest
 
-from tasks.arithmetic import make_splits
-from tasks.batch import select_groups
-from tasks.evaluate import pass_at_k
-from tasks.metrics import sampler_gap
-from tasks.prompts import sample_prompts
+from tasks.data.arithmetic import make_splits
+from tasks.stages.batch import select_groups
+from tasks.stages.evaluate import pass_at_k
+from tasks.algos.metrics import sampler_gap
+from tasks.stages.prompts import sample_prompts
 from schemas.config import RewardConfig
-from tasks.rewards import REWARD_FUNCTIONS, RewardError, Sample, score_frame
+from tasks.rewards.builtin import REWARD_FUNCTIONS, RewardError, Sample, score_frame
 
 
 def rollouts(texts, reasons=None, prompt="p0"):
@@ -78,7 +78,7 @@ def test_a_nan_reward_is_refused(monkeypatch):
 
 
 def test_reward_pool_times_out_a_hanging_function_and_records_a_raising_one():
-    from tasks.reward_pool import score_samples
+    from tasks.rewards.pool import score_samples
     from tests.reward_fixtures import echo_length, hangs, raises
 
     samples = [Sample("12", "12"), Sample("7", "7"), Sample("abc", "1")]
@@ -149,7 +149,7 @@ def test_padded_operands_sit_at_fixed_positions_and_answers_stay_canonical():
 def test_flawed_teachers_err_only_where_their_flaw_applies():
     import random
 
-    from tasks.arithmetic import flawed_answer, no_carry_sum, teacher_response
+    from tasks.data.arithmetic import flawed_answer, no_carry_sum, teacher_response
 
     assert no_carry_sum(37, 58) == 85 and no_carry_sum(99, 99) == 88 and no_carry_sum(12, 34) == 46
     assert flawed_answer("37+58=", "95", "forget_carry") == "85"
@@ -163,7 +163,7 @@ def test_flawed_teachers_err_only_where_their_flaw_applies():
 
 
 def test_artifact_markdown_summarises_rewards_and_shows_samples():
-    from tasks.artifacts import reward_summary_markdown, samples_markdown
+    from tasks.stages.artifacts import reward_summary_markdown, samples_markdown
 
     df = score_frame(rollouts(["12", "13", "x"]), {"p0": "12"}, RewardConfig(weights={"accuracy": 1.0, "format": 0.1}, workers=0))
     md = reward_summary_markdown(df)
@@ -174,7 +174,7 @@ def test_artifact_markdown_summarises_rewards_and_shows_samples():
 
 
 def test_the_reward_model_column_adds_to_the_rule_reward_and_must_be_finite():
-    from tasks.scores import add_model_score
+    from tasks.stages.scores import add_model_score
 
     scores = pl.DataFrame({"reward": [1.0, 0.0]})
     out = add_model_score(scores, pl.Series([0.5, -2.0]), 2.0)
@@ -184,7 +184,7 @@ def test_the_reward_model_column_adds_to_the_rule_reward_and_must_be_finite():
 
 
 def test_reward_model_rule_spearman_is_recorded_when_both_columns_exist():
-    from tasks.metrics import rollout_metrics
+    from tasks.algos.metrics import rollout_metrics
 
     rollouts = pl.DataFrame({"length": [2, 2, 2, 2], "truncated": [False] * 4})
     batch = pl.DataFrame({"reward_std": [0.5], "rounds_used": [1], "kept": [True]})

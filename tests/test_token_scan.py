@@ -5,9 +5,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from tasks.advantage_estimators import AdvantageSettings, compute_advantages
-from tasks.token_lists import flat_lists, from_flat
-from tasks.token_scan import gae_flat
+from tasks.algos.advantages import AdvantageSettings, compute_advantages
+from tasks.algos.token_lists import flat_lists, from_flat
+from tasks.algos.token_scan import gae_flat
 
 F32 = pl.List(pl.Float32)
 

@@ -7,9 +7,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.engines.sync_probe import mean_abs_gap, probe_token_ids, trainer_logprobs, write_probe
+from tasks.engines.workers.sync_probe import mean_abs_gap, probe_token_ids, trainer_logprobs, write_probe
 from tasks.engines.vllm_client import ResidentEngine
-from tasks.model_init import init_model
+from tasks.data.model_recipe import init_model
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e

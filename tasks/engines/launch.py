@@ -1,6 +1,6 @@
 """Run a heavy engine (vLLM, torch, DeepSpeed) as its own process, never inside the Prefect process.
 
-A worker is `python -m tasks.engines.<name> REQUEST.json`; it writes its result JSON next to the request.
+A worker is `python -m tasks.engines.workers.<name> REQUEST.json`; it writes its result JSON next to the request.
 Workers get SIGKILL when their parent dies (PR_SET_PDEATHSIG), so an interrupted run leaves no orphan engine
 holding memory. Their chatty logs go to a file; a failure is re-raised as one line plus the log's path.
 """
@@ -45,20 +45,21 @@ def worker_env(extra: dict | None = None) -> dict:
 
 
 def run_worker(module: str, request: dict, scratch: Path, log: Path, env: dict | None = None) -> dict:
-    """Run `tasks.engines.<module>` on `request`; return the JSON it wrote, or raise WorkerError."""
+    """Run the worker module (a path from tasks.engines.workers) on `request`; return the JSON it wrote, or raise WorkerError."""
+    name = module.rsplit(".", 1)[-1]
     scratch.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
-    req_path = scratch / f"{module}-{os.getpid()}.request.json"
+    req_path = scratch / f"{name}-{os.getpid()}.request.json"
     resp_path = req_path.with_name(req_path.name.replace(".request.", ".response."))
     resp_path.unlink(missing_ok=True)
     req_path.write_text(json.dumps({**request, "response_path": str(resp_path)}))
     with open(log, "ab") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", f"tasks.engines.{module}", str(req_path)],
+            [sys.executable, "-m", module, str(req_path)],
             stdout=out, stderr=subprocess.STDOUT, env=worker_env(env), cwd=os.getcwd(), preexec_fn=die_with_parent,
         )
     if proc.returncode != 0 or not resp_path.exists():
-        raise WorkerError(f"{module} worker failed (exit {proc.returncode}): {last_error_line(log)} [log: {log}]")
+        raise WorkerError(f"{name} worker failed (exit {proc.returncode}): {last_error_line(log)} [log: {log}]")
     return json.loads(resp_path.read_text())
 
 

@@ -1,6 +1,6 @@
 """Resident engine processes: a worker kept alive across requests, spoken to over a local Unix socket.
 
-The client starts `python -m tasks.engines.<module> --serve SOCKET SETTINGS_JSON` on first use, and again after
+The client starts `python -m tasks.engines.workers.<name> --serve SOCKET SETTINGS_JSON` on first use, and again after
 the process died. Stage tasks send it paths and small settings; the data still travels as Parquet on disk.
 Correctness never depends on the process's memory: every request names the checkpoint it starts from, and a
 server reuses what it holds only when that is provably the same state (see each server's docstring).
@@ -27,25 +27,26 @@ from tasks.engines.launch import WorkerError, die_with_parent, last_error_line, 
 class ResidentProcess:
     def __init__(self, module: str, log: Path, settings: dict):
         self.module, self.log, self.settings = module, log, settings
+        self.name = module.rsplit(".", 1)[-1]
         self.proc: subprocess.Popen | None = None
         self.conn = None
 
     def _start(self, start_settings: dict) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         # In the temp dir, not the run folder: a Unix socket's path is limited to about 107 bytes.
-        sock = os.path.join(tempfile.gettempdir(), f"{self.module}-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        sock = os.path.join(tempfile.gettempdir(), f"{self.name}-{os.getpid()}-{secrets.token_hex(4)}.sock")
         key = secrets.token_bytes(16)
         args = json.dumps({**self.settings, **start_settings})
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"tasks.engines.{self.module}", "--serve", sock, args],
+                [sys.executable, "-m", self.module, "--serve", sock, args],
                 stdout=out, stderr=subprocess.STDOUT, env=worker_env({"RLPIPE_AUTHKEY": key.hex()}),
                 cwd=os.getcwd(), preexec_fn=die_with_parent,
             )
         deadline = time.time() + 600
         while not os.path.exists(sock):
             if self.proc.poll() is not None or time.time() > deadline:
-                raise WorkerError(f"{self.module} server failed to start: {last_error_line(self.log)} [log: {self.log}]")
+                raise WorkerError(f"{self.name} server failed to start: {last_error_line(self.log)} [log: {self.log}]")
             time.sleep(0.2)
         self.conn = Client(sock, family="AF_UNIX", authkey=key)
 
@@ -58,9 +59,9 @@ class ResidentProcess:
             resp = self.conn.recv()
         except (EOFError, OSError):
             self.close()
-            raise WorkerError(f"{self.module} server died: {last_error_line(self.log)} [log: {self.log}]") from None
+            raise WorkerError(f"{self.name} server died: {last_error_line(self.log)} [log: {self.log}]") from None
         if "error" in resp:
-            raise WorkerError(f"{self.module} failed: {resp['error']} [log: {self.log}]")
+            raise WorkerError(f"{self.name} failed: {resp['error']} [log: {self.log}]")
         return resp
 
     def close(self) -> None:

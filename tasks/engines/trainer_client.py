@@ -1,20 +1,21 @@
 """How the `logprobs` and `optimize` stages reach their engines: the run's resident trainer
-(tasks/engines/trainer_server.py) by default, or a one-shot worker process per call with
+(tasks/engines/workers/trainer_server.py) by default, or a one-shot worker process per call with
 `engines.resident_trainer: false` (the same requests and results; each call then loads everything from disk).
 """
 
 from __future__ import annotations
 
-from tasks.common import RunContext
+from tasks.stages.common import RunContext
 from tasks.engines.launch import run_worker
 from tasks.engines.resident import ResidentProcess, resident
+from tasks.engines.workers import LOGPROBS_WORKER, TRAINER_SERVER, TRAIN_WORKER
 
-ONE_SHOT_MODULES = {"logprobs": "torch_logprobs", "train": "deepspeed_train"}
+ONE_SHOT_MODULES = {"logprobs": LOGPROBS_WORKER, "train": TRAIN_WORKER}
 
 
 def call_trainer(ctx: RunContext, op: str, request: dict, log_name: str) -> dict:
     if not ctx.cfg.engines.resident_trainer:
         return run_worker(ONE_SHOT_MODULES[op], request, ctx.layout.scratch_dir, ctx.layout.log_path(log_name))
     log = ctx.layout.log_path("trainer")
-    server = resident("trainer_server", ctx.layout.run_id, lambda: ResidentProcess("trainer_server", log, {}))
+    server = resident(TRAINER_SERVER, ctx.layout.run_id, lambda: ResidentProcess(TRAINER_SERVER, log, {}))
     return server.call({"op": op, "request": request, "label": log_name})

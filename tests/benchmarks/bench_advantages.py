@@ -2,10 +2,10 @@
 
 - Group advantages (GRPO): a Python loop with verl's structure (`compute_grpo_outcome_advantage`: a dict of
   score lists per prompt, torch mean/std per group, a second loop to normalise, then the broadcast onto the
-  response tokens) against `tasks.advantage_estimators.grpo`, which also fills the per-token lists.
+  response tokens) against `tasks.algos.advantages.grpo`, which also fills the per-token lists.
 - GAE: a torch reverse loop over positions, vectorised across the batch (verl's `compute_gae_advantage_return`,
   with the whitening), against the `gae` estimator on the same values and rewards: Polars list columns in and
-  out, the scan compiled over their flat buffers (tasks.token_scan). Its first call compiles the scan (or loads
+  out, the scan compiled over their flat buffers (tasks.algos.token_scan). Its first call compiles the scan (or loads
   numba's on-disk cache); like every timing here, the best of the repeats is reported.
 Both sides get the same inputs and their outputs are compared before any time is reported.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from tasks.advantage_estimators import AdvantageSettings, gae, grpo
+from tasks.algos.advantages import AdvantageSettings, gae, grpo
 from tests.benchmarks import result_row
 
 

@@ -15,7 +15,7 @@ import polars as pl
 import torch
 
 from tasks.engines.vllm_client import ResidentEngine
-from tasks.model_init import init_model
+from tasks.data.model_recipe import init_model
 from tests.benchmarks import result_row
 
 PROMPTS, GROUP, MAX_TOKENS = 64, 8, 64

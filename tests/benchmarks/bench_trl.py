@@ -57,7 +57,7 @@ def trl_training(model_path: str, train: pl.DataFrame) -> tuple[float, int, str]
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from tasks.rewards import Sample, accuracy, format_ok
+    from tasks.rewards.builtin import Sample, accuracy, format_ok
 
     out = WORK / "trl-model"
     shutil.rmtree(out, ignore_errors=True)
@@ -95,7 +95,7 @@ def greedy_accuracy(model_path: str, held_out: pl.DataFrame) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.rewards import Sample, accuracy
+    from tasks.rewards.builtin import Sample, accuracy
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -112,7 +112,7 @@ def greedy_accuracy(model_path: str, held_out: pl.DataFrame) -> float:
 
 def run() -> list[dict]:
     from schemas.config import load_config
-    from tasks.datasets import load_prompt_dataset, task_splits
+    from tasks.data.datasets import load_prompt_dataset, task_splits
 
     ensure_demo_model()
     cfg = load_config(DEMO_CONFIG)

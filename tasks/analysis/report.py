@@ -1,0 +1,130 @@
+"""`rlpipe report RUN`: runs/RUN/report.html with one PNG per plot (under runs/RUN/report/) and the
+reward-hacking flags. Read-only over complete stages: it can run while training goes on."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import polars as pl
+
+from storage import RunLayout, read_manifest, scan
+from tasks.analysis.reward_hacking import Flag, hacking_flags, repetition_rate
+
+# (file stem, title, y label, train_metrics columns): one line per column, x = iteration.
+LINE_PLOTS = [
+    ("reward", "Reward (mean over kept samples)", "reward", ["reward_mean"]),
+    ("kl", "KL to the reference, and policy drift per update", "nats/token", ["kl_ref", "ppo_kl"]),
+    ("entropy", "Policy entropy", "nats/token", ["entropy"]),
+    ("clip_fraction", "Clipped token fraction", "fraction", ["clip_frac_low", "clip_frac_high"]),
+    ("response_length", "Response length", "tokens", ["response_length_mean", "response_length_max"]),
+    ("nonzero_advantages", "Samples with a non-zero advantage", "fraction", ["nonzero_advantage_fraction", "zero_std_group_fraction"]),
+]
+
+
+class ReportError(ValueError):
+    pass
+
+
+def _line_plot(path: Path, title: str, ylabel: str, series: dict[str, tuple[list, list]]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    for label, (x, y) in series.items():
+        ax.plot(x, y, marker="o", markersize=3, label=label)
+    ax.set(title=title, xlabel="iteration", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _stage_seconds_plot(path: Path, seconds: pl.DataFrame) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    x, bottom = seconds["iteration"].to_list(), [0.0] * seconds.height
+    for col in [c for c in seconds.columns if c != "iteration"]:
+        values = seconds[col].fill_null(0.0).to_list()
+        ax.bar(x, values, bottom=bottom, label=col.removeprefix("seconds_"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(title="Time per stage", xlabel="iteration", ylabel="seconds")
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def eval_table(layout: RunLayout) -> pl.DataFrame:
+    rows = []
+    for it in layout.iterations("eval"):
+        m = read_manifest(layout, "eval", it, verify=False)
+        if m:
+            rows.append({"iteration": it, "accuracy": m["extra"]["accuracy"], "seconds_eval": float(m["wall_seconds"])})
+    return pl.DataFrame(rows, schema={"iteration": pl.Int64, "accuracy": pl.Float64, "seconds_eval": pl.Float64})
+
+
+def write_report(run_id: str, root: str = "runs") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a display
+    layout = RunLayout(Path(root), run_id)
+    if not layout.run_dir.is_dir():
+        raise FileNotFoundError(f"run {run_id!r} not found under {root}")
+    metrics = scan(run_id, "train_metrics", root).collect().sort("iteration")
+    if metrics.is_empty():
+        raise ReportError(f"run {run_id!r} has no complete iteration yet (no train_metrics)")
+    evals = eval_table(layout)
+    rollouts = scan(run_id, "rollouts", root).select("iteration", "token_ids").collect()
+    repetition = repetition_rate(rollouts)
+    out_dir = layout.run_dir / "report"
+    out_dir.mkdir(exist_ok=True)
+    x = metrics["iteration"].to_list()
+    figures = []
+    for stem, title, ylabel, cols in LINE_PLOTS:
+        series = {c: (x, metrics[c].to_list()) for c in cols if c in metrics.columns}
+        if series:
+            _line_plot(out_dir / f"{stem}.png", title, ylabel, series)
+            figures.append((stem, title))
+    accuracy = {"eval greedy accuracy (rule)": (evals["iteration"].to_list(), evals["accuracy"].to_list())}
+    if "score_accuracy_mean" in metrics.columns:
+        accuracy["train accuracy reward"] = (x, metrics["score_accuracy_mean"].to_list())
+    _line_plot(out_dir / "accuracy.png", "Accuracy", "fraction", accuracy)
+    figures.insert(1, ("accuracy", "Accuracy"))
+    _line_plot(out_dir / "repetition.png", "Repeated token bigrams within a response", "fraction",
+               {"repetition_rate": (repetition["iteration"].to_list(), repetition["repetition_rate"].to_list())})
+    figures.append(("repetition", "Repetition"))
+    seconds = metrics.select("iteration", *[c for c in metrics.columns if c.startswith("seconds_")])
+    seconds = seconds.join(evals.select("iteration", "seconds_eval"), on="iteration", how="left")
+    _stage_seconds_plot(out_dir / "stage_seconds.png", seconds)
+    figures.append(("stage_seconds", "Time per stage"))
+    flags = hacking_flags(metrics, evals, repetition)
+    path = layout.run_dir / "report.html"
+    path.write_text(_html(run_id, metrics, evals, flags, figures))
+    return path
+
+
+def _html(run_id: str, metrics: pl.DataFrame, evals: pl.DataFrame, flags: list[Flag], figures) -> str:
+    esc = html.escape
+    flag_rows = "".join(
+        f"<tr class={'raised' if f.raised else 'ok'}><td>{esc(f.name)}</td><td>{'RAISED' if f.raised else 'ok'}</td>"
+        f"<td>{esc(f.evidence)}</td></tr>"
+        for f in flags
+    )
+    eval_rows = "".join(f"<tr><td>{it}</td><td>{acc:.3f}</td></tr>" for it, acc in evals.select("iteration", "accuracy").iter_rows())
+    images = "".join(f"<figure><img src='report/{stem}.png' alt='{esc(title)}'><figcaption>{esc(title)}</figcaption></figure>"
+                     for stem, title in figures)
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>rlpipe report: {esc(run_id)}</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:4px 8px}}
+tr.raised td{{background:#fdd}} figure{{display:inline-block;margin:8px}}</style></head>
+<body><h1>rlpipe report: {esc(run_id)}</h1>
+<p>{metrics.height} iterations with train metrics (iterations {metrics['iteration'].min()}–{metrics['iteration'].max()}).</p>
+<h2>Reward-hacking flags</h2>
+<table><tr><th>check</th><th>status</th><th>evidence</th></tr>{flag_rows}</table>
+<h2>Eval (greedy, rule-judged)</h2>
+<table><tr><th>iteration</th><th>accuracy</th></tr>{eval_rows}</table>
+<h2>Per iteration</h2>{images}
+</body></html>
+"""

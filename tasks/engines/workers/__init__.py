@@ -1,0 +1,8 @@
+"""Worker processes: vLLM, DeepSpeed and torch, each run as its own process (`python -m MODULE`), never inside the
+Prefect process, and never importing Prefect. The clients in `tasks/engines/` start them by these module paths."""
+
+VLLM_SERVER = "tasks.engines.workers.vllm_generate"
+TRAINER_SERVER = "tasks.engines.workers.trainer_server"
+LOGPROBS_WORKER = "tasks.engines.workers.torch_logprobs"
+TRAIN_WORKER = "tasks.engines.workers.deepspeed_train"
+PREFERENCE_WORKER = "tasks.engines.workers.preference_train"

@@ -1,0 +1,112 @@
+"""Logprobs worker: old (policy before this update) and ref logprobs, and entropy, recomputed by torch.
+
+Request: policy_path, ref_path, samples_path (prompt_id, sample_idx, prompt_token_ids, token_ids), out_path,
+micro_batch_size; optional critic_path and critic_fresh (PPO). Run as a one-shot worker, or inside the resident
+trainer (tasks/engines/workers/trainer_server.py). Writes prompt_id, sample_idx, old_logprobs,
+ref_logprobs, entropy and values (list<float32>; values null without a critic).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tasks.engines.launch import worker_main
+
+
+def _score(model, prompts, responses, pad_id, micro, with_entropy):
+    import torch
+
+    from tasks.engines.workers.token_batch import chunks, pack, token_logprobs, unalign
+
+    logps, ents = [], []
+    with torch.no_grad():
+        for idx in chunks(list(range(len(prompts))), micro):
+            p = [prompts[i] for i in idx]
+            r = [responses[i] for i in idx]
+            ids, attn, _ = pack(p, r, pad_id)
+            lp, ent = token_logprobs(model, ids, attn, with_entropy)
+            plen, rlen = [len(x) for x in p], [len(x) for x in r]
+            logps += unalign(lp, plen, rlen)
+            ents += unalign(ent, plen, rlen) if with_entropy else [[] for _ in idx]
+    return logps, ents
+
+
+def _values(critic, prompts, responses, pad_id, micro):
+    import torch
+
+    from tasks.engines.workers.critic import token_values
+    from tasks.engines.workers.token_batch import chunks, pack, unalign
+
+    out = []
+    with torch.no_grad():
+        for idx in chunks(list(range(len(prompts))), micro):
+            p, r = [prompts[i] for i in idx], [responses[i] for i in idx]
+            ids, attn, _ = pack(p, r, pad_id)
+            out += unalign(token_values(critic, ids, attn), [len(x) for x in p], [len(x) for x in r])
+    return out
+
+
+def handle(request: dict, cache=None) -> dict:
+    """One request. With `cache` (the resident trainer's EngineCache), the policy and critic come from the engines
+    that wrote their checkpoints and the reference is loaded once, so no weights are read from disk in steady state."""
+    import polars as pl
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.engines.workers.critic import load_critic
+    from tasks.engines.workers.token_batch import eval_mode
+
+    torch.manual_seed(0)
+    samples = pl.read_parquet(request["samples_path"])
+    prompts = samples["prompt_token_ids"].to_list()
+    responses = samples["token_ids"].to_list()
+    micro = request.get("micro_batch_size", 64)
+    policy_path, ref_path = request["policy_path"], request["ref_path"]
+
+    def load_lm(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def model_at(role, path, load, frozen):  # role: the trainer engine that may hold it (None for the reference)
+        kept = cache.engine_module(role, path) if cache and role else None
+        if kept is not None:
+            return kept
+        return cache.frozen(path, load) if cache and frozen else load()
+
+    t0 = time.time()
+    forward = 0.0
+    # The starting policy is the reference: kept frozen. Later policies come from the trainer's engine.
+    policy = model_at("policy", policy_path, lambda: load_lm(policy_path), frozen=policy_path == ref_path)
+    pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
+    t1 = time.time()
+    with eval_mode(policy):
+        old, entropy = _score(policy, prompts, responses, pad_id, micro, True)
+    forward += time.time() - t1
+    if ref_path == policy_path:
+        ref = old  # iteration 1: the policy is the reference, no second pass needed
+    else:
+        del policy
+        ref_model = model_at(None, ref_path, lambda: load_lm(ref_path), frozen=True)
+        t1 = time.time()
+        with eval_mode(ref_model):
+            ref, _ = _score(ref_model, prompts, responses, pad_id, micro, False)
+        forward += time.time() - t1
+    values = None
+    if request.get("critic_path"):
+        critic_path, fresh = request["critic_path"], request.get("critic_fresh", False)
+        critic = load_critic(critic_path, True) if fresh else model_at("critic", critic_path, lambda: load_critic(critic_path, False), frozen=False)
+        t1 = time.time()
+        with eval_mode(critic):
+            values = _values(critic, prompts, responses, pad_id, micro)
+        forward += time.time() - t1
+    lst = pl.List(pl.Float32)
+    samples.select("prompt_id", "sample_idx").with_columns(
+        pl.Series("old_logprobs", old, dtype=lst),
+        pl.Series("ref_logprobs", ref, dtype=lst),
+        pl.Series("entropy", entropy, dtype=lst),
+        pl.Series("values", values if values is not None else [None] * samples.height, dtype=lst),
+    ).write_parquet(request["out_path"])
+    return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0}
+
+
+if __name__ == "__main__":
+    worker_main(handle)

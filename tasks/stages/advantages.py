@@ -1,0 +1,80 @@
+"""Stage `advantages`: the configured estimator (tasks/algos/advantages.py) over the iteration's tables.
+
+Reads `batch` (kept groups), `scores` (rewards), `rollouts` (lengths) and `logprobs` (old/ref logprobs for a
+KL in the reward, critic values for GAE); writes `advantages`. Under dcpo it also reads the previous
+iteration's `prompt_stats` snapshot and writes this iteration's (before the advantages manifest, which
+marks both complete).
+"""
+
+from __future__ import annotations
+
+import time
+
+import polars as pl
+
+from storage import StageOutput, fingerprint, read_manifest, read_stage, write_stage
+from tasks.algos.advantages import AdvantageSettings, compute_advantages, empty_prompt_stats, update_prompt_stats
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
+from tasks.stages.kl_control import kl_beta
+
+KEYS = ["prompt_id", "sample_idx"]
+
+
+def advantage_inputs(ctx: RunContext, iteration: int, kept_only: bool = True) -> pl.DataFrame:
+    """One row per response: prompt_id, sample_idx, reward, length, and the logprobs table's lists."""
+    scores = read_stage(ctx.layout, "scores", iteration).select("iteration", *KEYS, "reward")
+    if kept_only:
+        kept = read_stage(ctx.layout, "batch", iteration).filter("kept").select("prompt_id")
+        scores = scores.join(kept, on="prompt_id", how="semi")
+    lengths = read_stage(ctx.layout, "rollouts", iteration).select(*KEYS, "length")
+    df = scores.join(lengths, on=KEYS, how="inner", validate="1:1", maintain_order="left")
+    if kept_only:
+        lists = read_stage(ctx.layout, "logprobs", iteration).select(*KEYS, "old_logprobs", "ref_logprobs", "values")
+        df = df.join(lists, on=KEYS, how="inner", validate="1:1", maintain_order="left")
+    return df
+
+
+def advantage_settings(ctx: RunContext, iteration: int) -> AdvantageSettings:
+    a, kl = ctx.cfg.advantage, ctx.cfg.kl
+    beta = kl_beta(ctx, iteration) if kl.placement == "reward" else 0.0  # a KL in the loss is the trainer's
+    return AdvantageSettings(eps=a.eps, gamma=a.gamma, lam=a.lam, kl_beta=beta, kl_estimator=kl.estimator)
+
+
+def prompt_history(ctx: RunContext, iteration: int) -> tuple[pl.DataFrame, str]:
+    """The prompt_stats snapshot after iteration − 1 (empty before the first) and its fingerprint."""
+    if iteration <= 1:
+        return empty_prompt_stats(), ""
+    manifest = read_manifest(ctx.layout, "prompt_stats", iteration - 1)
+    if manifest is None:
+        raise FileNotFoundError(f"dcpo needs the prompt_stats of iteration {iteration - 1}, which is missing")
+    return read_stage(ctx.layout, "prompt_stats", iteration - 1), manifest["fingerprint"]
+
+
+@stage_task("advantages")
+def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp: str, batch_fp: str) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+    estimator = ctx.cfg.advantage.estimator
+    settings = advantage_settings(ctx, iteration)
+    history, history_fp = prompt_history(ctx, iteration) if estimator == "dcpo" else (None, "")
+    inputs = {"logprobs": logprobs_fp, "batch": batch_fp, "prompt_stats": history_fp}
+
+    def compute():
+        df = advantage_inputs(ctx, iteration)
+        if estimator == "gae" and df["values"].null_count():
+            raise ValueError("advantage.estimator=gae needs critic values, but the logprobs stage wrote none")
+        out = compute_advantages(df, estimator, settings, history)
+        if estimator == "dcpo":
+            snapshot = update_prompt_stats(history, df, iteration)
+            config_hash = ctx.cfg.section_hash("advantage")
+            write_stage(ctx.layout, "prompt_stats", iteration, snapshot, fp=fingerprint("prompt_stats", config_hash, inputs),
+                        inputs=inputs, config_hash=config_hash, started=time.time())
+        nonzero = float((out["advantage"] != 0).mean())
+        return Computed(
+            out.select("iteration", *KEYS, "reward", "advantage", "token_advantages", "returns"),
+            extra={"nonzero_advantage_fraction": nonzero, "kl_beta": settings.kl_beta},
+        )
+
+    return run_stage(
+        ctx, "advantages", iteration, sections=("advantage", "kl"), inputs=inputs, compute=compute,
+        salt=f"beta={settings.kl_beta:.12g}",
+    )

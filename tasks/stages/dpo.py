@@ -1,0 +1,77 @@
+"""Stages of the DPO flow after the preference data: `ref_logprobs`, `dpo_metrics` (optimize), `dpo_eval`.
+
+`ref_logprobs` (iteration 0): the frozen reference's (model.path) sequence logprob of the chosen and the
+rejected response of every pair, computed once. `dpo_metrics` (iteration 1): DPO on the train pairs with
+DeepSpeed from model.path into `checkpoints/iter=1/`, exported to `dpo.out_path`; one row per step with
+loss, reward margin and accuracy, chosen and rejected logps. `dpo_eval` (iteration 1): the implicit reward
+β·(log π − log π_ref) of both responses of each held-out pair under the trained policy.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from storage import StageOutput, read_stage
+from tasks.stages.common import Computed, RunContext, frame_worker, load_run, run_stage, stage_task
+from tasks.stages.weights import model_fingerprint
+from tasks.stages.reward_model import ensure_exported, pair_eval_frame, train_preference_model
+from tasks.engines.workers import PREFERENCE_WORKER
+
+KEYS = ["prompt_id", "pair_idx"]
+
+
+def sequence_logprobs(ctx: RunContext, model_path: str, pairs: pl.DataFrame, name: str) -> pl.DataFrame:
+    """prompt_id, pair_idx, chosen_logp, rejected_logp of `pairs` under the model at `model_path`."""
+    request = {"mode": "seq_logprobs", "model_path": model_path}
+    return frame_worker(ctx, PREFERENCE_WORKER, request, pairs.select(*KEYS, "prompt", "chosen", "rejected"), name)
+
+
+@stage_task("ref_logprobs")
+def ref_logprobs_task(storage_root: str, run_id: str, pairs_fp: str) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+
+    def compute():
+        pairs = read_stage(ctx.layout, "preference_pairs", 0)
+        return Computed(sequence_logprobs(ctx, ctx.cfg.model.path, pairs, "ref_logprobs"))
+
+    return run_stage(ctx, "ref_logprobs", 0, sections=(), compute=compute,
+                     inputs={"pairs": pairs_fp, "ref": model_fingerprint(ctx.cfg.model.path)})
+
+
+@stage_task("dpo_optimize")
+def dpo_optimize_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+    d = ctx.cfg.dpo
+
+    def compute():
+        ref = read_stage(ctx.layout, "ref_logprobs", 0).rename({"chosen_logp": "ref_chosen_logp", "rejected_logp": "ref_rejected_logp"})
+        train = read_stage(ctx.layout, "preference_pairs", 0).filter(pl.col("split") == "train").join(ref, on=KEYS, validate="1:1")
+        final, resp, metrics = train_preference_model(ctx, "dpo_train", train, d, ctx.cfg.model.path, {"beta": d.beta, "nll_coef": d.nll_coef})
+        return Computed(
+            metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
+            extra={"checkpoint": str(final), "exported_to": d.out_path, "train_seconds": resp["train_seconds"], "pairs": train.height},
+        )
+
+    out = run_stage(ctx, "dpo_metrics", 1, sections=("dpo",), compute=compute,
+                    inputs={"pairs": pairs_fp, "ref": ref_fp, "policy": model_fingerprint(ctx.cfg.model.path)})
+    ensure_exported(ctx.layout.checkpoint_dir(1), d.out_path)
+    return out
+
+
+@stage_task("dpo_eval")
+def dpo_eval_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str, dpo_fp: str) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+    beta = ctx.cfg.dpo.beta
+
+    def compute():
+        held = read_stage(ctx.layout, "preference_pairs", 0).filter(pl.col("split") == "heldout")
+        policy = sequence_logprobs(ctx, str(ctx.layout.checkpoint_dir(1)), held, "dpo_eval")
+        df = policy.join(read_stage(ctx.layout, "ref_logprobs", 0), on=KEYS, suffix="_ref", validate="1:1")
+        rewards = [
+            df.select(*KEYS, (beta * (pl.col(f"{s}_logp") - pl.col(f"{s}_logp_ref"))).alias("score")) for s in ("chosen", "rejected")
+        ]
+        out = pair_eval_frame(*rewards)
+        margin = float((out["chosen_score"] - out["rejected_score"]).mean())
+        return Computed(out, extra={"reward_accuracy": float(out["correct"].mean()), "reward_margin": margin, "pairs": out.height})
+
+    return run_stage(ctx, "dpo_eval", 1, sections=("dpo",), compute=compute, inputs={"pairs": pairs_fp, "ref": ref_fp, "dpo": dpo_fp})

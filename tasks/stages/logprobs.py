@@ -1,0 +1,47 @@
+"""Stage `logprobs`: old-policy and reference logprobs and entropy, recomputed by torch (as verl does).
+
+Reads `batch` (kept groups) and `rollouts`; writes `logprobs` (list<float32> per response token), with the
+critic's values when the run has one (PPO). The sampler's own logprobs stay in `rollouts`; their gap to
+these is a metric.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from storage import StageOutput, read_stage
+from tasks.stages.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
+from tasks.engines.trainer_client import call_trainer
+from tasks.stages.weights import critic_after, starting_weights, weights_after
+
+
+def kept_rollouts(ctx: RunContext, iteration: int) -> pl.DataFrame:
+    kept = read_stage(ctx.layout, "batch", iteration).filter("kept").select("prompt_id")
+    return read_stage(ctx.layout, "rollouts", iteration).join(kept, on="prompt_id", how="semi")
+
+
+@stage_task("logprobs")
+def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+    policy, ref = weights_after(ctx, iteration - 1), starting_weights(ctx)
+
+    def compute():
+        samples = kept_rollouts(ctx, iteration).select("prompt_id", "sample_idx", "prompt_token_ids", "token_ids")
+        inp, out = scratch_file(ctx, "logprobs.in.parquet"), scratch_file(ctx, "logprobs.out.parquet")
+        samples.write_parquet(inp)
+        critic = critic_after(ctx, iteration - 1) if ctx.cfg.uses_critic else None
+        resp = call_trainer(
+            ctx, "logprobs",
+            {"policy_path": policy.path, "ref_path": ref.path, "samples_path": str(inp), "out_path": str(out),
+             "micro_batch_size": ctx.cfg.optim.micro_batch_size,
+             "critic_path": critic.path if critic else None, "critic_fresh": bool(critic and critic.fresh)},
+            f"logprobs-{iteration:05d}",
+        )
+        df = pl.read_parquet(out).with_columns(pl.lit(iteration, pl.Int32).alias("iteration"))
+        inp.unlink(), out.unlink()
+        return Computed(df, extra=resp)
+
+    return run_stage(
+        ctx, "logprobs", iteration, sections=("optim",), salt="critic" if ctx.cfg.uses_critic else "",
+        inputs={"batch": batch_fp, "policy": policy.fingerprint, "ref": ref.fingerprint}, compute=compute,
+    )

@@ -1,0 +1,149 @@
+"""Stage `optimize`: one policy update on a DeepSpeed engine, then the checkpoint.
+
+Reads `rollouts`, `logprobs`, `advantages`, `scores` and `batch` of the iteration; writes the checkpoint
+`checkpoints/iter=k/` (HF weights + tokenizer + DeepSpeed optimizer state, renamed into place) and then the
+`train_metrics` row, whose manifest marks both complete.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from storage import StageOutput, commit_dir, read_manifest, read_stage, temp_dir_for
+from tasks.stages.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
+from tasks.engines.trainer_client import call_trainer
+from tasks.stages.logprobs import kept_rollouts
+from tasks.data.arithmetic import demonstrations
+from tasks.data.datasets import load_prompt_dataset, task_splits
+from tasks.stages.kl_control import kl_beta
+from tasks.algos.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
+from tasks.stages.weights import critic_after, weights_after
+
+STAGES_OF_AN_ITERATION = ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages")
+
+
+def training_frame(ctx: RunContext, iteration: int) -> pl.DataFrame:
+    """What the trainer needs per sample. `loss_mask` is 0 for a truncated response under DAPO's overlong
+    filtering (it stays in the batch, so its group's advantages are unchanged, but gives no gradient)."""
+    keys = ["prompt_id", "sample_idx"]
+    rollouts = kept_rollouts(ctx, iteration).select(*keys, "prompt_token_ids", "token_ids", "truncated")
+    logprobs = read_stage(ctx.layout, "logprobs", iteration).select(*keys, "old_logprobs", "ref_logprobs", "values")
+    adv = read_stage(ctx.layout, "advantages", iteration).select(*keys, "token_advantages", "returns")
+    df = rollouts.join(logprobs, on=keys, validate="1:1").join(adv, on=keys, validate="1:1")
+    masked = pl.col("truncated") & pl.lit(ctx.cfg.loss.overlong_filter)
+    return df.with_columns(pl.when(masked).then(0.0).otherwise(1.0).alias("loss_mask"))
+
+
+def ptx_data(ctx: RunContext) -> Path:
+    """PPO-ptx's SFT demonstrations: the run's own teacher (sft section), generated as the SFT flow does."""
+    path = scratch_file(ctx, "ptx.parquet")
+    if not path.exists():
+        s = ctx.cfg.sft
+        train = load_prompt_dataset(task_splits(ctx.cfg.task)["train"])
+        demonstrations(train, s.n_demos, ctx.cfg.seed, s.teacher_flaw, s.teacher_flaw_rate).write_parquet(path)
+    return path
+
+
+def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> dict | None:
+    """The critic's part of the trainer request; it is saved inside the policy's temporary checkpoint folder
+    `tmp`, at the place the layout gives it, so both are committed by one rename."""
+    if not ctx.cfg.uses_critic:
+        return None
+    c, prev = ctx.cfg.critic, critic_after(ctx, iteration - 1)
+    out_dir = tmp / ctx.layout.critic_dir(iteration).relative_to(ctx.layout.checkpoint_dir(iteration))
+    return {
+        "path": prev.path, "fresh": prev.fresh, "resume_state": None if prev.fresh else f"{prev.path}/ds_state",
+        "out_dir": str(out_dir), "lr": c.lr, "value_clip": c.value_clip, "coef": c.coef,
+    }
+
+
+def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
+    """From the rollouts manifest's per-round records: vLLM's generation seconds, the seconds spent syncing the
+    sampler to the policy (0 when the engine started on it), and the sampler's logprob gap to the trainer on the
+    checkpoint's probe (NaN when it has none)."""
+    gaps = [r["sync_logprob_gap"] for r in rounds if r.get("sync_logprob_gap") is not None]
+    return {"seconds_generate": float(sum(r.get("generate_seconds", 0.0) for r in rounds)),
+            "weight_sync_seconds": float(sum(r.get("sync_seconds", 0.0) for r in rounds)),
+            "weight_sync_logprob_gap": float(max(gaps)) if gaps else float("nan")}
+
+
+def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
+    """Wall seconds of each earlier stage of the iteration, and what their manifests record of the engines: the
+    rollouts' generation and weight sync, the logprobs forward passes (`seconds_logprobs_forward`)."""
+    out = {}
+    for stage in STAGES_OF_AN_ITERATION:
+        m = read_manifest(ctx.layout, stage, iteration, verify=False)
+        if m:
+            out[f"seconds_{stage}"] = float(m["wall_seconds"])
+            extra = m.get("extra", {})
+            if stage == "rollouts":
+                out.update(rollout_engine_metrics([v for k, v in extra.items() if k.startswith("round")]))
+            if stage == "logprobs" and "forward_seconds" in extra:
+                out["seconds_logprobs_forward"] = float(extra["forward_seconds"])
+    return out
+
+
+@stage_task("optimize")
+def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp: str, logprobs_fp: str) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+    policy = weights_after(ctx, iteration - 1)
+    o, lc, kl = ctx.cfg.optim, ctx.cfg.loss, ctx.cfg.kl
+    beta = kl_beta(ctx, iteration)
+
+    def compute():
+        data_path = scratch_file(ctx, "optimize.in.parquet")
+        samples = training_frame(ctx, iteration)
+        samples.write_parquet(data_path)
+        masked = float((samples["loss_mask"] == 0).mean())
+        final = ctx.layout.checkpoint_dir(iteration)
+        tmp = temp_dir_for(final)
+        prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
+        resp = call_trainer(
+            ctx, "train",
+            {
+                "mode": "rl", "model_path": policy.path, "tmp_dir": str(tmp), "metrics_path": "",
+                "data_path": str(data_path), "resume_state": prev_state, "seed": ctx.cfg.seed + iteration,
+                "zero_stage": o.zero_stage, "lr": o.lr, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
+                "micro_batch_size": o.micro_batch_size, "ppo_epochs": o.ppo_epochs, "minibatches": o.minibatches,
+                "warmup_steps": o.warmup_steps, "first_step": (iteration - 1) * o.ppo_epochs * o.minibatches,
+                "max_tokens": ctx.cfg.rollout.max_tokens, "crash_point": f"optimize:{iteration}",
+                "loss": {
+                    "objective": lc.objective, "aggregation": lc.aggregation, "clip_eps_low": lc.clip_eps_low,
+                    "clip_eps_high": lc.clip_eps_high, "dual_clip": lc.dual_clip, "kl_estimator": kl.estimator,
+                    "kl_in_loss": kl.placement == "loss", "kl_beta": beta, "entropy_coef": lc.entropy_coef,
+                },
+                "critic": critic_request(ctx, iteration, tmp),
+                "ptx_coef": lc.ptx_coef, "ptx_batch": lc.ptx_batch,
+                "ptx_data_path": str(ptx_data(ctx)) if lc.ptx_coef else None,
+            },
+            f"optimize-{iteration:05d}",
+        )
+        commit_dir(tmp, final)
+        data_path.unlink()
+        rollouts, advantages = read_stage(ctx.layout, "rollouts", iteration), read_stage(ctx.layout, "advantages", iteration)
+        logprobs = read_stage(ctx.layout, "logprobs", iteration)
+        critic_metrics = {"explained_variance": explained_variance(advantages, logprobs)} if ctx.cfg.uses_critic else {}
+        row = {
+            "iteration": iteration, "policy_version": iteration, **resp["metrics"], **critic_metrics, "kl_beta": beta,
+            "loss_masked_fraction": masked,
+            **rollout_metrics(rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)),
+            **advantage_metrics(advantages),
+            "sampler_logprob_gap": sampler_gap(rollouts, logprobs),
+            "seconds_optimize": resp["train_seconds"], **stage_metrics(ctx, iteration),
+            "trainer_engines_reused": float(resp.get("reused_engine", 0)),
+        }
+        frame = pl.DataFrame([row]).with_columns(
+            pl.col("iteration", "policy_version").cast(pl.Int32), pl.col("optimizer_steps").cast(pl.Int32),
+            pl.col("loss").cast(pl.Float64),
+        )
+        return Computed(
+            frame, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
+            extra={"checkpoint": str(final)},
+        )
+
+    return run_stage(
+        ctx, "train_metrics", iteration, sections=("optim", "loss", "kl", "critic"), salt=f"beta={beta:.12g}",
+        inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint}, compute=compute,
+    )

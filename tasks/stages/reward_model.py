@@ -1,0 +1,99 @@
+"""Stages of the reward-model flow after the preference data: `rm_metrics` (optimize) and `rm_eval`.
+
+`rm_metrics` (iteration 1): reads the train split of `preference_rankings`; trains a Bradley–Terry reward
+model with DeepSpeed (tasks/engines/workers/preference_train.py) into `checkpoints/iter=1/` and exports it to
+`reward_model.out_path`; one row per optimizer step. `rm_eval` (iteration 1): scores both responses of
+every held-out pair of `preference_pairs`; one row per pair, `correct` when chosen scores higher.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from storage import StageOutput, commit_dir, read_stage, temp_dir_for
+from tasks.stages.common import Computed, RunContext, export_checkpoint, frame_worker, load_run, run_stage, scratch_file, stage_task
+from tasks.engines.launch import run_worker
+from tasks.stages.weights import model_fingerprint
+from tasks.engines.workers import PREFERENCE_WORKER
+
+
+def train_preference_model(ctx: RunContext, mode: str, data: pl.DataFrame, settings, model_path: str, extra: dict) -> tuple[Path, dict, pl.DataFrame]:
+    """Run a DeepSpeed preference trainer (rm_train or dpo_train) into checkpoints/iter=1, renamed into
+    place; returns (checkpoint, worker response, per-step metrics)."""
+    data_path, metrics_path = scratch_file(ctx, f"{mode}.in.parquet"), scratch_file(ctx, f"{mode}.metrics.parquet")
+    data.write_parquet(data_path)
+    final = ctx.layout.checkpoint_dir(1)
+    tmp = temp_dir_for(final)
+    resp = run_worker(
+        PREFERENCE_WORKER,
+        {
+            "mode": mode, "model_path": model_path, "tmp_dir": str(tmp), "metrics_path": str(metrics_path),
+            "data_path": str(data_path), "seed": ctx.cfg.seed, "zero_stage": settings.zero_stage, "lr": settings.lr,
+            "weight_decay": settings.weight_decay, "grad_clip": 1.0, "micro_batch_size": settings.micro_batch_size,
+            "batch_size": settings.batch_size, "steps": settings.steps, "warmup_steps": settings.warmup_steps, **extra,
+        },
+        ctx.layout.scratch_dir, ctx.layout.log_path(mode),
+    )
+    commit_dir(tmp, final)
+    export_checkpoint(final, settings.out_path)
+    metrics = pl.read_parquet(metrics_path)
+    data_path.unlink(), metrics_path.unlink()
+    return final, resp, metrics
+
+
+def ensure_exported(checkpoint: Path, dest: str) -> None:
+    """A skipped training stage whose exported copy was removed: copy it again."""
+    if not Path(dest, "config.json").exists():
+        export_checkpoint(checkpoint, dest)
+
+
+@stage_task("rm_optimize")
+def rm_optimize_task(storage_root: str, run_id: str, rankings_fp: str) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+    r = ctx.cfg.reward_model
+
+    def compute():
+        train = read_stage(ctx.layout, "preference_rankings", 0).filter(pl.col("split") == "train")
+        final, resp, metrics = train_preference_model(ctx, "rm_train", train, r, ctx.cfg.model.path, {})
+        return Computed(
+            metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
+            extra={"checkpoint": str(final), "exported_to": r.out_path, "train_seconds": resp["train_seconds"],
+                   "rankings": train.height},
+        )
+
+    out = run_stage(ctx, "rm_metrics", 1, sections=("reward_model",), compute=compute,
+                    inputs={"rankings": rankings_fp, "base": model_fingerprint(ctx.cfg.model.path)})
+    ensure_exported(ctx.layout.checkpoint_dir(1), r.out_path)
+    return out
+
+
+def heldout_sides(pairs: pl.DataFrame) -> pl.DataFrame:
+    """Held-out pairs as one row per (pair, side): prompt_id, pair_idx, side, prompt, response."""
+    held = pairs.filter(pl.col("split") == "heldout")
+    return pl.concat([
+        held.select("prompt_id", "pair_idx", pl.lit(side).alias("side"), "prompt", pl.col(side).alias("response"))
+        for side in ("chosen", "rejected")
+    ])
+
+
+def pair_eval_frame(chosen_score: pl.DataFrame, rejected_score: pl.DataFrame) -> pl.DataFrame:
+    """Two frames (prompt_id, pair_idx, score) → one row per pair with `correct` = chosen scores higher."""
+    keys = ["prompt_id", "pair_idx"]
+    df = chosen_score.rename({"score": "chosen_score"}).join(rejected_score.rename({"score": "rejected_score"}), on=keys, validate="1:1")
+    return df.select(*keys, "chosen_score", "rejected_score", (pl.col("chosen_score") > pl.col("rejected_score")).alias("correct"))
+
+
+@stage_task("rm_eval")
+def rm_eval_task(storage_root: str, run_id: str, pairs_fp: str, rm_fp: str) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+
+    def compute():
+        sides = heldout_sides(read_stage(ctx.layout, "preference_pairs", 0))
+        request = {"mode": "rm_score", "model_path": str(ctx.layout.checkpoint_dir(1))}
+        scored = frame_worker(ctx, PREFERENCE_WORKER, request, sides, "rm_eval").select("prompt_id", "pair_idx", "side", "score")
+        df = pair_eval_frame(*(scored.filter(pl.col("side") == s).drop("side") for s in ("chosen", "rejected")))
+        return Computed(df, extra={"pairwise_accuracy": float(df["correct"].mean()), "pairs": df.height})
+
+    return run_stage(ctx, "rm_eval", 1, sections=(), inputs={"pairs": pairs_fp, "reward_model": rm_fp}, compute=compute)

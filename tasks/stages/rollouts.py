@@ -1,0 +1,100 @@
+"""Stage `rollouts`: G samples per prompt from vLLM, with the sampler's own logprobs.
+
+Reads `prompts` (this round's part) and the policy weights; writes `rollouts`, one part per round.
+The engine runs in its own resident process (tasks/engines/vllm_client.py), kept across rounds, iterations
+and eval, and synced to the weights each request names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+
+from storage import StageOutput, read_stage
+from tasks.stages.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
+from tasks.engines.launch import WorkerError
+from tasks.engines.resident import close_all
+from tasks.engines.vllm_client import resident_engine
+from tasks.stages.weights import weights_after
+
+
+class ContextLengthError(ValueError):
+    pass
+
+
+def check_context(model_path: str, prompt_lengths: list[int], max_tokens: int) -> None:
+    """Fail before starting an engine when prompt + max_tokens cannot fit the model's context."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    context = config.get("max_position_embeddings")
+    if context and max(prompt_lengths) + max_tokens > context:
+        raise ContextLengthError(
+            f"rollout.max_tokens={max_tokens} plus the longest prompt ({max(prompt_lengths)} tokens) exceeds "
+            f"the model's context of {context}"
+        )
+
+
+def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list[dict], log_name: str) -> tuple[list[pl.DataFrame], dict]:
+    """Tokenize prompts, run the vLLM worker over `jobs` (sampling settings), return one frame per job."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    ids = [tok(t)["input_ids"] for t in prompts["text"].to_list()]
+    check_context(model_path, [len(i) for i in ids], max(j["max_tokens"] for j in jobs))
+    inp = scratch_file(ctx, f"{log_name}.prompts.parquet")
+    prompts.select("prompt_id").with_columns(pl.Series("prompt_token_ids", ids, dtype=pl.List(pl.Int32))).write_parquet(inp)
+    outs = [scratch_file(ctx, f"{log_name}.out{i}.parquet") for i in range(len(jobs))]
+    engine = resident_engine(
+        ctx.layout.run_id, ctx.layout.log_path("vllm"),
+        {"kv_cache_gib": ctx.cfg.rollout.kv_cache_gib, "seed": ctx.cfg.seed},
+    )
+    resp = engine.generate(model_path, [{**j, "prompts_path": str(inp), "out_path": str(o)} for j, o in zip(jobs, outs)])
+    gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
+    if gap is not None and not gap <= limit:
+        raise WorkerError(f"the sampler's weights do not match the trainer's: mean logprob gap {gap:.3g} on the "
+                          f"probe sequences of {model_path} (rollout.max_sync_logprob_gap = {limit:g})")
+    frames = []
+    for o in outs:
+        df = pl.read_parquet(o).join(
+            pl.read_parquet(inp), on="prompt_id", how="left"
+        )
+        frames.append(df)
+        o.unlink()
+    inp.unlink()
+    return frames, resp
+
+
+@stage_task("rollouts")
+def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, prompts_fp: str) -> StageOutput:
+    ctx = load_run(storage_root, run_id)
+    policy = weights_after(ctx, iteration - 1)
+    r = ctx.cfg.rollout
+
+    def compute():
+        prompts = read_stage(ctx.layout, "prompts", iteration).filter(pl.col("round") == round_)
+        job = {"n": r.group_size, "temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_tokens,
+               "seed": ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101}
+        (df,), resp = generate(ctx, policy.path, prompts, [job], f"rollouts-{iteration:05d}-{round_}")
+        df = df.with_columns(
+            pl.lit(iteration, pl.Int32).alias("iteration"), pl.lit(round_, pl.Int32).alias("round"),
+            pl.lit(policy.version, pl.Int32).alias("policy_version"),
+        )
+        timing = resp["jobs"][0]
+        return Computed(
+            df, engines={"vllm": resp["vllm_version"]},
+            extra={f"round{round_}": {"engine_start_seconds": resp["engine_start_seconds"],
+                                      "sync_seconds": resp["sync_seconds"], "sync_logprob_gap": resp["sync_logprob_gap"],
+                                      **timing}},
+        )
+
+    return run_stage(
+        ctx, "rollouts", iteration, sections=("rollout",), part=round_,
+        inputs={"prompts": prompts_fp, "policy": policy.fingerprint}, compute=compute,
+    )
+
+
+@stage_task("release_engines")
+def release_engines_task() -> None:
+    """Stop this process's resident vLLM engine (it also dies with the process)."""
+    close_all()

@@ -1,0 +1,62 @@
+"""Which weights a stage uses: the policy of iteration k is the checkpoint of k−1, or the starting model."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from storage import read_manifest
+from tasks.stages.common import RunContext
+
+
+class ModelPathError(FileNotFoundError):
+    pass
+
+
+@dataclass(frozen=True)
+class Weights:
+    path: str
+    fingerprint: str
+    version: int  # 0 = the starting model; k = after iteration k's update
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """Identity of a model folder from its config and weight files' names, sizes and mtimes (cheap for big models)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ModelPathError(f"model path {path} does not exist or has no config.json")
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:20]
+
+
+def starting_weights(ctx: RunContext) -> Weights:
+    return Weights(ctx.cfg.model.path, model_fingerprint(ctx.cfg.model.path), 0)
+
+
+def weights_after(ctx: RunContext, iteration: int, stage: str = "train_metrics") -> Weights:
+    """The weights after `iteration` updates (0 = the starting model). `stage` is the table whose manifest
+    marks that update's checkpoint complete (`dpo_metrics` for a DPO run)."""
+    if iteration == 0:
+        return starting_weights(ctx)
+    manifest = read_manifest(ctx.layout, stage, iteration, verify=False)
+    ckpt = ctx.layout.checkpoint_dir(iteration)
+    if manifest is None or not (ckpt / "config.json").exists():
+        raise ModelPathError(f"run {ctx.layout.run_id!r} has no complete checkpoint for iteration {iteration}")
+    return Weights(str(ckpt), manifest["fingerprint"], iteration)
+
+
+@dataclass(frozen=True)
+class CriticWeights:
+    path: str
+    fresh: bool  # True: build from the policy checkpoint at `path` with a zeroed value head
+
+
+def critic_after(ctx: RunContext, iteration: int) -> CriticWeights:
+    """PPO's critic after `iteration` updates; before any, it is built from the starting policy."""
+    if iteration == 0:
+        return CriticWeights(ctx.cfg.model.path, True)
+    return CriticWeights(str(ctx.layout.critic_dir(iteration)), False)
