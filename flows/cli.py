@@ -18,7 +18,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The temporary API must start while vLLM or DeepSpeed may hold both cores: Prefect's 20 s default is short.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-from flows.deployments import DEMO_CONFIG, prepare_run  # noqa: E402  (imports prefect: after its settings above)
+from flows.deployments import DEMO_CONFIG  # noqa: E402  (imports prefect: after its settings above)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: LLM RL post-training as a Prefect DAG over Parquet stages.")
 console = Console(stderr=True)
@@ -31,30 +31,13 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
-def _known_errors() -> tuple[type[BaseException], ...]:
-    from flows.deployments import DeployError
-    from tasks.analysis.query import QueryError
-    from tasks.analysis.report import ReportError
-    from schemas.config import ConfigError
-    from schemas.tables import TableError
-    from storage import LayoutError
-    from tasks.stages.batch import EmptyBatchError
-    from tasks.data.datasets import DatasetError
-    from tasks.engines.launch import WorkerError
-    from tasks.rewards.pool import RewardPoolError
-    from tasks.rewards.builtin import RewardError
-    from tasks.stages.weights import ModelPathError
-    from tasks.data.preferences import PreferenceDataError
-    from tasks.stages.rollouts import ContextLengthError
-
-    return (ConfigError, DeployError, ReportError, FileExistsError, ModelPathError, TableError, LayoutError, EmptyBatchError, DatasetError, WorkerError, RewardError,
-            RewardPoolError, PreferenceDataError, ContextLengthError, QueryError, FileNotFoundError, PermissionError)
-
-
 def _guard(fn, *args, **kwargs):
+    """Run a command body; an error meant for the user (schemas.errors.UserError) becomes one line and exit 1."""
+    from schemas.errors import UserError
+
     try:
         return fn(*args, **kwargs)
-    except _known_errors() as exc:
+    except UserError as exc:
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
@@ -85,13 +68,16 @@ def init_model_cmd(
     overrides: Optional[list[str]] = SetOpt,
     force: bool = typer.Option(False, help="Rebuild even if the folder exists."),
 ) -> None:
-    """Build the small Llama + character tokenizer from the recipe into model.base_path."""
-    from schemas.config import load_config
+    """Build a small model and its tokenizer from model.recipe (architecture, sizes, char or BPE tokenizer, chat
+    template) into model.base_path, offline."""
+    from schemas.config import ConfigError, load_config
 
     def run():
         from tasks.data.model_recipe import init_model
 
         cfg = load_config(config, overrides)
+        if not cfg.model.recipe:
+            raise ConfigError("model.recipe is not set: init-model builds a model from a recipe (your own model needs none)")
         out = init_model(cfg.model.recipe, cfg.model.base_path, force=force)
         console.print(f"model: {out}")
 
@@ -100,14 +86,14 @@ def init_model_cmd(
 
 @app.command()
 def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("sft", "--run-id")) -> None:
-    """Supervised warm start on generated demonstrations (DeepSpeed); exports to model.path."""
+    """Supervised fine-tuning of model.base_path on sft.files (DeepSpeed); exports to model.path."""
 
     def run():
+        from flows.deployments import prepare_checked_run
         from flows.sft import sft_flow
 
         _exit_on_interrupt()
-        cfg, _ = prepare_run(config, overrides, run_id)
-        result = sft_flow(run_id, cfg.storage_root)
+        result = sft_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="sft"))
         console.print(f"sft checkpoint: {result['checkpoint']} (exported to {result['exported_to']})")
 
     _guard(run)
@@ -126,12 +112,12 @@ def run(
     _guard(_start, rl_run, config, overrides, run_id, algo)
 
 
-def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None) -> None:
-    """Validate and save the config, check the starting model exists (before any flow starts), run."""
+def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None, flow: str = "rl") -> None:
+    """Validate and save the config, check the model, data and reward functions (before any engine starts), run."""
     from flows.deployments import prepare_checked_run
 
     _exit_on_interrupt()
-    _print_summary(flow_fn(run_id, prepare_checked_run(config, overrides, run_id, algo)))
+    _print_summary(flow_fn(run_id, prepare_checked_run(config, overrides, run_id, algo, flow)))
 
 
 @app.command("rm-train")
@@ -140,7 +126,7 @@ def rm_train(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str =
     preference.data is unset); exported to reward_model.out_path. Re-running resumes."""
     from flows.reward_model import reward_model_flow
 
-    _guard(_start, reward_model_flow, config, overrides, run_id)
+    _guard(_start, reward_model_flow, config, overrides, run_id, None, "rm")
 
 
 @app.command()
@@ -148,7 +134,7 @@ def dpo(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = type
     """DPO from model.path on preference data; exported to dpo.out_path. Re-running resumes."""
     from flows.dpo import dpo_flow
 
-    _guard(_start, dpo_flow, config, overrides, run_id)
+    _guard(_start, dpo_flow, config, overrides, run_id, None, "dpo")
 
 
 @app.command()

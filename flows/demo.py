@@ -28,6 +28,7 @@ def run_demo(config: str, overrides: list[str], run_id: str, console: Console) -
     from flows.rl import rl_run
     from flows.sft import sft_flow
     from tasks.data.model_recipe import init_model
+    from tasks.stages.preflight import preflight
     from tasks.stages.summary import summary_task
 
     started = time.time()
@@ -44,12 +45,14 @@ def run_demo(config: str, overrides: list[str], run_id: str, console: Console) -
         }
         t = time.time()
         init_model(cfg.model.recipe, cfg.model.base_path)
+        preflight(cfg.storage_root, run_id, "sft")  # the task's files and the demonstrations, before any engine
         progress.update(bars["init"], completed=1)
         init_seconds = time.time() - t
         t = time.time()
         sft_flow(run_id, cfg.storage_root)
         progress.update(bars["sft"], completed=1)
         sft_seconds = time.time() - t
+        preflight(cfg.storage_root, run_id, "rl")  # the SFT model exists now: the prompts and rewards against it
         stop = threading.Event()
         watcher = threading.Thread(target=_watch, args=(layout, progress, bars, stop), daemon=True)
         watcher.start()

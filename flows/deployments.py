@@ -15,6 +15,8 @@ from pathlib import Path
 
 from prefect import flow
 
+from schemas.errors import UserError
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO_ROOT / "infra" / "prefect.yaml"
 WORK_POOL = "rlpipe"
@@ -32,7 +34,7 @@ def prepare_run(config: str, overrides: list[str] | None, run_id: str, algo: str
     try:
         write_bytes_atomic(layout.config_path, dump_config(cfg).encode())
     except OSError as exc:
-        raise PermissionError(f"cannot write to storage root {cfg.storage_root!r}: {exc.strerror}") from None
+        raise UserError(f"cannot write to storage root {cfg.storage_root!r}: {exc.strerror}") from None
     return cfg, layout
 
 
@@ -50,7 +52,7 @@ def reward_model_deployment(config: str = DEMO_CONFIG, run_id: str = "rm", overr
     """A Bradley–Terry reward model on preference data (generated from the task unless preference.data)."""
     from flows.reward_model import reward_model_flow
 
-    return reward_model_flow(run_id, prepare_checked_run(config, overrides, run_id))
+    return reward_model_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="rm"))
 
 
 @flow(name="rlpipe-dpo", flow_run_name="{run_id}")
@@ -58,15 +60,16 @@ def dpo_deployment(config: str = DEMO_CONFIG, run_id: str = "dpo", overrides: li
     """DPO from model.path on preference data."""
     from flows.dpo import dpo_flow
 
-    return dpo_flow(run_id, prepare_checked_run(config, overrides, run_id))
+    return dpo_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="dpo"))
 
 
-def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None) -> str:
-    """Save the run's config and check its starting model exists (before any stage); the storage root."""
-    from tasks.stages.weights import model_fingerprint
+def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None, flow: str = "rl") -> str:
+    """Save the run's config and check everything that can be checked before an engine starts (the model folder,
+    the data, the reward functions: tasks/stages/preflight.py); the storage root."""
+    from tasks.stages.preflight import preflight
 
     cfg, _ = prepare_run(config, overrides, run_id, algo)
-    model_fingerprint(cfg.model.path)
+    preflight(cfg.storage_root, run_id, flow)
     return cfg.storage_root
 
 
@@ -75,13 +78,16 @@ def sft_deployment(config: str = DEMO_CONFIG, run_id: str = "sft", overrides: li
     """The SFT warm start; the base model is built from the recipe first if it is not there yet."""
     from flows.sft import sft_flow
     from tasks.data.model_recipe import init_model
+    from tasks.stages.preflight import preflight
 
     cfg, _ = prepare_run(config, overrides, run_id)
-    init_model(cfg.model.recipe, cfg.model.base_path)
+    if cfg.model.recipe:
+        init_model(cfg.model.recipe, cfg.model.base_path)
+    preflight(cfg.storage_root, run_id, "sft")
     return sft_flow(run_id, cfg.storage_root)
 
 
-class DeployError(RuntimeError):
+class DeployError(UserError, RuntimeError):
     pass
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from schemas.config import ConfigError
+from schemas.errors import AlreadyExists, NotFound
 
 # Data order within one iteration; eval reads the iteration's checkpoint (written with train_metrics).
 ITERATION_STAGES = ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages", "prompt_stats", "train_metrics", "eval")
@@ -113,7 +114,7 @@ def _manifest(layout, stage: str, iteration: int) -> dict:
 
     m = read_manifest(layout, stage, iteration)
     if m is None:
-        raise FileNotFoundError(f"run {layout.run_id!r} has no complete {stage} for iteration {iteration}")
+        raise NotFound(f"run {layout.run_id!r} has no complete {stage} for iteration {iteration}")
     return m
 
 
@@ -160,9 +161,9 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
         raise ConfigError(f"cannot rerun stage {stage!r}: choose one of {', '.join(RERUNNABLE)}")
     src = RunLayout(Path(root), run_id)
     if not src.config_path.exists():
-        raise FileNotFoundError(f"run {run_id!r} not found under {root}")
+        raise NotFound(f"run {run_id!r} not found under {root}")
     if read_manifest(src, _stage_table(stage), iteration, verify=False) is None and read_manifest(src, "batch", iteration, verify=False) is None:
-        raise FileNotFoundError(f"run {run_id!r} has no iteration {iteration} to rerun")
+        raise NotFound(f"run {run_id!r} has no iteration {iteration} to rerun")
     cfg = build_config(yaml.safe_load(src.config_path.read_text()), overrides)
     if fork_id is None:
         record = supersede(src, stage, iteration, overrides)
@@ -171,7 +172,7 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
     else:
         target = RunLayout(Path(root), fork_id)
         if target.run_dir.exists():
-            raise FileExistsError(f"fork target {fork_id!r} already exists under {root}")
+            raise AlreadyExists(f"fork target {fork_id!r} already exists under {root}")
         linked = fork(src, target, stage, iteration)
         write_bytes_atomic(target.config_path, dump_config(cfg).encode())
         write_json_atomic(target.forked_from_path,

@@ -12,12 +12,14 @@ from tasks.stages.advantages import advantages_task
 from tasks.stages.artifacts import artifacts_task
 from tasks.stages.batch import batch_task
 from tasks.stages.common import plan_task
+from tasks.stages.dataset import dataset_task
 from tasks.stages.evaluate import eval_task
 from tasks.stages.logprobs import logprobs_task
 from tasks.stages.optimize import optimize_task
 from tasks.stages.prompts import prompts_task
 from tasks.stages.rollouts import release_engines_task, rollouts_task
 from tasks.stages.scores import scores_task
+from tasks.stages.sft import sft_data_task
 from tasks.stages.summary import summary_task
 
 
@@ -48,6 +50,9 @@ def rl_run(run_id: str, storage_root: str = "runs") -> dict:
     """Eval the starting model, run every iteration (eval every N and at the end), write summary.json."""
     plan = plan_task(storage_root, run_id)
     n, every = plan["iterations"], plan["eval_every"]
+    dataset_task(storage_root, run_id)
+    if plan["ptx"]:  # PPO-ptx: the sft section's demonstrations, formatted with the policy's tokenizer
+        sft_data_task(storage_root, run_id, plan["model_path"])
     try:
         eval_task(storage_root, run_id, 0)
         for k in range(1, n + 1):

@@ -9,54 +9,175 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from schemas.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot be used; the message is one line and names the key."""
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan: `optim.lr=.inf` or a NaN weight is a typo, never a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _as_list(value: Any) -> Any:
+    """A single path where a list is expected (`--set data.train_files=x.parquet`) is a list of one."""
+    return [value] if isinstance(value, str) else value
+
+
+FileList = Annotated[list[str], BeforeValidator(_as_list)]
 
 
 class ModelConfig(Section):
-    recipe: str = "infra/model/demo_llama.yaml"
-    base_path: str = "models/demo-base"  # written by `rlpipe init-model`, the SFT starting point
-    path: str = "models/demo-sft"  # the RL policy's starting point and its frozen reference
+    path: str = Field("models/demo-sft", description="The RL policy's starting point and its frozen reference: any local "
+                      "Hugging Face causal LM folder (config.json, weights, tokenizer) that transformers and vLLM load.")
+    base_path: str = Field("models/demo-base", description="The SFT starting point (`rlpipe sft` trains it and exports to `path`).")
+    recipe: str | None = Field("infra/model/demo_llama.yaml", description="`rlpipe init-model` builds `base_path` from this "
+                               "recipe (architecture, sizes, tokenizer); None when you bring your own model.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights and compute dtype of both engines (vLLM "
+                                                  "and the DeepSpeed trainer). bfloat16 halves memory on GPUs; the sampler's "
+                                                  "logprobs then differ from the trainer's (see loss.tis_cap).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, ~30% more time.")
 
 
-class TaskConfig(Section):
+class PromptConfig(Section):
+    """How a prompt becomes the tokens the model sees; one function (tasks/data/formatting.py) serves rollouts, eval,
+    SFT, DPO and reward-model training, so the trainer scores exactly what the sampler saw."""
+
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto", description="auto: the tokenizer's chat template (with the generation prompt) when it has one, else "
+        "`template`; on: always the chat template (an error if the tokenizer has none); off: always `template` "
+        "(base models). A prompt given as chat messages always needs the chat template.")
+    system_prompt: str | None = Field(None, description="Prepended as a system message (chat), or filled into {system} (template), "
+                                      "unless the prompt's messages already start with one.")
+    template: str = Field("{prompt}", description="The plain prompt of a base model: a format string with {prompt} "
+                          "(and optionally {system}), e.g. 'Question: {prompt}\nAnswer:'.")
+
+    @field_validator("template")
+    @classmethod
+    def _known_placeholders(cls, value: str) -> str:
+        import string
+
+        fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        unknown = fields - {"prompt", "system"}
+        if unknown or "prompt" not in fields:
+            raise ValueError(f"template {value!r} must contain {{prompt}} and no placeholder but {{system}}"
+                             + (f" (found {{{sorted(unknown)[0]}}})" if unknown else ""))
+        return value
+
+
+class DataConfig(Section):
+    """Your prompts: Parquet or JSONL files (paths or globs), read once into the run's `dataset` table."""
+
+    train_files: FileList = Field(default_factory=list, description="Prompt files for RL (Parquet or JSONL; globs allowed).")
+    eval_files: FileList = Field(default_factory=list, description="Held-out prompt files for eval; empty: see eval_fraction.")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="With no eval_files: a seeded random fraction of the train rows held out for eval (0: no eval).")
+    prompt_key: str = Field("prompt", description="The column holding the prompt: a string, or a list of chat messages {role, content}.")
+    answer_key: str | None = Field("answer", description="The ground-truth column; a dotted path reaches a nested field "
+                                   "(verl's layout: reward_model.ground_truth). None: the data has no ground truth.")
+    id_key: str | None = Field(None, description="A column of unique prompt ids; None numbers the rows.")
+    max_prompt_tokens: int = Field(1024, ge=1, description="Prompts longer than this (after formatting) are dropped or refused.")
+    overlong_prompts: Literal["drop", "error"] = Field("drop", description="drop: overlong prompts are left out and counted in "
+                                                        "the dataset manifest; error: the first one stops the run with its id.")
+
+
+class ArithmeticTask(Section):
+    """Built-in example task: integer arithmetic (`37+58=` → `95`), answers of 1-3 tokens."""
+
     name: Literal["arithmetic"] = "arithmetic"
-    data_dir: str = "data/arithmetic"
+    out_dir: str = "data/arithmetic"
     max_operand: int = Field(99, ge=1, le=99_999)
     operations: str = Field("+-", pattern=r"^[+\-*]+$")
     pad_operands: bool = False  # `07+58=`: fixed digit positions make the task much easier to learn
     n_eval: int = Field(256, ge=1)
     seed: int = 1234
+    sft_demos: int = Field(20_000, ge=1, description="Demonstrations written to sft.parquet.")
+    demo_seed: int = 0  # the demonstrations' draw (prompts with replacement, and the teacher's errors)
+    # A flawed demonstration teacher (a systematic error RL with a verifier can correct), and how often it errs
+    # where the flaw applies.
+    teacher_flaw: Literal["none", "forget_carry"] = "none"
+    teacher_flaw_rate: float = Field(0.0, ge=0, le=1)
 
 
-RewardName = Literal["accuracy", "format", "overlong"]
+class LongAdditionTask(Section):
+    """Built-in example task with long answers: multi-digit addition written out column by column
+    (`4821+3567=` → `1+7=8;2+6=8;8+5=13;4+3+1=8;#### 8388`), judged on the final `####` answer."""
+
+    name: Literal["long_addition"] = "long_addition"
+    out_dir: str = "data/long_addition"
+    digits: int = Field(4, ge=1, le=32)
+    n_train: int = Field(20_000, ge=1)
+    n_eval: int = Field(256, ge=1)
+    seed: int = 1234
+    sft_demos: int = Field(20_000, ge=1)
+    teacher_flaw: Literal["none", "forget_carry"] = "none"  # forget_carry: the column sum drops its carry-in
+    teacher_flaw_rate: float = Field(0.0, ge=0, le=1)
+
+
+TaskConfig = Annotated[ArithmeticTask | LongAdditionTask, Field(discriminator="name")]
+
+# What a reward function may take as keyword arguments besides the dataset's own columns (tasks/rewards/loader.py).
+REWARD_ARGUMENTS = ("prompt", "messages", "response", "ground_truth", "finish_reason", "length", "max_tokens", "prompt_id")
+REWARD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class RewardFunctionConfig(Section):
+    """One reward function: a built-in (no path or module), or yours by reference."""
+
+    weight: float = Field(1.0, description="Its weight in the total reward; 0 still scores it, in its own column.")
+    path: str | None = Field(None, description="A Python file defining the function (relative to the working directory).")
+    module: str | None = Field(None, description="An importable module defining the function, e.g. mypkg.rewards.")
+    function: str | None = Field(None, description="The function's name in the file or module (default: this entry's name).")
+    batched: bool = Field(False, description="Called once per chunk with a list per argument, returning a list of scores.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for every call (e.g. a "
+                                   "format pattern).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardFunctionConfig":
+        if self.path and self.module:
+            raise ValueError("give path or module, not both")
+        if self.function and not (self.path or self.module):
+            raise ValueError("function needs a path or a module")
+        taken = sorted(set(self.kwargs) & set(REWARD_ARGUMENTS))
+        if taken:
+            raise ValueError(f"kwargs may not set {taken[0]!r}: rlpipe passes it")
+        return self
 
 
 class RewardConfig(Section):
-    # rule: the weighted rule functions. model: plus a trained reward model (`rlpipe rm-train`) at
-    # model_path, scored in batches into its own `score_model` column with weight model_weight. Rule
-    # functions with weight 0 are still scored, in their own columns, for monitoring.
+    # rule: the weighted reward functions. model: plus a trained reward model (`rlpipe rm-train`) at
+    # model_path, scored in batches into its own `score_model` column with weight model_weight. Functions
+    # with weight 0 are still scored, in their own columns, for monitoring.
     kind: Literal["rule", "model"] = "rule"
     model_path: str | None = None
     model_weight: float = 1.0
-    # Each reward function writes its own score column; the total is the weighted sum.
-    weights: dict[RewardName, float] = {"accuracy": 1.0, "format": 0.1}
+    # Each function writes its own score_<name> and error_<name> column in `scores`; the reward is the weighted sum.
+    functions: dict[str, RewardFunctionConfig] = Field(
+        default_factory=lambda: {"accuracy": RewardFunctionConfig(weight=1.0), "format": RewardFunctionConfig(weight=0.1)},
+        description="name → a built-in (accuracy, format, overlong) or {path, function} / {module, function} of yours.")
     timeout_s: float = Field(5.0, gt=0)  # per sample and function; past it the sample scores 0 with an error
     workers: int = Field(2, ge=0)  # reward worker processes; 0 = in the calling process, without the timeout
-    # DAPO soft overlong punishment: L_max (None = rollout.max_tokens) and the soft band L_cache below it.
-    overlong_max_len: int | None = Field(None, ge=1)
-    overlong_cache: int = Field(0, ge=0)
+
+    @field_validator("functions")
+    @classmethod
+    def _names_and_builtins(cls, functions: dict) -> dict:
+        from tasks.rewards.builtin import BUILTIN_REWARDS
+
+        for name, spec in functions.items():
+            if not REWARD_NAME.match(name) or name == "model":
+                raise ValueError(f"{name!r} is not a usable reward name (letters, digits and _, not 'model')")
+            if not (spec.path or spec.module) and name not in BUILTIN_REWARDS:
+                raise ValueError(f"{name!r} is not a built-in reward function (choose one of "
+                                 f"{', '.join(BUILTIN_REWARDS.names())}) and names no path or module")
+        return functions
 
     @model_validator(mode="after")
     def _model_needs_a_path(self) -> "RewardConfig":
@@ -75,6 +196,8 @@ class RolloutConfig(Section):
     # After every weight sync the sampler's logprobs on the checkpoint's probe sequences are compared with the
     # trainer's; a larger mean gap stops the run (fp32 on CPU measures ~1e-7; bf16 samplers need more room).
     max_sync_logprob_gap: float = Field(1e-2, gt=0)
+    stop: list[str] = Field(default_factory=list, description="Stop strings: generation ends at the first (left out of the text).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation, besides the tokenizer's EOS.")
 
 
 class BatchConfig(Section):
@@ -105,6 +228,10 @@ class LossConfig(Section):
     overlong_filter: bool = False  # DAPO: responses cut off by max_tokens are masked out of the loss
     ptx_coef: float = Field(0.0, ge=0)  # PPO-ptx: γ_ptx · NLL of SFT demonstrations added to each step
     ptx_batch: int = Field(16, ge=1)
+    # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    # training"): the sampler (vLLM, often bf16) and the trainer disagree on the old policy, so each token's policy
+    # loss is weighted by min(π_old/π_sampler, tis_cap). None: off.
+    tis_cap: float | None = Field(None, gt=0)
 
 
 class KLConfig(Section):
@@ -156,6 +283,11 @@ class EvalConfig(Section):
     samples: int = Field(8, ge=1)  # sampled completions per prompt for pass@k
     pass_k: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate at most this many held-out prompts (the first ones).")
+    # A response is correct when score_<judge> ≥ judge_threshold; judge is a reward function of the run, `reward`
+    # (the weighted total) or `model` (the reward model's score).
+    judge: str = "accuracy"
+    judge_threshold: float = 1.0
 
     @model_validator(mode="after")
     def _k_within_samples(self) -> "EvalConfig":
@@ -165,11 +297,14 @@ class EvalConfig(Section):
 
 
 class SFTConfig(Section):
-    n_demos: int = Field(20_000, ge=1)
-    # A flawed demonstration teacher (a systematic error RL with a verifier can correct), and how often it errs
-    # where the flaw applies.
-    teacher_flaw: Literal["none", "forget_carry"] = "none"
-    teacher_flaw_rate: float = Field(0.0, ge=0, le=1)
+    """Supervised fine-tuning of model.base_path on demonstrations from files: a prompt column (a string or chat
+    messages) and a response column, or one column of whole conversations whose last (assistant) message is the
+    response. The loss covers the response tokens only (and the EOS after them)."""
+
+    files: FileList = Field(default_factory=list, description="Demonstration files (Parquet or JSONL; globs allowed).")
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    messages_key: str | None = Field(None, description="A column of conversations; when set, prompt_key and response_key are not used.")
     steps: int = Field(600, ge=1)
     batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)
@@ -178,9 +313,9 @@ class SFTConfig(Section):
 
 
 class PreferenceConfig(Section):
-    """Preference data: a user's file (`data`: Parquet or JSONL of pairs or K-wise rankings), or, when
-    `data` is None, generated from the task: `k` samples per prompt from model.path, ranked by the rule
-    reward (correct ≻ incorrect; equal rewards tie)."""
+    """Preference data: a user's file (`data`: Parquet or JSONL of pairs or K-wise rankings; prompts as strings or
+    chat messages), or, when `data` is None, generated from the train prompts: `k` samples per prompt from
+    model.path, ranked by the run's reward (higher is better; equal rewards tie)."""
 
     data: str | None = None
     n_prompts: int = Field(4096, ge=2)
@@ -229,7 +364,9 @@ class RunConfig(Section):
     seed: int = 0
     storage_root: str = "runs"
     model: ModelConfig = ModelConfig()
-    task: TaskConfig = TaskConfig()
+    task: TaskConfig | None = Field(None, description="A built-in example task that writes its data files (then name them in data).")
+    data: DataConfig = DataConfig()
+    prompt: PromptConfig = PromptConfig()
     reward: RewardConfig = RewardConfig()
     rollout: RolloutConfig = RolloutConfig()
     batch: BatchConfig = BatchConfig()
@@ -255,15 +392,26 @@ class RunConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _judge_is_scored(self) -> "RunConfig":
+        judges = {*self.reward.functions, "reward"} | ({"model"} if self.reward.kind == "model" else set())
+        if self.eval.judge not in judges:
+            raise ValueError(f"eval.judge {self.eval.judge!r} is not scored by this run: choose one of {', '.join(sorted(judges))}")
+        return self
+
     @property
     def uses_critic(self) -> bool:
         return self.advantage.estimator == "gae"
 
     def section_hash(self, *sections: str) -> str:
         """A stable hash of some sections: part of a stage's fingerprint."""
-        payload = {name: getattr(self, name).model_dump(mode="json") for name in sections}
+        payload = {name: _dump(getattr(self, name)) for name in sections}
         payload["seed"] = self.seed
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _dump(section):
+    return section.model_dump(mode="json") if section is not None else None
 
 
 def _one_line(err: ValidationError) -> str:
@@ -339,8 +487,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None, algo: str 
     if algo is not None:
         if algo not in algorithm_presets():
             raise ConfigError(f"unknown --algo {algo!r}: choose one of {', '.join(algorithm_presets())}")
-        # Merged over the resolved config, so a preset's `reward.weights: {overlong: 1}` adds to the default
-        # weights instead of replacing them.
+        # Merged over the resolved config, so a preset's `reward.functions: {overlong: ...}` adds to the
+        # configured functions instead of replacing them.
         resolved = build_config(data).model_dump(mode="json")
         data = deep_merge(resolved, _read_mapping(PRESETS_DIR / f"{algo}.yaml", "preset"))
     return build_config(data, overrides)

@@ -11,11 +11,14 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
+from schemas.errors import UserError
+
 I32, I64, F32, F64, STR, BOOL = pl.Int32, pl.Int64, pl.Float32, pl.Float64, pl.Utf8, pl.Boolean
 LIST_I32, LIST_F32 = pl.List(pl.Int32), pl.List(pl.Float32)
+MESSAGES = pl.List(pl.Struct({"role": STR, "content": STR}))  # chat messages
 
 
-class TableError(ValueError):
+class TableError(UserError, ValueError):
     """A frame that does not fit its table's schema; the message is one line and names the problem."""
 
 
@@ -56,16 +59,29 @@ def _table(name: str, version: int, columns: dict, **kw) -> TableSchema:
     return TableSchema(name, version, columns, **kw)
 
 
-# Input dataset (prompt sources): what a user's Parquet or JSONL must provide.
-PROMPT_DATASET = _table("prompt_dataset", 1, {"prompt_id": STR, "text": STR, "answer": STR}, unique=("prompt_id",))
+# The run's prompts, read once from the user's files (data section): formatted (`text` is what the model sees, chat
+# template applied) and tokenized, overlong prompts dropped. `answer` is the ground truth as text (null without one);
+# `extra`, a struct of every other column of the file, untouched, is what the reward functions receive.
+DATASET = _table(
+    "dataset", 1,
+    {"split": STR, "prompt_id": STR, "text": STR, "prompt_token_ids": LIST_I32, "messages": MESSAGES, "answer": STR},
+    open=True, unique=("split", "prompt_id"),
+)
 
-SFT_DATA = _table("sft_data", 1, {"prompt_id": STR, "text": STR, "response": STR}, unique=("prompt_id",))
+# SFT demonstrations from the user's files: the formatted prompt and the response, and the tokens trained on.
+SFT_DATA = _table(
+    "sft_data", 2,
+    {"prompt_id": STR, "text": STR, "response": STR, "prompt_token_ids": LIST_I32, "response_token_ids": LIST_I32},
+    unique=("prompt_id",),
+)
 
 SFT_METRICS = _table("sft_metrics", 1, {"step": I32, "loss": F64, "lr": F64}, open=True)
 
 PROMPTS = _table(
-    "prompts", 1,
-    {"iteration": I32, "round": I32, "prompt_id": STR, "text": STR, "answer": STR},
+    "prompts", 2,
+    {"iteration": I32, "round": I32, "prompt_id": STR, "text": STR, "prompt_token_ids": LIST_I32, "messages": MESSAGES,
+     "answer": STR},
+    open=True,  # the dataset's `extra` columns ride along for the reward functions
     unique=("iteration", "prompt_id"),
 )
 
@@ -133,26 +149,28 @@ TRAIN_METRICS = _table(
 )
 
 EVAL = _table(
-    "eval", 1,
+    "eval", 2,
     {
         "iteration": I32, "prompt_id": STR, "answer": STR, "greedy_text": STR, "greedy_correct": BOOL,
-        "greedy_length": I32, "n_samples": I32, "n_correct": I32, "pass_at_k": F64,
+        "greedy_length": I32, "greedy_reward": F64, "n_samples": I32, "n_correct": I32, "pass_at_k": F64,
+        "sampled_reward_mean": F64,
     },
     unique=("iteration", "prompt_id"),
 )
 
 # Preference data. A K-wise ranking: rank 1 is best, equal ranks are ties (no preference between them).
 LIST_STR = pl.List(pl.Utf8)
+# `prompt` is the formatted prompt (chat template applied) and `prompt_token_ids` its tokens.
 PREFERENCE_RANKINGS = _table(
-    "preference_rankings", 1,
-    {"prompt_id": STR, "prompt": STR, "responses": LIST_STR, "ranks": LIST_I32, "split": STR},
+    "preference_rankings", 2,
+    {"prompt_id": STR, "prompt": STR, "prompt_token_ids": LIST_I32, "responses": LIST_STR, "ranks": LIST_I32, "split": STR},
     unique=("prompt_id",),
 )
 
 # Every ordered pair of a ranking with strictly different ranks (what DPO trains on).
 PREFERENCE_PAIRS = _table(
-    "preference_pairs", 1,
-    {"prompt_id": STR, "pair_idx": I32, "prompt": STR, "chosen": STR, "rejected": STR, "split": STR},
+    "preference_pairs", 2,
+    {"prompt_id": STR, "pair_idx": I32, "prompt": STR, "prompt_token_ids": LIST_I32, "chosen": STR, "rejected": STR, "split": STR},
     unique=("prompt_id", "pair_idx"),
 )
 
@@ -180,7 +198,7 @@ DPO_EVAL = _table("dpo_eval", 1, PAIR_EVAL_COLUMNS, unique=("prompt_id", "pair_i
 
 TABLES: dict[str, TableSchema] = {
     t.name: t
-    for t in (SFT_DATA, SFT_METRICS, PROMPTS, ROLLOUTS, SCORES, BATCH, LOGPROBS, ADVANTAGES, PROMPT_STATS, TRAIN_METRICS, EVAL,
+    for t in (DATASET, SFT_DATA, SFT_METRICS, PROMPTS, ROLLOUTS, SCORES, BATCH, LOGPROBS, ADVANTAGES, PROMPT_STATS, TRAIN_METRICS, EVAL,
               PREFERENCE_RANKINGS, PREFERENCE_PAIRS, RM_METRICS, RM_EVAL, REF_LOGPROBS, DPO_METRICS, DPO_EVAL)
 }
 

@@ -16,10 +16,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas.errors import UserError
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     pass
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import polars as pl
 
+from schemas.errors import NotFound
 from schemas.tables import TABLES, TableSchema
 from storage.crash import crash_point
 from storage.layout import RunLayout
@@ -221,7 +222,7 @@ def part_files(layout: RunLayout, stage: str, iteration: int) -> list[Path]:
 def read_stage(layout: RunLayout, stage: str, iteration: int) -> pl.DataFrame:
     files = part_files(layout, stage, iteration)
     if not files:
-        raise FileNotFoundError(f"stage {stage!r} iteration {iteration} of run {layout.run_id!r} is not complete")
+        raise NotFound(f"stage {stage!r} iteration {iteration} of run {layout.run_id!r} is not complete")
     return pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed")
 
 

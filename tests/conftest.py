@@ -15,13 +15,15 @@ def tiny_config(tmp: Path, **sections) -> Path:
         "storage_root": str(tmp / "runs"),
         "model": {"recipe": str(ROOT / "infra/model/demo_llama.yaml"), "base_path": str(tmp / "models/base"),
                   "path": str(tmp / "models/sft")},
-        "task": {"data_dir": str(tmp / "data"), "max_operand": 20, "operations": "+", "n_eval": 32},
+        "task": {"name": "arithmetic", "out_dir": str(tmp / "data"), "max_operand": 20, "operations": "+", "n_eval": 32,
+                 "sft_demos": 2000},
+        "data": {"train_files": str(tmp / "data/train.parquet"), "eval_files": str(tmp / "data/eval.parquet"), "id_key": "prompt_id"},
         "rollout": {"group_size": 4, "prompts_per_round": 16, "max_tokens": 4},
         "batch": {"target_groups": 4, "max_rounds": 3},
         "optim": {"micro_batch_size": 32, "minibatches": 2},
         "rl": {"iterations": 2, "eval_every": 2},
         "eval": {"samples": 4, "pass_k": 2},
-        "sft": {"n_demos": 2000, "steps": 20, "batch_size": 32, "warmup_steps": 5},
+        "sft": {"files": str(tmp / "data/sft.parquet"), "steps": 20, "batch_size": 32, "warmup_steps": 5},
     }
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value}

@@ -8,7 +8,11 @@ import polars as pl
 import pytest
 
 from tasks.algos.advantages import (
-    ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages, empty_prompt_stats, update_prompt_stats,
+    ADVANTAGE_ESTIMATORS,
+    AdvantageSettings,
+    compute_advantages,
+    empty_prompt_stats,
+    update_prompt_stats,
 )
 
 S = AdvantageSettings()

@@ -3,7 +3,8 @@
 import polars as pl
 import pytest
 
-from tasks.data.datasets import DatasetError, load_prompt_dataset
+from schemas.config import DataConfig
+from tasks.data.datasets import DatasetError, prompt_rows
 from tests.conftest import rlpipe, tiny_config
 
 
@@ -57,7 +58,8 @@ def test_max_tokens_beyond_the_model_context_is_refused_before_generating(base_m
     proc = rlpipe("run", str(cfg), "--set", f"model.path={workspace}/models/base", "--set", "rollout.max_tokens=200",
                   cwd=workspace, check=False)
     assert proc.returncode == 1 and "exceeds the model's context of 64" in proc.stderr
-    assert not list((workspace / "runs").glob("*/*/iter=*/_manifest.json"))
+    # Only the checked prompt dataset is complete: it is what the check read.
+    assert {m.parts[-3] for m in (workspace / "runs").glob("*/*/iter=*/_manifest.json")} == {"dataset"}
 
 
 @pytest.mark.e2e
@@ -66,7 +68,7 @@ def test_every_group_filtered_for_max_rounds_stops_the_run(base_model):
     train on nothing, names the cause, and no batch (nor anything after it) is marked complete."""
     workspace, cfg = base_model
     proc = rlpipe("run", str(cfg), "--run-id", "empty", "--set", f"model.path={workspace}/models/base",
-                  "--set", "reward.weights.accuracy=0", "--set", "reward.weights.format=0", "--set", "batch.max_rounds=2",
+                  "--set", "reward.functions.accuracy.weight=0", "--set", "reward.functions.format.weight=0", "--set", "batch.max_rounds=2",
                   cwd=workspace, check=False)
     assert proc.returncode == 1
     assert "every group of iteration 1 was filtered (zero reward variance) after batch.max_rounds=2" in proc.stderr
@@ -86,23 +88,27 @@ def dataset(tmp_path, df, name="d.parquet"):
     return path
 
 
+def load(path):
+    return prompt_rows([str(path)], DataConfig(id_key="prompt_id"), "data.train_files", "train")
+
+
 @pytest.mark.parametrize(
     "frame, needle",
     [
-        (pl.DataFrame({"prompt_id": ["a"], "text": ["1+1="]}), "missing column(s) answer"),
-        (pl.DataFrame({"prompt_id": [1], "text": ["1+1="], "answer": ["2"]}), "column 'prompt_id' has dtype"),
-        (pl.DataFrame({"prompt_id": ["a", "a"], "text": ["1+1=", "2+2="], "answer": ["2", "4"]}), "duplicate"),
-        (pl.DataFrame(schema={"prompt_id": pl.Utf8, "text": pl.Utf8, "answer": pl.Utf8}), "is empty"),
+        (pl.DataFrame({"prompt_id": ["a"], "prompt": ["1+1="]}), "no column 'answer'"),
+        (pl.DataFrame({"prompt_id": ["a"], "prompt": [1], "answer": ["2"]}), "column 'prompt' has type Int64"),
+        (pl.DataFrame({"prompt_id": ["a", "a"], "prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), "row 1: null or repeated id"),
+        (pl.DataFrame(schema={"prompt_id": pl.Utf8, "prompt": pl.Utf8, "answer": pl.Utf8}), "is empty"),
     ],
 )
 def test_malformed_datasets_are_named(tmp_path, frame, needle):
-    with pytest.raises(DatasetError, match="dataset") as err:
-        load_prompt_dataset(dataset(tmp_path, frame))
+    with pytest.raises(DatasetError, match="data.train_files") as err:
+        load(dataset(tmp_path, frame))
     assert needle in str(err.value)
 
 
 def test_unreadable_dataset(tmp_path):
     path = tmp_path / "bad.parquet"
     path.write_bytes(b"not parquet")
-    with pytest.raises(DatasetError, match="cannot read dataset"):
-        load_prompt_dataset(path)
+    with pytest.raises(DatasetError, match="cannot read"):
+        load(path)

@@ -18,7 +18,7 @@ def test_demo_config_loads_and_overrides_apply():
         (["rollout.group_sizee=4"], "rollout.group_sizee: unknown key"),
         (["advantage.estimator=ppo2"], "advantage.estimator"),
         (["rollout.group_size=0"], "rollout.group_size"),
-        (["reward.weights.bogus=1"], "reward.weights.bogus"),
+        (["reward.functions.bogus.weight=1"], "'bogus' is not a built-in reward function"),
         (["eval.pass_k=16"], "pass_k"),
         (["rl"], "expected key=value"),
     ],

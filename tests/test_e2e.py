@@ -179,7 +179,7 @@ def write_rankings(workspace, n: int = 160):
 
     train = pl.read_parquet(workspace / "data" / "train.parquet").head(n)
     rows = [{"prompt": t, "responses": [a, str(int(a) + 1), str(int(a) + 10)], "ranks": [1, 2, 2]}
-            for t, a in zip(train["text"], train["answer"])]
+            for t, a in zip(train["prompt"], train["answer"])]
     path = workspace / "rankings.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
@@ -207,7 +207,7 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
 
     # RL scored by that reward model (weight 1) with the rule functions kept at weight 0, in their own columns.
     rlpipe("run", str(cfg), "--run-id", "rl-rm", "--set", "reward.kind=model", "--set", f"reward.model_path={workspace}/models/rm",
-           "--set", "reward.weights={accuracy: 0.0, format: 0.0}", "--set", "rl.iterations=1", "--set", "rl.eval_every=1", cwd=workspace)
+           "--set", "reward.functions={accuracy: {weight: 0.0}, format: {weight: 0.0}}", "--set", "rl.iterations=1", "--set", "rl.eval_every=1", cwd=workspace)
     scores = read_table(RunLayout(root, "rl-rm"), "scores", 1)
     assert scores["score_model"].null_count() == 0 and scores["score_model"].n_unique() > 1
     assert (scores["reward"] - scores["score_model"]).abs().max() < 1e-12 and "score_accuracy" in scores.columns

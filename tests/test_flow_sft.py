@@ -10,6 +10,7 @@ from flows.deployments import prepare_run
 from flows.sft import sft_flow
 from storage import RunLayout, read_stage
 from tasks.data.model_recipe import init_model
+from tasks.stages.preflight import preflight
 from tasks.stages.summary import summary_task
 from tests.conftest import tiny_config
 
@@ -24,6 +25,7 @@ def test_sft_flow_trains_checkpoints_and_skips_on_restart(harness, tmp_path):
     cfg_path = tiny_config(tmp_path, sft={"steps": 6})
     cfg, layout = prepare_run(str(cfg_path), [], "sft-test")
     init_model(cfg.model.recipe, cfg.model.base_path)
+    preflight(cfg.storage_root, "sft-test", "sft")  # what `rlpipe sft` does first: the task's files, then sft_data
     result = sft_flow("sft-test", cfg.storage_root)
     assert Path(result["exported_to"], "model.safetensors").exists()
     assert Path(result["checkpoint"], "ds_state").is_dir()

@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from tasks.algos.losses import (
-    AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, ClipSettings, MinibatchNorm, PolicyLossSettings, clip_objective, dcpo_bounds,
-    policy_loss, token_mean, value_loss,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    OBJECTIVES,
+    ClipSettings,
+    MinibatchNorm,
+    PolicyLossSettings,
+    clip_objective,
+    dcpo_bounds,
+    policy_loss,
+    token_mean,
+    value_loss,
 )
 
 

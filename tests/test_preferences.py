@@ -7,13 +7,25 @@ import random
 import polars as pl
 import pytest
 
-from tasks.data.preferences import PreferenceDataError, assign_splits, load_preferences, pairs_from_rankings, rankings_from_samples
+from schemas.config import PromptConfig
+from tasks.data.formatting import PromptFormatter
+from tasks.data.model_recipe import char_tokenizer
+from tasks.data.preferences import (
+    PreferenceDataError,
+    assign_splits,
+    load_preferences,
+    pairs_from_rankings,
+    rankings_from_samples,
+)
+
+FORMATTER = PromptFormatter(char_tokenizer("0123456789+=xyab"), PromptConfig())
 
 
 def test_rankings_rank_correct_over_incorrect_with_ties():
     samples = pl.DataFrame({
         "prompt_id": ["a"] * 4 + ["b"] * 2,
         "prompt": ["1+1="] * 4 + ["2+2="] * 2,
+        "prompt_token_ids": [[1, 5, 14, 5, 15]] * 4 + [[1, 6, 14, 6, 15]] * 2,
         "response": ["2", "3", "2", "11", "5", "6"],
         "reward": [1.0, 0.0, 1.0, 0.0, 0.0, 0.0],
     })
@@ -29,9 +41,9 @@ def test_pairs_match_a_loop():
     for p in range(40):
         k = rng.randint(2, 6)
         ranks = [rng.randint(1, 3) for _ in range(k)]
-        rows.append({"prompt_id": f"p{p}", "prompt": f"q{p}", "responses": [f"r{p}-{i}" for i in range(k)], "ranks": ranks,
-                     "split": "train"})
-    rankings = pl.DataFrame(rows, schema_overrides={"ranks": pl.List(pl.Int32)})
+        rows.append({"prompt_id": f"p{p}", "prompt": f"q{p}", "prompt_token_ids": [1, p], "responses": [f"r{p}-{i}" for i in range(k)],
+                     "ranks": ranks, "split": "train"})
+    rankings = pl.DataFrame(rows, schema_overrides={"ranks": pl.List(pl.Int32), "prompt_token_ids": pl.List(pl.Int32)})
     got = pairs_from_rankings(rankings)
     want = [(r["prompt_id"], r["responses"][i], r["responses"][j])
             for r in rows for i, j in itertools.product(range(len(r["ranks"])), repeat=2) if r["ranks"][i] < r["ranks"][j]]
@@ -53,9 +65,24 @@ def test_a_pairs_file_loads_as_two_response_rankings(tmp_path):
         {"prompt": "1+1=", "chosen": "2", "rejected": "3", "split": "train"},
         {"prompt": "2+2=", "chosen": "4", "rejected": "5", "split": "heldout"},
     ]))
-    out = load_preferences(path, 0.5, 0)
+    out = load_preferences(path, 0.5, 0, FORMATTER)
     assert out["responses"].to_list() == [["2", "3"], ["4", "5"]] and out["ranks"].to_list() == [[1, 2], [1, 2]]
     assert out["split"].to_list() == ["train", "heldout"]
+    assert out["prompt"].to_list() == ["1+1=", "2+2="] and out["prompt_token_ids"][0].to_list() == FORMATTER("1+1=").token_ids
+
+
+def test_chat_prompts_go_through_the_chat_template(tmp_path):
+    from tasks.data.model_recipe import bpe_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"t": "what is one plus one? two three"}))
+    chat = PromptFormatter(bpe_tokenizer(300, [str(corpus)], "chatml"), PromptConfig(system_prompt="Be brief."))
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "what is one plus one?"}], "chosen": "two", "rejected": "three"}))
+    out = load_preferences(path, 0.5, 0, chat)
+    assert out["prompt"][0] == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nwhat is one plus one?<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(PreferenceDataError, match="needs a chat template"):
+        load_preferences(path, 0.5, 0, FORMATTER)  # the character tokenizer has none
 
 
 @pytest.mark.parametrize("rows, needle", [
@@ -75,16 +102,16 @@ def test_bad_preference_files_are_named(tmp_path, rows, needle):
     path = tmp_path / "prefs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(PreferenceDataError) as err:
-        load_preferences(path, 0.5, 0)
+        load_preferences(path, 0.5, 0, FORMATTER)
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
 def test_missing_empty_and_unreadable_files(tmp_path):
     with pytest.raises(PreferenceDataError, match="not found"):
-        load_preferences(tmp_path / "nope.parquet", 0.1, 0)
+        load_preferences(tmp_path / "nope.parquet", 0.1, 0, FORMATTER)
     (tmp_path / "bad.parquet").write_bytes(b"junk")
     with pytest.raises(PreferenceDataError, match="cannot read"):
-        load_preferences(tmp_path / "bad.parquet", 0.1, 0)
+        load_preferences(tmp_path / "bad.parquet", 0.1, 0, FORMATTER)
     pl.DataFrame(schema={"prompt": pl.Utf8, "chosen": pl.Utf8, "rejected": pl.Utf8}).write_parquet(tmp_path / "empty.parquet")
     with pytest.raises(PreferenceDataError, match="is empty"):
-        load_preferences(tmp_path / "empty.parquet", 0.1, 0)
+        load_preferences(tmp_path / "empty.parquet", 0.1, 0, FORMATTER)

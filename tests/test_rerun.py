@@ -5,9 +5,9 @@ import time
 
 import polars as pl
 
-from tasks.analysis.run_diff import diff_frames
 from flows.rerun import affected, fork, supersede
 from storage import RunLayout, write_stage
+from tasks.analysis.run_diff import diff_frames
 
 STAGES = ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages", "train_metrics", "eval")
 

@@ -10,10 +10,13 @@ from storage import LayoutError, RunLayout, find_complete, read_stage, scan, wri
 
 
 def prompts_frame(iteration, round_=0, n=3):
+    from schemas.tables import PROMPTS
+
     return pl.DataFrame(
         {"iteration": [iteration] * n, "round": [round_] * n, "prompt_id": [f"p{round_}-{i}" for i in range(n)],
-         "text": ["1+1="] * n, "answer": ["2"] * n},
-        schema={"iteration": pl.Int32, "round": pl.Int32, "prompt_id": pl.Utf8, "text": pl.Utf8, "answer": pl.Utf8},
+         "text": ["1+1="] * n, "prompt_token_ids": [[1, 5, 14, 5, 15]] * n,
+         "messages": [[{"role": "user", "content": "1+1="}]] * n, "answer": ["2"] * n},
+        schema=PROMPTS.polars,
     )
 
 
@@ -27,7 +30,7 @@ def test_manifest_records_parts_and_skip_by_fingerprint(tmp_path):
     out = write(layout, 1)
     manifest = json.loads(layout.manifest_path("prompts", 1).read_text())
     assert manifest["rows"] == 3 and manifest["parts"][0]["sha256"] and manifest["engines"]["vllm"] == "0.32.0"
-    assert manifest["schema"] == {"name": "prompts", "version": 1}
+    assert manifest["schema"] == {"name": "prompts", "version": 2}
     assert {"started_at", "ended_at", "wall_seconds", "inputs", "config_hash"} <= manifest.keys()
     assert find_complete(layout, "prompts", 1, out.fingerprint) is not None
     assert find_complete(layout, "prompts", 1, "other") is None  # a changed input recomputes

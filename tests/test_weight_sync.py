@@ -7,9 +7,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.engines.workers.sync_probe import mean_abs_gap, probe_token_ids, trainer_logprobs, write_probe
-from tasks.engines.vllm_client import ResidentEngine
 from tasks.data.model_recipe import init_model
+from tasks.engines.vllm_client import ResidentEngine
+from tasks.engines.workers.sync_probe import mean_abs_gap, probe_token_ids, trainer_logprobs, write_probe
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -21,15 +21,16 @@ def _policy_pair(tmp_path, tied: bool):
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     before = init_model(tmp_path / "recipe.yaml", tmp_path / "before")
     model = AutoModelForCausalLM.from_pretrained(before)
-    write_probe(model, str(before))
+    tokenizer = AutoTokenizer.from_pretrained(before)
+    write_probe(model, tokenizer, str(before))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():  # a tied embedding is one parameter: perturbed once, as a trainer would
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     after = tmp_path / "after"
     model.save_pretrained(after)
-    AutoTokenizer.from_pretrained(before).save_pretrained(after)
-    write_probe(model, str(after))
+    tokenizer.save_pretrained(after)
+    write_probe(model, tokenizer, str(after))
     return before, after
 
 
@@ -37,7 +38,7 @@ def test_probe_logprobs_differ_between_the_checkpoints(tmp_path):
     """The check below is meaningful only if the two checkpoints are far apart on the probe."""
     before, after = _policy_pair(tmp_path, tied=True)
     old, new = AutoModelForCausalLM.from_pretrained(before), AutoModelForCausalLM.from_pretrained(after)
-    ids = probe_token_ids(old.config.vocab_size, 64)
+    ids = probe_token_ids(AutoTokenizer.from_pretrained(before), 64)
     gap = mean_abs_gap(trainer_logprobs(old, ids), trainer_logprobs(new, ids))
     assert gap > 0.1
 
@@ -49,7 +50,7 @@ def test_sync_in_place_matches_the_trainer(tmp_path, tied):
     pl.DataFrame({"prompt_id": ["a", "b"], "prompt_token_ids": [[1, 7, 8], [1, 9, 10, 11]]},
                  schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)}).write_parquet(prompts)
     job = {"prompts_path": str(prompts), "out_path": str(tmp_path / "out.parquet"), "n": 2, "temperature": 1.0,
-           "max_tokens": 4, "seed": 0}
+           "max_tokens": 4, "seed": 0, "stop": [], "stop_token_ids": []}
     engine = ResidentEngine(tmp_path / "vllm.log", {"kv_cache_gib": 1, "seed": 0})
     try:
         first = engine.generate(str(before), [job])

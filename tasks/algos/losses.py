@@ -199,14 +199,24 @@ class PolicyLossSettings:
     entropy_coef: float = 0.0
 
 
-def policy_loss(logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: PolicyLossSettings, entropy=None):
-    """Objective + β·KL (when KL is in the loss) − c_ent·H, aggregated with minibatch normalizers.
+def tis_weights(old_logp, sampler_logp, cap: float):
+    """Truncated importance sampling: min(π_old/π_sampler, C) per token, detached. The sampler (vLLM, often in bf16)
+    and the trainer disagree on the old policy's probabilities; weighting each token's policy loss by their ratio
+    corrects the off-policy gap, and the cap bounds the variance (Yao et al. 2025)."""
+    return torch.clamp(torch.exp(old_logp - sampler_logp), max=cap).detach()
+
+
+def policy_loss(logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: PolicyLossSettings, entropy=None, token_weights=None):
+    """Objective (× `token_weights`, e.g. TIS, when given) + β·KL (when KL is in the loss) − c_ent·H, aggregated with
+    minibatch normalizers.
 
     Returns (loss, sums): `sums` are masked token sums of diagnostics (detached), for token-weighted
     averaging across micro-batches by the caller.
     """
     aggregate = AGGREGATIONS[s.aggregation]
     pg, clipped_low, clipped_high = OBJECTIVES[s.objective](logp, old_logp, adv, mask, s.clip)
+    if token_weights is not None:
+        pg = pg * token_weights
     kl = KL_ESTIMATORS[s.kl_estimator](logp, ref_logp)
     per_token = pg + s.kl_beta * kl if s.kl_in_loss else pg
     if s.entropy_coef and entropy is not None:

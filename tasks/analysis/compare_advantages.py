@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.config import ConfigError
+from schemas.errors import NotFound
 
 
 def _history(ctx, iteration: int) -> pl.DataFrame:
@@ -34,8 +35,8 @@ def _history(ctx, iteration: int) -> pl.DataFrame:
 def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggregation: str | None, root: str) -> dict:
     from schemas.config import Aggregation
     from storage import read_manifest
-    from tasks.analysis.advantage_analysis import estimator_summary
     from tasks.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages
+    from tasks.analysis.advantage_analysis import estimator_summary
     from tasks.stages.advantages import advantage_inputs
     from tasks.stages.common import load_run
 
@@ -49,7 +50,7 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
     if aggregation not in get_args(Aggregation):
         raise ConfigError(f"unknown aggregation {aggregation!r}: choose from {', '.join(get_args(Aggregation))}")
     if read_manifest(ctx.layout, "scores", iteration, verify=False) is None:
-        raise FileNotFoundError(f"run {run_id!r} has no scores for iteration {iteration}")
+        raise NotFound(f"run {run_id!r} has no scores for iteration {iteration}")
     df = advantage_inputs(ctx, iteration, kept_only=False).sort("prompt_id", "sample_idx")
     settings = AdvantageSettings(eps=ctx.cfg.advantage.eps)
     history = _history(ctx, iteration) if "dcpo" in estimators else None

@@ -7,10 +7,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from schemas.errors import NotFound, UserError
+
 READ_ONLY_STATEMENTS = {"SELECT", "EXPLAIN"}
 
 
-class QueryError(ValueError):
+class QueryError(UserError, ValueError):
     pass
 
 
@@ -25,7 +27,7 @@ def connect(run_ids: list[str], root: str):
     for run_id in run_ids:
         layout = RunLayout(Path(root), run_id)
         if not layout.run_dir.is_dir():
-            raise FileNotFoundError(f"run {run_id!r} not found under {root}")
+            raise NotFound(f"run {run_id!r} not found under {root}")
         for stage in layout.stages():
             files = complete_files(layout, stage)
             if files:
@@ -83,7 +85,7 @@ def show_run(run_id: str, root: str, console: Console) -> None:
 
     layout = RunLayout(Path(root), run_id)
     if not layout.run_dir.is_dir():
-        raise FileNotFoundError(f"run {run_id!r} not found under {root}")
+        raise NotFound(f"run {run_id!r} not found under {root}")
     superseded = superseded_stages(layout)
     present = {s: set(layout.iterations(s)) for s in layout.stages()}  # listed once, not per cell
     stages = sorted(set(present) | {s for s, _ in superseded}, key=lambda s: (s not in present, s))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
+from schemas.errors import NotFound, UserError
 from storage import RunLayout, read_manifest, scan
 from tasks.analysis.reward_hacking import Flag, hacking_flags, repetition_rate
 
@@ -22,7 +23,7 @@ LINE_PLOTS = [
 ]
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     pass
 
 
@@ -71,7 +72,7 @@ def write_report(run_id: str, root: str = "runs") -> Path:
     matplotlib.use("Agg")  # files only; never a display
     layout = RunLayout(Path(root), run_id)
     if not layout.run_dir.is_dir():
-        raise FileNotFoundError(f"run {run_id!r} not found under {root}")
+        raise NotFound(f"run {run_id!r} not found under {root}")
     metrics = scan(run_id, "train_metrics", root).collect().sort("iteration")
     if metrics.is_empty():
         raise ReportError(f"run {run_id!r} has no complete iteration yet (no train_metrics)")

@@ -9,6 +9,8 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
+from schemas.errors import NotFound
+
 
 def diff_frames(a: pl.DataFrame, b: pl.DataFrame, keys: list[str]) -> tuple[pl.DataFrame, dict[str, int]]:
     """Rows present in both whose shared columns differ, as `col_a`/`col_b` pairs, and the count per column
@@ -41,10 +43,10 @@ def diff_runs(run_a: str, run_b: str, stage: str, iteration: int | None, root: s
 
     for run in (run_a, run_b):
         if not RunLayout(Path(root), run).config_path.exists():
-            raise FileNotFoundError(f"run {run!r} not found under {root}")
+            raise NotFound(f"run {run!r} not found under {root}")
     table = TABLES.get(stage)
     if table is None or not table.unique:
-        raise FileNotFoundError(f"no per-sample table named {stage!r}")
+        raise NotFound(f"no per-sample table named {stage!r}")
     frames = []
     for run in (run_a, run_b):
         lf = scan(run, stage, root)

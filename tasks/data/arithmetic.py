@@ -1,20 +1,15 @@
-"""The demo's verifiable task: integer arithmetic, generated offline.
+"""The demo's verifiable task: integer arithmetic, generated offline (registered in tasks/data/example_tasks.py).
 
-Writes `{data_dir}/train.parquet` and `{data_dir}/eval.parquet` (table `prompt_dataset`: prompt_id, text,
-answer). A prompt is `37+58=`; the expected response is the integer alone (`95`), followed by EOS.
-The split is by problem, so held-out prompts are never seen in SFT or RL.
+Train and held-out prompts (prompt_id, prompt, answer) and SFT demonstrations (prompt_id, prompt, response). A prompt
+is `37+58=`; the expected response is the integer alone (`95`), followed by EOS. The split is by problem, so
+held-out prompts are never seen in SFT or RL.
 """
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import polars as pl
-
-from schemas.tables import PROMPT_DATASET
-
-ALPHABET = "0123456789+-*="
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -43,31 +38,13 @@ def make_splits(max_operand: int, operations: str, n_eval: int, seed: int, pad: 
         return pl.DataFrame(
             {
                 "prompt_id": [f"{prefix}-{i:06d}" for i in range(len(rows))],
-                "text": [t for t, _ in rows],
+                "prompt": [t for t, _ in rows],
                 "answer": [a for _, a in rows],
             },
-            schema=PROMPT_DATASET.polars,
+            schema={"prompt_id": pl.Utf8, "prompt": pl.Utf8, "answer": pl.Utf8},
         )
 
     return frame(problems[n_eval:], "train"), frame(problems[:n_eval], "eval")
-
-
-def ensure_dataset(data_dir: str | Path, max_operand: int, operations: str, n_eval: int, seed: int, pad: bool = False) -> dict[str, Path]:
-    """Write the splits once; they are a pure function of the arguments, so an existing copy is reused."""
-    data_dir = Path(data_dir)
-    paths = {"train": data_dir / "train.parquet", "eval": data_dir / "eval.parquet"}
-    stamp = data_dir / "_params.txt"
-    params = f"{max_operand} {operations} {n_eval} {seed} {pad}"
-    if all(p.exists() for p in paths.values()) and stamp.exists() and stamp.read_text() == params:
-        return paths
-    data_dir.mkdir(parents=True, exist_ok=True)
-    train, held_out = make_splits(max_operand, operations, n_eval, seed, pad)
-    for name, df in (("train", train), ("eval", held_out)):
-        tmp = paths[name].with_suffix(".tmp")
-        df.write_parquet(tmp)
-        tmp.replace(paths[name])
-    stamp.write_text(params)
-    return paths
 
 
 def no_carry_sum(a: int, b: int) -> int:
@@ -106,7 +83,7 @@ def demonstrations(train: pl.DataFrame, n: int, seed: int, flaw: str = "none", r
     rnd = random.Random(seed)
     idx = rnd.choices(range(train.height), k=n)
     picked = train[idx]
-    responses = [teacher_response(t, a, flaw, rate, rnd) for t, a in zip(picked["text"], picked["answer"])]
+    responses = [teacher_response(t, a, flaw, rate, rnd) for t, a in zip(picked["prompt"], picked["answer"])]
     return pl.DataFrame(
-        {"prompt_id": [f"demo-{i:06d}" for i in range(n)], "text": picked["text"], "response": responses}
+        {"prompt_id": [f"demo-{i:06d}" for i in range(n)], "prompt": picked["prompt"], "response": responses}
     )

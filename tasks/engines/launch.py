@@ -15,8 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from schemas.errors import UserError
 
-class WorkerError(RuntimeError):
+
+class WorkerError(UserError, RuntimeError):
     pass
 
 

@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-from tasks.stages.common import RunContext
 from tasks.engines.launch import run_worker
 from tasks.engines.resident import ResidentProcess, resident
-from tasks.engines.workers import LOGPROBS_WORKER, TRAINER_SERVER, TRAIN_WORKER
+from tasks.engines.workers import LOGPROBS_WORKER, TRAIN_WORKER, TRAINER_SERVER
+from tasks.stages.common import RunContext
 
 ONE_SHOT_MODULES = {"logprobs": LOGPROBS_WORKER, "train": TRAIN_WORKER}
 

@@ -1,25 +1,31 @@
 """Reward functions run in a pool of worker processes, with a per-sample timeout.
 
-A reward function that raises or hangs gives that sample reward 0 and an error string, and the run goes on
-(the error rate is a metric). The timeout is a SIGALRM timer in the worker's main thread, which interrupts
-a function stuck in Python; a worker stuck inside C code is killed when its whole chunk overruns, and its
-samples are marked as timed out. A worker that dies loses its chunk, which is retried once on a fresh pool. A non-finite score is a bug in the function, not a sample to skip: the
-caller refuses it.
+A reward function that raises, hangs or returns something that is not a number gives that sample reward 0 and an
+error string, and the run goes on (the error rate is a metric). The timeout is a SIGALRM timer in the worker's
+main thread, which interrupts a function stuck in Python; a worker stuck inside C code is killed when its whole
+chunk overruns, and its samples are marked as timed out. A worker that dies loses its chunk, which is retried once
+on a fresh pool. A non-finite score is a bug in the function, not a sample to skip: the caller refuses it.
 
-The pool is created on first use and kept for the life of the process (spawned workers import the reward
-registry once). `workers=0` scores in the calling process, without the timeout, for debugging.
+Workers receive function references (tasks/rewards/loader.py), not functions, and load them once per process (a
+reference to an edited file loads again). The pool is created on first use and kept for the life of the process.
+`workers=0` scores in the calling process, without the timeout, for debugging.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing
+import os
 import signal
+import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable
+from dataclasses import asdict
 
-from schemas.config import RewardConfig
+from schemas.errors import UserError
+from tasks.rewards.loader import FunctionSpec, accepted_arguments, load_function
 
 Result = tuple[float, "str | None"]  # (score, error)
 _POOL = None
@@ -34,25 +40,73 @@ def _on_alarm(signum, frame):
     raise _Timeout()
 
 
-def _score_one(fn, sample, cfg, timeout: float | None) -> Result:
+def _number(value) -> float:
+    """bool, int, float and numpy scalars count; None, text and containers are a bug in the function."""
+    if not isinstance(value, (str, bytes, list, tuple, dict, set)) and value is not None:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"returned {type(value).__name__} {str(value)[:40]!r}, not a number")
+
+
+def _arguments(accepted, sample: dict) -> dict:
+    return sample if accepted is None else {k: v for k, v in sample.items() if k in accepted}
+
+
+def _guarded(call, timeout: float | None):
+    """call() with the alarm set; (value, None) or (None, error string)."""
     if timeout:
         signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        return float(fn(sample, cfg)), None
+        return call(), None
     except _Timeout:
-        return 0.0, f"timeout: no result after {timeout:g}s"
+        return None, f"timeout: no result after {timeout:g}s"
     except Exception as exc:  # a broken reward function must not stop the run
-        return 0.0, f"{type(exc).__name__}: {exc}"[:200]
+        return None, f"{type(exc).__name__}: {exc}"[:200]
     finally:
         if timeout:
             signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def score_chunk(fns: dict[str, Callable], samples: list, cfg: RewardConfig, timeout: float | None) -> dict[str, list[Result]]:
-    """Every function on every sample of the chunk (runs inside a worker when timeout is set)."""
+def _score_one_by_one(fn, spec: FunctionSpec, samples: list[dict], timeout: float | None) -> list[Result]:
+    accepted = accepted_arguments(fn)
+    out = []
+    for sample in samples:
+        value, error = _guarded(lambda: _number(fn(**_arguments(accepted, sample), **spec.kwargs)), timeout)
+        out.append((0.0, error) if error else (value, None))
+    return out
+
+
+def _score_batched(fn, spec: FunctionSpec, samples: list[dict], timeout: float | None) -> list[Result]:
+    accepted = accepted_arguments(fn)
+    columns = {k: [s[k] for s in samples] for k in samples[0]} if samples else {}
+
+    def call():
+        values = list(fn(**_arguments(accepted, columns), **spec.kwargs))
+        if len(values) != len(samples):
+            raise ValueError(f"returned {len(values)} scores for {len(samples)} samples")
+        return [_number(v) for v in values]
+
+    values, error = _guarded(call, timeout * len(samples) if timeout else None)
+    return [(0.0, error)] * len(samples) if error else [(v, None) for v in values]
+
+
+def score_chunk(specs: list[FunctionSpec], samples: list[dict], timeout: float | None) -> dict[str, list[Result]]:
+    """Every function on every sample of the chunk (runs inside a worker when timeout is set). A function that cannot
+    be loaded scores the whole chunk 0 with its load error (the run's preflight has normally caught it already)."""
     if timeout:
         signal.signal(signal.SIGALRM, _on_alarm)
-    return {name: [_score_one(fn, s, cfg, timeout) for s in samples] for name, fn in fns.items()}
+    out = {}
+    for spec in specs:
+        try:
+            fn = load_function(spec)
+        except UserError as exc:
+            out[spec.name] = [(0.0, str(exc)[:200])] * len(samples)
+            continue
+        score = _score_batched if spec.batched else _score_one_by_one
+        out[spec.name] = score(fn, spec, samples, timeout)
+    return out
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
@@ -78,30 +132,55 @@ def _close() -> None:
 atexit.register(_close)
 
 
-class RewardPoolError(RuntimeError):
+class RewardPoolError(UserError, RuntimeError):
     pass
 
 
-def score_samples(fns: dict[str, Callable], samples: list, cfg: RewardConfig, workers: int) -> dict[str, list[Result]]:
-    """{function name: [(score, error) per sample]}, in sample order."""
+def worker_start_check(specs_json: str) -> None:
+    """What a reward worker does before its first sample: import this module and load every function. Run in a
+    child by `why_workers_die`."""
+    for spec in json.loads(specs_json):
+        load_function(FunctionSpec(**spec))
+
+
+def why_workers_die(specs: list[FunctionSpec]) -> str:
+    """The real cause when spawned workers die at start: the last line a child with this process's sys.path prints
+    when it does what a worker does (a broken pool only says that a child "terminated abruptly", and the child's
+    traceback went to a terminal nobody reads, e.g. a Prefect worker's)."""
+    code = "import sys; from tasks.rewards.pool import worker_start_check; worker_start_check(sys.argv[1])"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps([asdict(s) for s in specs])], env=env,
+                              capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"the check could not run: {exc}"
+    lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+    if proc.returncode == 0:
+        return "the workers import and load every function in a check; they died later (out of memory?)"
+    return lines[-1] if lines else f"exit {proc.returncode}"
+
+
+def score_samples(specs: list[FunctionSpec], samples: list[dict], timeout_s: float, workers: int) -> dict[str, list[Result]]:
+    """{function name: [(score, error) per sample]}, in sample order. `samples` hold the keyword arguments of each
+    call (tasks/rewards/scoring.py builds them)."""
     if workers == 0 or not samples:
-        return score_chunk(fns, samples, cfg, None)
+        return score_chunk(specs, samples, None)
     size = min(32, max(1, -(-len(samples) // (workers * 4))))
     chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
     # Every sample may use its whole budget for every function, plus start-up slack for a fresh worker.
-    budget = cfg.timeout_s * size * len(fns) + 30
+    budget = timeout_s * size * len(specs) + 30
     done: dict[int, dict[str, list[Result]]] = {}
     todo = list(range(len(chunks)))
     for _attempt in range(2):  # chunks lost to a dead worker get one more try on a fresh pool
         pool = _pool(workers)
-        futures = {i: pool.submit(score_chunk, fns, chunks[i], cfg, cfg.timeout_s) for i in todo}
+        futures = {i: pool.submit(score_chunk, specs, chunks[i], timeout_s) for i in todo}
         lost = []
         for i, future in futures.items():
             try:
                 done[i] = future.result(timeout=budget)
             except TimeoutError:
                 _close()
-                done[i] = {name: [(0.0, f"timeout: worker killed after {budget:g}s")] * len(chunks[i]) for name in fns}
+                done[i] = {s.name: [(0.0, f"timeout: worker killed after {budget:g}s")] * len(chunks[i]) for s in specs}
             except BrokenProcessPool:
                 _close()
                 lost.append(i)
@@ -109,7 +188,7 @@ def score_samples(fns: dict[str, Callable], samples: list, cfg: RewardConfig, wo
         if not todo:
             break
     if todo and not done:
-        raise RewardPoolError("reward workers could not start or all died (see the log above)")
+        raise RewardPoolError(f"reward workers could not start or all died: {why_workers_die(specs)}")
     for i in todo:
-        done[i] = {name: [(0.0, "reward worker died")] * len(chunks[i]) for name in fns}
-    return {name: [r for i in range(len(chunks)) for r in done[i][name]] for name in fns}
+        done[i] = {s.name: [(0.0, "reward worker died")] * len(chunks[i]) for s in specs}
+    return {s.name: [r for i in range(len(chunks)) for r in done[i][s.name]] for s in specs}

@@ -12,6 +12,7 @@ import time
 
 import polars as pl
 
+from schemas.errors import NotFound
 from storage import StageOutput, fingerprint, read_manifest, read_stage, write_stage
 from tasks.algos.advantages import AdvantageSettings, compute_advantages, empty_prompt_stats, update_prompt_stats
 from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
@@ -46,7 +47,7 @@ def prompt_history(ctx: RunContext, iteration: int) -> tuple[pl.DataFrame, str]:
         return empty_prompt_stats(), ""
     manifest = read_manifest(ctx.layout, "prompt_stats", iteration - 1)
     if manifest is None:
-        raise FileNotFoundError(f"dcpo needs the prompt_stats of iteration {iteration - 1}, which is missing")
+        raise NotFound(f"dcpo needs the prompt_stats of iteration {iteration - 1}, which is missing")
     return read_stage(ctx.layout, "prompt_stats", iteration - 1), manifest["fingerprint"]
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import polars as pl
 
+from schemas.errors import UserError
 from storage import StageOutput, read_stage
-from tasks.stages.common import Computed, stage_task, load_run, run_stage
+from tasks.stages.common import Computed, load_run, run_stage, stage_task
 
 
-class EmptyBatchError(ValueError):
+class EmptyBatchError(UserError, ValueError):
     pass
 
 

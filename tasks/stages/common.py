@@ -13,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from schemas.config import RunConfig, build_config
+from schemas.errors import NotFound
 from storage import RunLayout, StageOutput, find_complete, fingerprint, write_stage
 from tasks.engines.launch import run_worker
 
@@ -31,7 +32,7 @@ class RunContext:
 def load_run(storage_root: str, run_id: str) -> RunContext:
     layout = RunLayout(Path(storage_root), run_id)
     if not layout.config_path.exists():
-        raise FileNotFoundError(f"run {run_id!r} has no config at {layout.config_path}")
+        raise NotFound(f"run {run_id!r} has no config at {layout.config_path}")
     return RunContext(layout, build_config(yaml.safe_load(layout.config_path.read_text())))
 
 
@@ -105,4 +106,5 @@ def frame_worker(ctx: RunContext, module: str, request: dict, frame: pl.DataFram
 def plan_task(storage_root: str, run_id: str) -> dict:
     """The loop bounds of a run, read from its saved config (flows stay free of data code)."""
     cfg = load_run(storage_root, run_id).cfg
-    return {"iterations": cfg.rl.iterations, "eval_every": cfg.rl.eval_every}
+    return {"iterations": cfg.rl.iterations, "eval_every": cfg.rl.eval_every, "ptx": cfg.loss.ptx_coef > 0,
+            "model_path": cfg.model.path}

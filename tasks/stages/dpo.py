@@ -12,18 +12,20 @@ from __future__ import annotations
 import polars as pl
 
 from storage import StageOutput, read_stage
-from tasks.stages.common import Computed, RunContext, frame_worker, load_run, run_stage, stage_task
-from tasks.stages.weights import model_fingerprint
-from tasks.stages.reward_model import ensure_exported, pair_eval_frame, train_preference_model
 from tasks.engines.workers import PREFERENCE_WORKER
+from tasks.stages.common import Computed, RunContext, frame_worker, load_run, run_stage, stage_task
+from tasks.stages.reward_model import ensure_exported, pair_eval_frame, train_preference_model, with_token_ids
+from tasks.stages.weights import model_fingerprint
 
 KEYS = ["prompt_id", "pair_idx"]
 
 
 def sequence_logprobs(ctx: RunContext, model_path: str, pairs: pl.DataFrame, name: str) -> pl.DataFrame:
     """prompt_id, pair_idx, chosen_logp, rejected_logp of `pairs` under the model at `model_path`."""
-    request = {"mode": "seq_logprobs", "model_path": model_path}
-    return frame_worker(ctx, PREFERENCE_WORKER, request, pairs.select(*KEYS, "prompt", "chosen", "rejected"), name)
+    request = {"mode": "seq_logprobs", "model_path": model_path, "micro_batch_size": ctx.cfg.dpo.micro_batch_size}
+    data = with_token_ids(ctx, pairs.select(*KEYS, "prompt_token_ids", "chosen", "rejected"),
+                          {"chosen": "chosen_token_ids", "rejected": "rejected_token_ids"})
+    return frame_worker(ctx, PREFERENCE_WORKER, request, data, name)
 
 
 @stage_task("ref_logprobs")
@@ -46,6 +48,7 @@ def dpo_optimize_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str
     def compute():
         ref = read_stage(ctx.layout, "ref_logprobs", 0).rename({"chosen_logp": "ref_chosen_logp", "rejected_logp": "ref_rejected_logp"})
         train = read_stage(ctx.layout, "preference_pairs", 0).filter(pl.col("split") == "train").join(ref, on=KEYS, validate="1:1")
+        train = with_token_ids(ctx, train, {"chosen": "chosen_token_ids", "rejected": "rejected_token_ids"})
         final, resp, metrics = train_preference_model(ctx, "dpo_train", train, d, ctx.cfg.model.path, {"beta": d.beta, "nll_coef": d.nll_coef})
         return Computed(
             metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},

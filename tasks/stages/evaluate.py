@@ -1,8 +1,10 @@
-"""Stage `eval`: greedy pass@1 and sampled pass@k on the held-out prompts, with vLLM.
+"""Stage `eval`: greedy pass@1 and sampled pass@k on the held-out split of the run's `dataset`, with vLLM.
 
-Reads the held-out split and the weights after iteration k (k = 0: the starting model); writes `eval`, one
-row per prompt. Correctness is the `accuracy` reward function, the same judge as training. When RL is scored
-by a reward model, the manifest also gets its Spearman correlation with that judge on the sampled responses.
+Reads `dataset` (split eval, at most eval.max_prompts) and the weights after iteration k (k = 0: the starting
+model); writes `eval`, one row per prompt. Every response is scored by the run's reward functions, in the reward
+pool as in training; a response is correct when score_<eval.judge> ≥ eval.judge_threshold. The manifest records
+the greedy accuracy, pass@k, the mean reward and length of the greedy responses, the samples' mean reward and each
+function's error rate; with a reward model, also its Spearman correlation with the judge on the samples.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from math import comb
 import polars as pl
 
 from storage import StageOutput
-from tasks.stages.common import Computed, stage_task, load_run, run_stage
-from tasks.data.datasets import load_prompt_dataset, task_splits
 from tasks.algos.metrics import spearman
-from tasks.rewards.builtin import REWARD_FUNCTIONS, Sample, code_hash
-from tasks.stages.rollouts import generate
-from tasks.stages.scores import reward_model_scores
+from tasks.rewards.loader import source_hash, specs_from_config
+from tasks.rewards.scoring import score_frame
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
+from tasks.stages.dataset import dataset_fingerprint
+from tasks.stages.prompts import split_of
+from tasks.stages.rollouts import generate, sampling_job
+from tasks.stages.scores import add_model_score, reward_model_scores
 from tasks.stages.weights import model_fingerprint, weights_after
 
 
@@ -28,24 +32,29 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def judge(samples: pl.DataFrame, answers: dict[str, str]) -> pl.Series:
-    fn = REWARD_FUNCTIONS["accuracy"]
-    return pl.Series(
-        [fn(Sample(t, answers[p], r)) > 0 for t, p, r in zip(samples["text"], samples["prompt_id"], samples["finish_reason"])],
-        dtype=pl.Boolean,
-    )
+def judged(ctx: RunContext, responses: pl.DataFrame, held_out: pl.DataFrame, name: str) -> pl.DataFrame:
+    """The responses with every reward column, the total `reward` and `correct` (the judge's score ≥ threshold)."""
+    frame = responses.with_columns(pl.lit(0, pl.Int32).alias("iteration"), pl.lit(0, pl.Int32).alias("round"))
+    scores = score_frame(frame, held_out, ctx.cfg.reward, ctx.cfg.rollout.max_tokens, ctx.cfg.data.answer_key)
+    if ctx.cfg.reward.kind == "model":
+        scores = add_model_score(scores, reward_model_scores(ctx, responses, name), ctx.cfg.reward.model_weight)
+    e = ctx.cfg.eval
+    judge = "reward" if e.judge == "reward" else f"score_{e.judge}"
+    scored = responses.with_columns(scores.select(pl.exclude("iteration", "round", "prompt_id", "sample_idx")))
+    return scored.with_columns((pl.col(judge) >= e.judge_threshold).alias("correct"))
 
 
 def eval_table(held_out: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFrame, k: int, iteration: int) -> pl.DataFrame:
-    """One row per held-out prompt from the greedy and sampled responses, each already judged (`correct`)."""
+    """One row per held-out prompt from the greedy and sampled responses, each already judged (`correct`, `reward`)."""
     g = greedy.select(
         "prompt_id", pl.col("text").alias("greedy_text"), pl.col("correct").alias("greedy_correct"),
-        pl.col("length").alias("greedy_length"),
+        pl.col("length").alias("greedy_length"), pl.col("reward").alias("greedy_reward"),
     )
     s = sampled.group_by("prompt_id").agg(
-        pl.len().cast(pl.Int32).alias("n_samples"), pl.col("correct").sum().cast(pl.Int32).alias("n_correct")
+        pl.len().cast(pl.Int32).alias("n_samples"), pl.col("correct").sum().cast(pl.Int32).alias("n_correct"),
+        pl.col("reward").mean().alias("sampled_reward_mean"),
     )
-    out = held_out.select("prompt_id", "answer").join(g, on="prompt_id").join(s, on="prompt_id")
+    out = held_out.select("prompt_id", pl.col("answer").fill_null("")).join(g, on="prompt_id").join(s, on="prompt_id")
     return out.with_columns(
         pl.lit(iteration, pl.Int32).alias("iteration"),
         pl.struct("n_samples", "n_correct").map_elements(
@@ -54,40 +63,43 @@ def eval_table(held_out: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFra
     )
 
 
-def rm_rule_spearman(ctx, held_out: pl.DataFrame, sampled: pl.DataFrame) -> float:
-    """Spearman correlation of the reward model's score with the rule's judgement (`correct`) of the sampled
-    responses."""
-    scored = sampled.with_columns(reward_model_scores(ctx, sampled, held_out, "eval_rm").alias("rm"))
-    return spearman(scored, "rm", "correct")
+def eval_summary(ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFrame) -> dict:
+    e = ctx.cfg.eval
+    both = pl.concat([greedy.select(pl.col("^error_.*$")), sampled.select(pl.col("^error_.*$"))])
+    summary = {
+        "accuracy": float(df["greedy_correct"].mean()), f"pass_at_{e.pass_k}": float(df["pass_at_k"].mean()),
+        "mean_reward": float(df["greedy_reward"].mean()), "sampled_mean_reward": float(sampled["reward"].mean()),
+        "mean_length": float(df["greedy_length"].mean()), "prompts": df.height,
+        **{f"{c.replace('error_', 'error_rate_')}": float(both[c].is_not_null().mean()) for c in both.columns},
+    }
+    if ctx.cfg.reward.kind == "model":  # does the reward model still rank like the judge on unseen prompts?
+        summary["reward_model_rule_spearman"] = spearman(sampled, "score_model", "correct")
+    return summary
 
 
 @stage_task("eval")
-def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics") -> StageOutput:
+def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics") -> StageOutput | None:
+    """None when the run has no held-out prompts (data.eval_files empty and data.eval_fraction 0)."""
     ctx = load_run(storage_root, run_id)
+    dataset_fp, stats = dataset_fingerprint(ctx)
+    if not stats["prompts"]["eval"]:
+        return None
     weights = weights_after(ctx, iteration, weights_stage)
-    e, r = ctx.cfg.eval, ctx.cfg.rollout
+    e = ctx.cfg.eval
 
     def compute():
-        held_out = load_prompt_dataset(task_splits(ctx.cfg.task)["eval"])
-        jobs = [
-            {"n": 1, "temperature": 0.0, "max_tokens": r.max_tokens, "seed": ctx.cfg.seed},
-            {"n": e.samples, "temperature": e.temperature, "max_tokens": r.max_tokens, "seed": ctx.cfg.seed + 1},
-        ]
+        held_out = split_of(ctx, "eval")
+        held_out = held_out.head(e.max_prompts) if e.max_prompts else held_out
+        jobs = [sampling_job(ctx, 1, 0.0, ctx.cfg.seed), sampling_job(ctx, e.samples, e.temperature, ctx.cfg.seed + 1)]
         (greedy, sampled), resp = generate(ctx, weights.path, held_out, jobs, f"eval-{iteration:05d}")
-        answers = dict(zip(held_out["prompt_id"], held_out["answer"]))
-        greedy, sampled = (f.with_columns(judge(f, answers).alias("correct")) for f in (greedy, sampled))
+        greedy, sampled = (judged(ctx, f, held_out, f"eval-rm-{name}") for f, name in ((greedy, "greedy"), (sampled, "sampled")))
         df = eval_table(held_out, greedy, sampled, e.pass_k, iteration)
-        summary = {
-            "accuracy": float(df["greedy_correct"].mean()), f"pass_at_{e.pass_k}": float(df["pass_at_k"].mean()),
-            "mean_length": float(df["greedy_length"].mean()), "prompts": df.height,
-        }
-        if ctx.cfg.reward.kind == "model":  # does the reward model still rank like the rule on unseen prompts?
-            summary["reward_model_rule_spearman"] = rm_rule_spearman(ctx, held_out, sampled)
-        return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=summary)
+        return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=eval_summary(ctx, df, greedy, sampled))
 
-    inputs = {"weights": weights.fingerprint}
+    inputs = {"weights": weights.fingerprint, "dataset": dataset_fp}
     if ctx.cfg.reward.kind == "model":
         inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
     return run_stage(
-        ctx, "eval", iteration, sections=("eval", "task"), salt=code_hash(["accuracy"]), inputs=inputs, compute=compute,
+        ctx, "eval", iteration, sections=("eval", "rollout", "reward"), salt=source_hash(specs_from_config(ctx.cfg.reward)),
+        inputs=inputs, compute=compute,
     )

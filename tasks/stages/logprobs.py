@@ -10,8 +10,8 @@ from __future__ import annotations
 import polars as pl
 
 from storage import StageOutput, read_stage
-from tasks.stages.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
 from tasks.engines.trainer_client import call_trainer
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task
 from tasks.stages.weights import critic_after, starting_weights, weights_after
 
 
@@ -33,7 +33,7 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str)
         resp = call_trainer(
             ctx, "logprobs",
             {"policy_path": policy.path, "ref_path": ref.path, "samples_path": str(inp), "out_path": str(out),
-             "micro_batch_size": ctx.cfg.optim.micro_batch_size,
+             "micro_batch_size": ctx.cfg.optim.micro_batch_size, "dtype": ctx.cfg.model.dtype,
              "critic_path": critic.path if critic else None, "critic_fresh": bool(critic and critic.fresh)},
             f"logprobs-{iteration:05d}",
         )
@@ -42,6 +42,6 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str)
         return Computed(df, extra=resp)
 
     return run_stage(
-        ctx, "logprobs", iteration, sections=("optim",), salt="critic" if ctx.cfg.uses_critic else "",
+        ctx, "logprobs", iteration, sections=("optim", "model"), salt="critic" if ctx.cfg.uses_critic else "",
         inputs={"batch": batch_fp, "policy": policy.fingerprint, "ref": ref.fingerprint}, compute=compute,
     )

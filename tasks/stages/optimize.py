@@ -11,14 +11,13 @@ from pathlib import Path
 
 import polars as pl
 
+from schemas.errors import NotFound
 from storage import StageOutput, commit_dir, read_manifest, read_stage, temp_dir_for
-from tasks.stages.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
-from tasks.engines.trainer_client import call_trainer
-from tasks.stages.logprobs import kept_rollouts
-from tasks.data.arithmetic import demonstrations
-from tasks.data.datasets import load_prompt_dataset, task_splits
-from tasks.stages.kl_control import kl_beta
 from tasks.algos.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
+from tasks.engines.trainer_client import call_trainer
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task
+from tasks.stages.kl_control import kl_beta
+from tasks.stages.logprobs import kept_rollouts
 from tasks.stages.weights import critic_after, weights_after
 
 STAGES_OF_AN_ITERATION = ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages")
@@ -28,7 +27,7 @@ def training_frame(ctx: RunContext, iteration: int) -> pl.DataFrame:
     """What the trainer needs per sample. `loss_mask` is 0 for a truncated response under DAPO's overlong
     filtering (it stays in the batch, so its group's advantages are unchanged, but gives no gradient)."""
     keys = ["prompt_id", "sample_idx"]
-    rollouts = kept_rollouts(ctx, iteration).select(*keys, "prompt_token_ids", "token_ids", "truncated")
+    rollouts = kept_rollouts(ctx, iteration).select(*keys, "prompt_token_ids", "token_ids", "sampler_logprobs", "truncated")
     logprobs = read_stage(ctx.layout, "logprobs", iteration).select(*keys, "old_logprobs", "ref_logprobs", "values")
     adv = read_stage(ctx.layout, "advantages", iteration).select(*keys, "token_advantages", "returns")
     df = rollouts.join(logprobs, on=keys, validate="1:1").join(adv, on=keys, validate="1:1")
@@ -36,13 +35,18 @@ def training_frame(ctx: RunContext, iteration: int) -> pl.DataFrame:
     return df.with_columns(pl.when(masked).then(0.0).otherwise(1.0).alias("loss_mask"))
 
 
-def ptx_data(ctx: RunContext) -> Path:
-    """PPO-ptx's SFT demonstrations: the run's own teacher (sft section), generated as the SFT flow does."""
+def ptx_fingerprint(ctx: RunContext) -> str:
+    """PPO-ptx's demonstrations are the run's own `sft_data` stage (the sft section's files, formatted with the
+    policy's tokenizer); its fingerprint is an input of every update, so changed demonstrations retrain."""
+    manifest = read_manifest(ctx.layout, "sft_data", 0)
+    if manifest is None:
+        raise NotFound(f"loss.ptx_coef > 0 needs the run's sft_data stage, which is missing (run {ctx.layout.run_id!r})")
+    return manifest["fingerprint"]
+
+
+def ptx_file(ctx: RunContext) -> Path:
     path = scratch_file(ctx, "ptx.parquet")
-    if not path.exists():
-        s = ctx.cfg.sft
-        train = load_prompt_dataset(task_splits(ctx.cfg.task)["train"])
-        demonstrations(train, s.n_demos, ctx.cfg.seed, s.teacher_flaw, s.teacher_flaw_rate).write_parquet(path)
+    read_stage(ctx.layout, "sft_data", 0).select("prompt_token_ids", "response_token_ids").write_parquet(path)
     return path
 
 
@@ -91,6 +95,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
     policy = weights_after(ctx, iteration - 1)
     o, lc, kl = ctx.cfg.optim, ctx.cfg.loss, ctx.cfg.kl
     beta = kl_beta(ctx, iteration)
+    ptx_fp = ptx_fingerprint(ctx) if lc.ptx_coef else ""
 
     def compute():
         data_path = scratch_file(ctx, "optimize.in.parquet")
@@ -106,6 +111,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
                 "mode": "rl", "model_path": policy.path, "tmp_dir": str(tmp), "metrics_path": "",
                 "data_path": str(data_path), "resume_state": prev_state, "seed": ctx.cfg.seed + iteration,
                 "zero_stage": o.zero_stage, "lr": o.lr, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
+                "dtype": ctx.cfg.model.dtype, "gradient_checkpointing": ctx.cfg.model.gradient_checkpointing,
                 "micro_batch_size": o.micro_batch_size, "ppo_epochs": o.ppo_epochs, "minibatches": o.minibatches,
                 "warmup_steps": o.warmup_steps, "first_step": (iteration - 1) * o.ppo_epochs * o.minibatches,
                 "max_tokens": ctx.cfg.rollout.max_tokens, "crash_point": f"optimize:{iteration}",
@@ -113,10 +119,10 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
                     "objective": lc.objective, "aggregation": lc.aggregation, "clip_eps_low": lc.clip_eps_low,
                     "clip_eps_high": lc.clip_eps_high, "dual_clip": lc.dual_clip, "kl_estimator": kl.estimator,
                     "kl_in_loss": kl.placement == "loss", "kl_beta": beta, "entropy_coef": lc.entropy_coef,
+                    "tis_cap": lc.tis_cap,
                 },
                 "critic": critic_request(ctx, iteration, tmp),
-                "ptx_coef": lc.ptx_coef, "ptx_batch": lc.ptx_batch,
-                "ptx_data_path": str(ptx_data(ctx)) if lc.ptx_coef else None,
+                "ptx_coef": lc.ptx_coef, "ptx_batch": lc.ptx_batch, "ptx_data_path": str(ptx_file(ctx)) if lc.ptx_coef else None,
             },
             f"optimize-{iteration:05d}",
         )
@@ -144,6 +150,6 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         )
 
     return run_stage(
-        ctx, "train_metrics", iteration, sections=("optim", "loss", "kl", "critic"), salt=f"beta={beta:.12g}",
-        inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint}, compute=compute,
+        ctx, "train_metrics", iteration, sections=("optim", "loss", "kl", "critic", "model"), salt=f"beta={beta:.12g}",
+        inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint, "ptx": ptx_fp}, compute=compute,
     )

@@ -1,9 +1,10 @@
 """Stages `preference_rankings` and `preference_pairs` (iteration 0) of the reward-model and DPO flows.
 
-`preference_rankings`: the user's file (`preference.data`), or generated offline from the task: `k` samples
-per train prompt from model.path (vLLM), each judged by the rule reward (math-verify accuracy), ranked
-correct ≻ incorrect with equal rewards tied; prompts where all samples agree are dropped; a seeded fraction
-of prompts is held out. `preference_pairs`: every (better, worse) pair of each ranking.
+`preference_rankings`: the user's file (`preference.data`; prompts as strings or chat messages, formatted like
+rollouts), or generated offline: `k` samples per train prompt of the run's `dataset` from model.path (vLLM), each
+scored by the run's reward functions and ranked by the score of `eval.judge` (higher is better; equal scores tie);
+prompts where every sample ties are dropped; a seeded fraction of prompts is held out. `preference_pairs`: every
+(better, worse) pair of each ranking.
 """
 
 from __future__ import annotations
@@ -14,17 +15,38 @@ import polars as pl
 
 from storage import StageOutput, read_stage
 from storage.stage_io import sha256_file
-from tasks.stages.common import Computed, load_run, run_stage, stage_task
-from tasks.data.datasets import load_prompt_dataset, task_splits
-from tasks.stages.evaluate import judge
+from tasks.data.formatting import PromptFormatter, load_tokenizer
+from tasks.data.preferences import (
+    SPLITS,
+    PreferenceDataError,
+    assign_splits,
+    load_preferences,
+    pairs_from_rankings,
+    rankings_from_samples,
+)
+from tasks.rewards.loader import source_hash, specs_from_config
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
+from tasks.stages.dataset import dataset_fingerprint
+from tasks.stages.evaluate import judged
+from tasks.stages.prompts import split_of
+from tasks.stages.rollouts import generate, sampling_job
 from tasks.stages.weights import model_fingerprint
-from tasks.data.preferences import SPLITS, PreferenceDataError, assign_splits, load_preferences, pairs_from_rankings, rankings_from_samples
-from tasks.rewards.builtin import code_hash
-from tasks.stages.rollouts import generate
 
 
-def _file_fingerprint(path: str) -> str:
-    return sha256_file(Path(path))[:20] if Path(path).exists() else "missing"
+def generated_rankings(ctx: RunContext) -> Computed:
+    p = ctx.cfg.preference
+    train = split_of(ctx, "train").head(p.n_prompts)
+    job = sampling_job(ctx, p.k, p.temperature, ctx.cfg.seed)
+    (samples,), resp = generate(ctx, ctx.cfg.model.path, train, [job], "preference-samples")
+    scored = judged(ctx, samples, train, "preference-rm")
+    judge = "reward" if ctx.cfg.eval.judge == "reward" else f"score_{ctx.cfg.eval.judge}"
+    ranked = scored.select("prompt_id", pl.col("text").alias("response"), pl.col(judge).alias("reward")).join(
+        train.select("prompt_id", pl.col("text").alias("prompt"), "prompt_token_ids"), on="prompt_id", how="left")
+    rankings = rankings_from_samples(ranked)
+    rankings = assign_splits(rankings, p.heldout_fraction, ctx.cfg.seed)
+    extra = {"source": "generated", "prompts": train.height, "samples": samples.height, "rankings": rankings.height,
+             "sample_accuracy": float(scored["correct"].mean())}
+    return Computed(rankings, engines={"vllm": resp["vllm_version"]}, extra=extra)
 
 
 @stage_task("preference_rankings")
@@ -34,24 +56,19 @@ def preference_rankings_task(storage_root: str, run_id: str) -> StageOutput:
 
     def compute():
         if p.data:
-            rankings = load_preferences(p.data, p.heldout_fraction, ctx.cfg.seed)
+            formatter = PromptFormatter(load_tokenizer(ctx.cfg.model.path), ctx.cfg.prompt)
+            rankings = load_preferences(p.data, p.heldout_fraction, ctx.cfg.seed, formatter)
             return Computed(rankings, extra={"source": p.data, "rankings": rankings.height})
-        train = load_prompt_dataset(task_splits(ctx.cfg.task)["train"]).head(p.n_prompts)
-        job = {"n": p.k, "temperature": p.temperature, "top_p": 1.0, "max_tokens": ctx.cfg.rollout.max_tokens, "seed": ctx.cfg.seed}
-        (samples,), resp = generate(ctx, ctx.cfg.model.path, train, [job], "preference-samples")
-        correct = judge(samples, dict(zip(train["prompt_id"], train["answer"])))
-        scored = samples.select("prompt_id", pl.col("text").alias("response")).with_columns(correct.cast(pl.Float64).alias("reward"))
-        scored = scored.join(train.select("prompt_id", pl.col("text").alias("prompt")), on="prompt_id", how="left")
-        rankings = assign_splits(rankings_from_samples(scored), p.heldout_fraction, ctx.cfg.seed)
-        extra = {"source": "generated", "prompts": train.height, "samples": samples.height, "rankings": rankings.height,
-                 "sample_accuracy": float(correct.mean())}
-        return Computed(rankings, engines={"vllm": resp["vllm_version"]}, extra=extra)
+        return generated_rankings(ctx)
 
     if p.data:
-        inputs = {"data": _file_fingerprint(p.data)}
+        inputs = {"data": sha256_file(Path(p.data))[:20] if Path(p.data).is_file() else "missing",
+                  "model": model_fingerprint(ctx.cfg.model.path)}
+        salt = ""
     else:
-        inputs = {"model": model_fingerprint(ctx.cfg.model.path)}
-    return run_stage(ctx, "preference_rankings", 0, sections=("preference", "task", "rollout"), salt=code_hash(["accuracy"]),
+        inputs = {"model": model_fingerprint(ctx.cfg.model.path), "dataset": dataset_fingerprint(ctx)[0]}
+        salt = source_hash(specs_from_config(ctx.cfg.reward))
+    return run_stage(ctx, "preference_rankings", 0, sections=("preference", "prompt", "rollout", "reward", "eval"), salt=salt,
                      inputs=inputs, compute=compute)
 
 

@@ -1,8 +1,8 @@
-"""Stage `prompts`: draw this round's prompts from the train split.
+"""Stage `prompts`: draw this round's prompts from the train split of the run's `dataset`.
 
-Reads the prompt dataset; writes `prompts` (iteration, round, prompt_id, text, answer), one part per round.
-Rounds of one iteration take consecutive slices of one seeded permutation, so no prompt repeats within an
-iteration and a restart draws exactly the same prompts.
+Reads `dataset`; writes `prompts` (iteration, round, prompt_id, text, prompt_token_ids, messages, answer, and the
+dataset's other columns as `extra`), one part per round. Rounds of one iteration take consecutive slices of one
+seeded permutation, so no prompt repeats within an iteration and a restart draws exactly the same prompts.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import random
 
 import polars as pl
 
-from storage import StageOutput
-from tasks.stages.common import Computed, stage_task, load_run, run_stage
-from tasks.data.datasets import load_prompt_dataset, task_splits
+from storage import StageOutput, read_stage
+from tasks.stages.common import Computed, load_run, run_stage, stage_task
+from tasks.stages.dataset import dataset_fingerprint
 
 
 def sample_prompts(dataset: pl.DataFrame, n: int, seed: int, iteration: int, round_: int) -> pl.DataFrame:
@@ -23,20 +23,23 @@ def sample_prompts(dataset: pl.DataFrame, n: int, seed: int, iteration: int, rou
     picked = [order[(start + i) % dataset.height] for i in range(min(n, dataset.height))]
     return dataset[picked].select(
         pl.lit(iteration, pl.Int32).alias("iteration"), pl.lit(round_, pl.Int32).alias("round"),
-        "prompt_id", "text", "answer",
+        pl.exclude("split"),
     )
+
+
+def split_of(ctx, split: str) -> pl.DataFrame:
+    return read_stage(ctx.layout, "dataset", 0).filter(pl.col("split") == split)
 
 
 @stage_task("prompts")
 def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int = 0) -> StageOutput:
     ctx = load_run(storage_root, run_id)
-    train_path = task_splits(ctx.cfg.task)["train"]
+    dataset_fp, _ = dataset_fingerprint(ctx)
 
     def compute():
-        dataset = load_prompt_dataset(train_path)
-        return Computed(sample_prompts(dataset, ctx.cfg.rollout.prompts_per_round, ctx.cfg.seed, iteration, round_))
+        return Computed(sample_prompts(split_of(ctx, "train"), ctx.cfg.rollout.prompts_per_round, ctx.cfg.seed, iteration, round_))
 
     return run_stage(
-        ctx, "prompts", iteration, sections=("task", "rollout"), part=round_,
-        inputs={"round": str(round_)}, compute=compute,
+        ctx, "prompts", iteration, sections=("rollout",), part=round_,
+        inputs={"round": str(round_), "dataset": dataset_fp}, compute=compute,
     )

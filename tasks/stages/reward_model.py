@@ -12,11 +12,36 @@ from pathlib import Path
 
 import polars as pl
 
+from schemas.tables import LIST_I32
 from storage import StageOutput, commit_dir, read_stage, temp_dir_for
-from tasks.stages.common import Computed, RunContext, export_checkpoint, frame_worker, load_run, run_stage, scratch_file, stage_task
+from tasks.data.formatting import PromptFormatter, load_tokenizer
 from tasks.engines.launch import run_worker
-from tasks.stages.weights import model_fingerprint
 from tasks.engines.workers import PREFERENCE_WORKER
+from tasks.stages.common import (
+    Computed,
+    RunContext,
+    export_checkpoint,
+    frame_worker,
+    load_run,
+    run_stage,
+    scratch_file,
+    stage_task,
+)
+from tasks.stages.weights import model_fingerprint
+
+
+def with_token_ids(ctx: RunContext, frame: pl.DataFrame, columns: dict[str, str]) -> pl.DataFrame:
+    """Responses as the tokens the trainer sees ({text column: ids column}): formatted like a sampled response,
+    EOS included (tasks/data/formatting.py). A column of lists of responses gives lists of token lists."""
+    formatter = PromptFormatter(load_tokenizer(ctx.cfg.model.path), ctx.cfg.prompt)
+    out = {}
+    for text, ids in columns.items():
+        values = frame[text].to_list()
+        if isinstance(frame.schema[text], pl.List):
+            out[ids] = pl.Series(ids, [[formatter.response_ids(r) for r in rs] for rs in values], dtype=pl.List(LIST_I32))
+        else:
+            out[ids] = pl.Series(ids, [formatter.response_ids(r) for r in values], dtype=LIST_I32)
+    return frame.with_columns(**out)
 
 
 def train_preference_model(ctx: RunContext, mode: str, data: pl.DataFrame, settings, model_path: str, extra: dict) -> tuple[Path, dict, pl.DataFrame]:
@@ -32,7 +57,8 @@ def train_preference_model(ctx: RunContext, mode: str, data: pl.DataFrame, setti
             "mode": mode, "model_path": model_path, "tmp_dir": str(tmp), "metrics_path": str(metrics_path),
             "data_path": str(data_path), "seed": ctx.cfg.seed, "zero_stage": settings.zero_stage, "lr": settings.lr,
             "weight_decay": settings.weight_decay, "grad_clip": 1.0, "micro_batch_size": settings.micro_batch_size,
-            "batch_size": settings.batch_size, "steps": settings.steps, "warmup_steps": settings.warmup_steps, **extra,
+            "batch_size": settings.batch_size, "steps": settings.steps, "warmup_steps": settings.warmup_steps,
+            "dtype": ctx.cfg.model.dtype, "gradient_checkpointing": ctx.cfg.model.gradient_checkpointing, **extra,
         },
         ctx.layout.scratch_dir, ctx.layout.log_path(mode),
     )
@@ -56,6 +82,7 @@ def rm_optimize_task(storage_root: str, run_id: str, rankings_fp: str) -> StageO
 
     def compute():
         train = read_stage(ctx.layout, "preference_rankings", 0).filter(pl.col("split") == "train")
+        train = with_token_ids(ctx, train, {"responses": "response_token_ids"})
         final, resp, metrics = train_preference_model(ctx, "rm_train", train, r, ctx.cfg.model.path, {})
         return Computed(
             metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
@@ -70,10 +97,10 @@ def rm_optimize_task(storage_root: str, run_id: str, rankings_fp: str) -> StageO
 
 
 def heldout_sides(pairs: pl.DataFrame) -> pl.DataFrame:
-    """Held-out pairs as one row per (pair, side): prompt_id, pair_idx, side, prompt, response."""
+    """Held-out pairs as one row per (pair, side): prompt_id, pair_idx, side, prompt, prompt_token_ids, response."""
     held = pairs.filter(pl.col("split") == "heldout")
     return pl.concat([
-        held.select("prompt_id", "pair_idx", pl.lit(side).alias("side"), "prompt", pl.col(side).alias("response"))
+        held.select("prompt_id", "pair_idx", pl.lit(side).alias("side"), "prompt", "prompt_token_ids", pl.col(side).alias("response"))
         for side in ("chosen", "rejected")
     ])
 
@@ -90,8 +117,8 @@ def rm_eval_task(storage_root: str, run_id: str, pairs_fp: str, rm_fp: str) -> S
     ctx = load_run(storage_root, run_id)
 
     def compute():
-        sides = heldout_sides(read_stage(ctx.layout, "preference_pairs", 0))
-        request = {"mode": "rm_score", "model_path": str(ctx.layout.checkpoint_dir(1))}
+        sides = with_token_ids(ctx, heldout_sides(read_stage(ctx.layout, "preference_pairs", 0)), {"response": "response_token_ids"})
+        request = {"mode": "rm_score", "model_path": str(ctx.layout.checkpoint_dir(1)), "micro_batch_size": ctx.cfg.reward_model.micro_batch_size}
         scored = frame_worker(ctx, PREFERENCE_WORKER, request, sides, "rm_eval").select("prompt_id", "pair_idx", "side", "score")
         df = pair_eval_frame(*(scored.filter(pl.col("side") == s).drop("side") for s in ("chosen", "rejected")))
         return Computed(df, extra={"pairwise_accuracy": float(df["correct"].mean()), "pairs": df.height})

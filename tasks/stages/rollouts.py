@@ -7,47 +7,32 @@ and eval, and synced to the weights each request names.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import polars as pl
 
 from storage import StageOutput, read_stage
-from tasks.stages.common import Computed, stage_task, RunContext, load_run, run_stage, scratch_file
 from tasks.engines.launch import WorkerError
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task
 from tasks.stages.weights import weights_after
 
 
-class ContextLengthError(ValueError):
-    pass
-
-
-def check_context(model_path: str, prompt_lengths: list[int], max_tokens: int) -> None:
-    """Fail before starting an engine when prompt + max_tokens cannot fit the model's context."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    context = config.get("max_position_embeddings")
-    if context and max(prompt_lengths) + max_tokens > context:
-        raise ContextLengthError(
-            f"rollout.max_tokens={max_tokens} plus the longest prompt ({max(prompt_lengths)} tokens) exceeds "
-            f"the model's context of {context}"
-        )
+def sampling_job(ctx: RunContext, n: int, temperature: float, seed: int, top_p: float = 1.0) -> dict:
+    """One generation job's sampling settings: the run's generation limit and stop conditions."""
+    r = ctx.cfg.rollout
+    return {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": r.max_tokens, "seed": seed,
+            "stop": list(r.stop), "stop_token_ids": list(r.stop_token_ids)}
 
 
 def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list[dict], log_name: str) -> tuple[list[pl.DataFrame], dict]:
-    """Tokenize prompts, run the vLLM worker over `jobs` (sampling settings), return one frame per job."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    ids = [tok(t)["input_ids"] for t in prompts["text"].to_list()]
-    check_context(model_path, [len(i) for i in ids], max(j["max_tokens"] for j in jobs))
+    """Run the resident vLLM engine over `jobs` for the prompts' token ids (formatted once, in the `dataset` stage);
+    return one frame per job, each row with its prompt_token_ids."""
     inp = scratch_file(ctx, f"{log_name}.prompts.parquet")
-    prompts.select("prompt_id").with_columns(pl.Series("prompt_token_ids", ids, dtype=pl.List(pl.Int32))).write_parquet(inp)
+    prompts.select("prompt_id", "prompt_token_ids").write_parquet(inp)
     outs = [scratch_file(ctx, f"{log_name}.out{i}.parquet") for i in range(len(jobs))]
     engine = resident_engine(
         ctx.layout.run_id, ctx.layout.log_path("vllm"),
-        {"kv_cache_gib": ctx.cfg.rollout.kv_cache_gib, "seed": ctx.cfg.seed},
+        {"kv_cache_gib": ctx.cfg.rollout.kv_cache_gib, "seed": ctx.cfg.seed, "dtype": ctx.cfg.model.dtype},
     )
     resp = engine.generate(model_path, [{**j, "prompts_path": str(inp), "out_path": str(o)} for j, o in zip(jobs, outs)])
     gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
@@ -56,10 +41,7 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
                           f"probe sequences of {model_path} (rollout.max_sync_logprob_gap = {limit:g})")
     frames = []
     for o in outs:
-        df = pl.read_parquet(o).join(
-            pl.read_parquet(inp), on="prompt_id", how="left"
-        )
-        frames.append(df)
+        frames.append(pl.read_parquet(o).join(pl.read_parquet(inp), on="prompt_id", how="left"))
         o.unlink()
     inp.unlink()
     return frames, resp
@@ -73,8 +55,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
 
     def compute():
         prompts = read_stage(ctx.layout, "prompts", iteration).filter(pl.col("round") == round_)
-        job = {"n": r.group_size, "temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_tokens,
-               "seed": ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101}
+        job = sampling_job(ctx, r.group_size, r.temperature, ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101, r.top_p)
         (df,), resp = generate(ctx, policy.path, prompts, [job], f"rollouts-{iteration:05d}-{round_}")
         df = df.with_columns(
             pl.lit(iteration, pl.Int32).alias("iteration"), pl.lit(round_, pl.Int32).alias("round"),
@@ -89,7 +70,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
         )
 
     return run_stage(
-        ctx, "rollouts", iteration, sections=("rollout",), part=round_,
+        ctx, "rollouts", iteration, sections=("rollout", "model"), part=round_,
         inputs={"prompts": prompts_fp, "policy": policy.fingerprint}, compute=compute,
     )
 

@@ -1,7 +1,7 @@
 """Stage `scores`: rule rewards (and, with reward.kind=model, a trained reward model) for every rollout of
 one round.
 
-Reads `rollouts` and `prompts` (answers, prompt text) of the round; writes `scores`: `score_<fn>` and
+Reads `rollouts` and `prompts` (the prompt, ground truth and dataset columns the functions receive) of the round; writes `scores`: `score_<fn>` and
 `error_<fn>` per reward function, `score_model` for the reward model, the weighted `reward` and a combined
 `error`. The fingerprint includes a hash of the reward functions' source (and the reward model's identity),
 so fixing a reward function and rerunning re-scores.
@@ -12,24 +12,23 @@ from __future__ import annotations
 import polars as pl
 
 from storage import StageOutput, read_stage
+from tasks.engines.workers import PREFERENCE_WORKER
+from tasks.rewards.loader import source_hash, specs_from_config
+from tasks.rewards.scoring import RewardError, score_frame
 from tasks.stages.common import Computed, RunContext, frame_worker, load_run, run_stage, stage_task
 from tasks.stages.weights import model_fingerprint
-from tasks.rewards.builtin import RewardError, code_hash, score_frame
-from tasks.engines.workers import PREFERENCE_WORKER
 
 
 @stage_task("scores")
 def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, rollouts_fp: str) -> StageOutput:
     ctx = load_run(storage_root, run_id)
-    weights = dict(ctx.cfg.reward.weights)
 
     def compute():
         rollouts = read_stage(ctx.layout, "rollouts", iteration).filter(pl.col("round") == round_)
         prompts = read_stage(ctx.layout, "prompts", iteration)
-        answers = dict(zip(prompts["prompt_id"].to_list(), prompts["answer"].to_list()))
-        scores = score_frame(rollouts, answers, ctx.cfg.reward, ctx.cfg.rollout.max_tokens)
+        scores = score_frame(rollouts, prompts, ctx.cfg.reward, ctx.cfg.rollout.max_tokens, ctx.cfg.data.answer_key)
         if ctx.cfg.reward.kind == "model":
-            scores = add_model_score(scores, reward_model_scores(ctx, rollouts, prompts, f"rm-score-{iteration:05d}-{round_}"),
+            scores = add_model_score(scores, reward_model_scores(ctx, rollouts, f"rm-score-{iteration:05d}-{round_}"),
                                      ctx.cfg.reward.model_weight)
         return Computed(scores)
 
@@ -37,18 +36,16 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, rol
     if ctx.cfg.reward.kind == "model":
         inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
     return run_stage(
-        ctx, "scores", iteration, sections=("reward",), part=round_, salt=code_hash(weights),
+        ctx, "scores", iteration, sections=("reward",), part=round_, salt=source_hash(specs_from_config(ctx.cfg.reward)),
         inputs=inputs, compute=compute,
     )
 
 
-def reward_model_scores(ctx: RunContext, rollouts: pl.DataFrame, prompts: pl.DataFrame, name: str) -> pl.Series:
-    """The reward model's score of each rollout (prompt text + response, EOS only where the sampler
-    stopped), in batches in a torch worker."""
-    data = rollouts.select("prompt_id", pl.col("text").alias("response"), (pl.col("finish_reason") == "stop").alias("eos")).join(
-        prompts.select("prompt_id", pl.col("text").alias("prompt")), on="prompt_id", how="left", maintain_order="left",
-    )
-    request = {"mode": "rm_score", "model_path": ctx.cfg.reward.model_path}
+def reward_model_scores(ctx: RunContext, rollouts: pl.DataFrame, name: str) -> pl.Series:
+    """The reward model's score of each rollout, on exactly the tokens sampled (prompt, then the response with its
+    EOS when it stopped), in batches in a torch worker."""
+    data = rollouts.select("prompt_token_ids", pl.col("token_ids").alias("response_token_ids"))
+    request = {"mode": "rm_score", "model_path": ctx.cfg.reward.model_path, "micro_batch_size": ctx.cfg.optim.micro_batch_size}
     return frame_worker(ctx, PREFERENCE_WORKER, request, data, name, log="rm_score")["score"]
 
 

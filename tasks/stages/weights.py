@@ -6,11 +6,12 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas.errors import UserError
 from storage import read_manifest
 from tasks.stages.common import RunContext
 
 
-class ModelPathError(FileNotFoundError):
+class ModelPathError(UserError, FileNotFoundError):
     pass
 
 
@@ -30,6 +31,17 @@ def model_fingerprint(path: str | Path) -> str:
     for f in sorted(path.glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:20]
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """Identity of a model folder's tokenizer (and chat template): every file but the weights and optimizer state."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ModelPathError(f"model path {path} does not exist or has no config.json")
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix not in (".safetensors", ".bin", ".pt", ".pth")):
+        h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:20]
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from tasks.engines.vllm_client import ResidentEngine
 from tasks.data.model_recipe import init_model
+from tasks.engines.vllm_client import ResidentEngine
 from tests.benchmarks import result_row
 
 PROMPTS, GROUP, MAX_TOKENS = 64, 8, 64

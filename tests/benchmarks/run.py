@@ -10,11 +10,11 @@ import io
 import sys
 from pathlib import Path
 
-import flows.cli  # noqa: F401  (first: Prefect's home and start-up timeout, as the rlpipe command sets them)
 import polars as pl
 from rich.console import Console
 from rich.table import Table
 
+import flows.cli  # noqa: F401  (first: Prefect's home and start-up timeout, as the rlpipe command sets them)
 from schemas.tables import BENCH_RESULTS
 from storage.stage_io import write_bytes_atomic
 from tests.benchmarks import bench_advantages, bench_iteration, bench_rollout, bench_trl

@@ -1,8 +1,9 @@
 """DeepSpeed trainer worker: SFT steps or one RL policy update, then an atomic checkpoint.
 
 Request (both modes): mode, model_path, out_dir (final checkpoint folder), tmp_dir, metrics_path, zero_stage,
-lr, weight_decay, grad_clip, micro_batch_size, seed; optional resume_state (a DeepSpeed state folder), crash_point (storage/crash.py).
-- sft: data_path (text, response), steps, batch_size, warmup_steps.
+lr, weight_decay, grad_clip, micro_batch_size, seed, dtype, gradient_checkpointing; optional resume_state (a DeepSpeed
+state folder), crash_point (storage/crash.py).
+- sft: data_path (prompt_token_ids, response_token_ids), steps, batch_size, warmup_steps.
 - rl: data_path (prompt_token_ids, token_ids, old/ref_logprobs, token_advantages, loss_mask; values and
   returns with a critic), ppo_epochs, minibatches, max_tokens, loss settings; optional critic (path, fresh,
   resume_state, out_dir, lr, value_clip, coef) and ptx_coef/ptx_batch/ptx_data_path.
@@ -21,6 +22,7 @@ import socket
 import time
 
 from storage.crash import crash_point
+from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
 
 
@@ -37,12 +39,16 @@ def _engine(model, request, gas: int):
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    if request["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=request["lr"], weight_decay=request["weight_decay"], betas=(0.9, 0.999))
     config = {
         "train_micro_batch_size_per_gpu": request["micro_batch_size"],
         "gradient_accumulation_steps": gas,
         "gradient_clipping": request["grad_clip"],
         "zero_optimization": {"stage": request["zero_stage"]},
+        # bf16: DeepSpeed casts the module and keeps fp32 master weights in its optimizer wrapper.
+        "bf16": {"enabled": request["dtype"] == "bfloat16"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
     }
@@ -61,7 +67,7 @@ def _save(engine, tokenizer, tmp_dir: str, crash_name: str = "") -> str:
 
     engine.module.save_pretrained(tmp_dir, safe_serialization=True)
     tokenizer.save_pretrained(tmp_dir)
-    write_probe(engine.module, tmp_dir)  # the sampler checks its weight sync against these logprobs
+    write_probe(engine.module, tokenizer, tmp_dir)  # the sampler checks its weight sync against these logprobs
     crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
     engine.save_checkpoint(os.path.join(tmp_dir, "ds_state"), tag="state")
     return write_state_id(tmp_dir)
@@ -74,8 +80,7 @@ def _sft(request, model, tokenizer):
     from tasks.engines.workers.token_batch import pack, token_logprobs
 
     data = pl.read_parquet(request["data_path"])
-    prompts = [tokenizer(t)["input_ids"] for t in data["text"].to_list()]
-    responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in data["response"].to_list()]
+    prompts, responses = data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list()
     bs, micro = request["batch_size"], min(request["micro_batch_size"], request["batch_size"])
     gas = math.ceil(bs / micro)
     engine, optimizer = _engine(model, request, gas)
@@ -91,7 +96,7 @@ def _sft(request, model, tokenizer):
         total_tokens = sum(len(responses[i]) for i in batch)
         loss_sum = 0.0
         for k, idx in enumerate(parts):
-            ids, attn, mask = pack([prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_token_id)
+            ids, attn, mask = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id(tokenizer))
             logp, _ = token_logprobs(engine, ids, attn, with_entropy=False)
             loss = -(logp * mask).sum() / total_tokens  # token-mean over the whole batch
             engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
@@ -121,9 +126,8 @@ class _Ptx:
         import torch
 
         data = pl.read_parquet(request["ptx_data_path"])
-        self.prompts = [tokenizer(t)["input_ids"] for t in data["text"].to_list()]
-        self.responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in data["response"].to_list()]
-        self.coef, self.batch, self.pad = request["ptx_coef"], request["ptx_batch"], tokenizer.pad_token_id
+        self.prompts, self.responses = data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list()
+        self.coef, self.batch, self.pad = request["ptx_coef"], request["ptx_batch"], pad_id(tokenizer)
         self.gen = torch.Generator().manual_seed(seed)
 
     def loss(self, engine):
@@ -168,12 +172,14 @@ def _rl(request, tokenizer, cache=None):
     import polars as pl
     import torch
 
+    from tasks.algos.losses import MinibatchNorm, policy_loss, tis_weights
     from tasks.engines.workers.token_batch import align, pack, token_logprobs
-    from tasks.algos.losses import MinibatchNorm, policy_loss
 
     data = pl.read_parquet(request["data_path"])
     prompts, responses = data["prompt_token_ids"].to_list(), data["token_ids"].to_list()
-    lists = {c: data[c].to_list() for c in ("old_logprobs", "ref_logprobs", "token_advantages")}
+    tis_cap = request["loss"]["tis_cap"]
+    list_columns = ("old_logprobs", "ref_logprobs", "token_advantages") + (("sampler_logprobs",) if tis_cap else ())
+    lists = {c: data[c].to_list() for c in list_columns}
     loss_mask = data["loss_mask"].to_list()
     n, micro = data.height, request["micro_batch_size"]
     minibatches = min(request["minibatches"], n)
@@ -204,12 +210,17 @@ def _rl(request, tokenizer, cache=None):
             )
             for k, idx in enumerate(parts):
                 p = [prompts[i] for i in idx]
-                ids, attn, mask = pack(p, [responses[i] for i in idx], tokenizer.pad_token_id)
+                ids, attn, mask = pack(p, [responses[i] for i in idx], pad_id(tokenizer))
                 mask = mask * torch.tensor([float(loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, T)
                 plen, width = [len(x) for x in p], mask.shape[1]
                 old, ref, adv = (align([lists[c][i] for i in idx], plen, width) for c in ("old_logprobs", "ref_logprobs", "token_advantages"))
+                weights = None
+                if tis_cap:
+                    weights = tis_weights(old, align([lists["sampler_logprobs"][i] for i in idx], plen, width), tis_cap)  # (B, T)
+                    add("tis_weight_mean", (weights * mask).sum())
+                    add("tis_capped_fraction", ((weights >= tis_cap).float() * mask).sum())
                 logp, ent = token_logprobs(engine, ids, attn, with_entropy=True)
-                loss, sums = policy_loss(logp, old, ref, adv, mask, norm, settings, entropy=ent)
+                loss, sums = policy_loss(logp, old, ref, adv, mask, norm, settings, entropy=ent, token_weights=weights)
                 last = k == len(parts) - 1
                 if ptx is not None and last:
                     ptx_loss = ptx.loss(engine)
@@ -248,9 +259,9 @@ class _Critic:
         self.old_values, self.returns = old_values, returns
 
     def micro_step(self, idx, ids, attn, mask, plen, width, norm, last) -> dict:
+        from tasks.algos.losses import value_loss
         from tasks.engines.workers.critic import token_values
         from tasks.engines.workers.token_batch import align
-        from tasks.algos.losses import value_loss
 
         c = self.request["critic"]
         old = align([self.old_values[i] for i in idx], plen, width)

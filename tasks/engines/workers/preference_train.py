@@ -8,9 +8,10 @@
 - `dpo_train`: DPO on pairs (prompt, chosen, rejected, ref_chosen_logp, ref_rejected_logp), plus
   nll_coef × the chosen responses' per-token NLL when nll_coef > 0 (RPO).
 
-Every sequence is BOS + prompt + response + EOS, so the reward model reads the response's end, and DPO
-counts the choice to stop. Requests: model_path, data_path, and out_path (scores) or tmp_dir/metrics_path
-(training: steps, batch_size, micro_batch_size, lr, warmup_steps, weight_decay, zero_stage, seed, beta).
+The stages send token ids (tasks/data/formatting.py made them: the formatted prompt, and each response with its
+EOS), so the reward model reads the response's end and DPO counts the choice to stop. Requests: model_path,
+data_path, and out_path (scores) or tmp_dir/metrics_path (training: steps, batch_size, micro_batch_size, lr,
+warmup_steps, weight_decay, zero_stage, seed, dtype, gradient_checkpointing, beta).
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from __future__ import annotations
 import math
 import time
 
+from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
 
 
-def _tokenize(tokenizer, prompts: list[str], responses: list[str], eos: list[bool] | None = None) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids of prompts (with BOS) and responses (with EOS, except where `eos` says the response was
-    cut off by the length limit)."""
-    eos = eos or [True] * len(responses)
-    p = [tokenizer(t)["input_ids"] for t in prompts]
-    r = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * e for t, e in zip(responses, eos)]
-    return p, r
+def rm_pad_id(tokenizer, vocab_size: int) -> int:
+    """The reward model's head reads the last token that is not padding, so padding must differ from EOS (which ends
+    most responses): the tokenizer's pad token, or else the id after EOS (stock GPT-2 and many Llama tokenizers have
+    no pad token)."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    if pad is not None and pad != eos:
+        return int(pad)
+    return (int(eos) + 1) % vocab_size if eos is not None else 0
 
 
 def _lr(request, step: int) -> float:
@@ -73,7 +76,7 @@ def _rm_model(path: str, tokenizer):
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last token that is not padding
+    model.config.pad_token_id = rm_pad_id(tokenizer, model.config.vocab_size)  # the head reads the last non-pad token
     return model
 
 
@@ -92,9 +95,11 @@ def _rm_train(request, tokenizer):
     from tasks.algos.preference_losses import kwise_bradley_terry, pairwise_accuracy
 
     data = pl.read_parquet(request["data_path"])
-    seqs = [_tokenize(tokenizer, [p] * len(rs), rs) for p, rs in zip(data["prompt"], data["responses"])]
+    seqs = [([p] * len(rs), rs) for p, rs in zip(data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list())]
     ranks = data["ranks"].to_list()
-    engine, optimizer = _trainer(_rm_model(request["model_path"], tokenizer), request)
+    model = _rm_model(request["model_path"], tokenizer)
+    engine, optimizer = _trainer(model, request)
+    pad = model.config.pad_token_id
     rows = []
     for step, lr, parts in _steps(request, optimizer, data.height):
         loss_sum, correct, pairs = 0.0, 0.0, 0
@@ -102,7 +107,7 @@ def _rm_train(request, tokenizer):
             width = max(len(ranks[i]) for i in idx)
             flat_p = [x for i in idx for x in seqs[i][0]]
             flat_r = [x for i in idx for x in seqs[i][1]]
-            flat = _rm_forward(engine, flat_p, flat_r, tokenizer.pad_token_id)  # (sum of K,)
+            flat = _rm_forward(engine, flat_p, flat_r, pad)  # (sum of K,)
             scores = torch.zeros(len(idx), width)  # (B, K): rankings of different K, padded
             valid = torch.zeros(len(idx), width, dtype=torch.bool)
             rank_t = torch.zeros(len(idx), width, dtype=torch.long)
@@ -133,13 +138,12 @@ def _rm_score(request, tokenizer) -> None:
     from tasks.engines.workers.token_batch import chunks
 
     data = pl.read_parquet(request["data_path"])
-    eos = data["eos"].to_list() if "eos" in data.columns else None
-    prompts, responses = _tokenize(tokenizer, data["prompt"].to_list(), data["response"].to_list(), eos)
+    prompts, responses = data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list()
     model = _rm_model(request["model_path"], tokenizer).eval()
     scores = []
     with torch.no_grad():
-        for idx in chunks(list(range(data.height)), request.get("micro_batch_size", 256)):
-            scores += _rm_forward(model, [prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_token_id).tolist()
+        for idx in chunks(list(range(data.height)), request["micro_batch_size"]):
+            scores += _rm_forward(model, [prompts[i] for i in idx], [responses[i] for i in idx], model.config.pad_token_id).tolist()
     data.with_columns(pl.Series("score", scores, dtype=pl.Float64)).write_parquet(request["out_path"])
 
 
@@ -161,13 +165,13 @@ def _seq_logprobs(request, tokenizer) -> None:
 
     data = pl.read_parquet(request["data_path"])
     model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32).eval()
-    out = {}
+    prompts, out = data["prompt_token_ids"].to_list(), {}
     for side in ("chosen", "rejected"):
-        prompts, responses = _tokenize(tokenizer, data["prompt"].to_list(), data[side].to_list())
+        responses = data[f"{side}_token_ids"].to_list()
         values = []
         with torch.no_grad():
-            for idx in chunks(list(range(data.height)), request.get("micro_batch_size", 256)):
-                values += _sequence_logps(model, [prompts[i] for i in idx], [responses[i] for i in idx], tokenizer.pad_token_id).tolist()
+            for idx in chunks(list(range(data.height)), request["micro_batch_size"]):
+                values += _sequence_logps(model, [prompts[i] for i in idx], [responses[i] for i in idx], pad_id(tokenizer)).tolist()
         out[f"{side}_logp"] = pl.Series(values, dtype=pl.Float64)
     data.select("prompt_id", "pair_idx").with_columns(**out).write_parquet(request["out_path"])
 
@@ -180,8 +184,8 @@ def _dpo_train(request, tokenizer):
     from tasks.algos.preference_losses import chosen_nll, dpo_loss
 
     data = pl.read_parquet(request["data_path"])
-    pc, rc = _tokenize(tokenizer, data["prompt"].to_list(), data["chosen"].to_list())
-    pr, rr = _tokenize(tokenizer, data["prompt"].to_list(), data["rejected"].to_list())
+    pc = pr = data["prompt_token_ids"].to_list()
+    rc, rr = data["chosen_token_ids"].to_list(), data["rejected_token_ids"].to_list()
     ref_c, ref_r = torch.tensor(data["ref_chosen_logp"].to_list()), torch.tensor(data["ref_rejected_logp"].to_list())
     model = AutoModelForCausalLM.from_pretrained(request["model_path"], dtype=torch.float32)
     model.config.use_cache = False
@@ -192,7 +196,7 @@ def _dpo_train(request, tokenizer):
         for k, idx in enumerate(parts):
             # Chosen and rejected in one forward pass: (2B,) sequence logprobs.
             logps = _sequence_logps(engine, [pc[i] for i in idx] + [pr[i] for i in idx], [rc[i] for i in idx] + [rr[i] for i in idx],
-                                    tokenizer.pad_token_id)
+                                    pad_id(tokenizer))
             chosen, rejected = logps[: len(idx)], logps[len(idx) :]
             stats = dpo_loss(chosen, rejected, ref_c[idx], ref_r[idx], request["beta"])
             loss = stats.loss

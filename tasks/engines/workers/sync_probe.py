@@ -15,13 +15,21 @@ PROBE_FILE = "sync_probe.json"
 PROBE_LENGTHS = (8, 12, 16, 24)  # within every context window we train; a handful of sequences is enough
 
 
-def probe_token_ids(vocab_size: int, max_positions: int, seed: int = 0) -> list[list[int]]:
-    """Fixed pseudo-random token sequences (any ids: a logprob comparison needs no meaningful text)."""
+PROBE_TEXT = "The quick brown fox, 12+34=46; \\boxed{7} #### 8388. Question: what is 7*6? Answer: 42."
+
+
+def probe_token_ids(tokenizer, max_positions: int, seed: int = 0) -> list[list[int]]:
+    """Fixed token sequences in the model's own vocabulary: the tokenizer's encoding of a fixed text, topped up with
+    seeded random ids below the tokenizer's size (a config's vocab_size may count untrained padding rows)."""
     import torch
 
+    text_ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
     g = torch.Generator().manual_seed(seed)
-    lengths = [min(n, max_positions) for n in PROBE_LENGTHS]
-    return [torch.randint(vocab_size, (n,), generator=g).tolist() for n in lengths]
+    out = []
+    for n in (min(n, max_positions) for n in PROBE_LENGTHS):
+        filler = torch.randint(len(tokenizer), (n,), generator=g).tolist()
+        out.append((text_ids + filler)[:n] if len(out) % 2 == 0 else filler)  # half text, half random
+    return out
 
 
 def trainer_logprobs(model, token_ids: list[list[int]]) -> list[list[float]]:
@@ -34,12 +42,11 @@ def trainer_logprobs(model, token_ids: list[list[int]]) -> list[list[float]]:
                 for seq in token_ids]
 
 
-def write_probe(model, out_dir: str) -> None:
-    """Save the probe for a causal LM (a reward model has no token logprobs and gets none)."""
+def write_probe(model, tokenizer, out_dir: str) -> None:
+    """Save the probe for a causal LM (a reward model or a critic has no token logprobs and gets none)."""
     if not hasattr(model, "lm_head"):
         return
-    cfg = model.config
-    ids = probe_token_ids(cfg.vocab_size, getattr(cfg, "max_position_embeddings", 64))
+    ids = probe_token_ids(tokenizer, getattr(model.config, "max_position_embeddings", 64) or 64)
     with open(os.path.join(out_dir, PROBE_FILE), "w") as f:
         json.dump({"token_ids": ids, "logprobs": trainer_logprobs(model, ids)}, f)
 

@@ -1,7 +1,7 @@
 """Logprobs worker: old (policy before this update) and ref logprobs, and entropy, recomputed by torch.
 
 Request: policy_path, ref_path, samples_path (prompt_id, sample_idx, prompt_token_ids, token_ids), out_path,
-micro_batch_size; optional critic_path and critic_fresh (PPO). Run as a one-shot worker, or inside the resident
+micro_batch_size, dtype; optional critic_path and critic_fresh (PPO). Run as a one-shot worker, or inside the resident
 trainer (tasks/engines/workers/trainer_server.py). Writes prompt_id, sample_idx, old_logprobs,
 ref_logprobs, entropy and values (list<float32>; values null without a critic).
 """
@@ -60,11 +60,13 @@ def handle(request: dict, cache=None) -> dict:
     samples = pl.read_parquet(request["samples_path"])
     prompts = samples["prompt_token_ids"].to_list()
     responses = samples["token_ids"].to_list()
-    micro = request.get("micro_batch_size", 64)
+    micro = request["micro_batch_size"]
     policy_path, ref_path = request["policy_path"], request["ref_path"]
 
+    dtype = request["dtype"]
+
     def load_lm(path):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
     def model_at(role, path, load, frozen):  # role: the trainer engine that may hold it (None for the reference)
         kept = cache.engine_module(role, path) if cache and role else None
@@ -93,7 +95,8 @@ def handle(request: dict, cache=None) -> dict:
     values = None
     if request.get("critic_path"):
         critic_path, fresh = request["critic_path"], request.get("critic_fresh", False)
-        critic = load_critic(critic_path, True) if fresh else model_at("critic", critic_path, lambda: load_critic(critic_path, False), frozen=False)
+        critic = (load_critic(critic_path, True, dtype) if fresh
+                  else model_at("critic", critic_path, lambda: load_critic(critic_path, False, dtype), frozen=False))
         t1 = time.time()
         with eval_mode(critic):
             values = _values(critic, prompts, responses, pad_id, micro)

@@ -1,7 +1,7 @@
 """vLLM server: one resident engine answering generation jobs (rollout rounds, eval passes).
 
 Started by tasks/engines/vllm_client.py as `python -m tasks.engines.workers.vllm_generate --serve SOCKET SETTINGS`.
-A job is {prompts_path, out_path, n, temperature, top_p, max_tokens, seed}; it reads Parquet (prompt_id,
+A job is {prompts_path, out_path, n, temperature, top_p, max_tokens, seed, stop, stop_token_ids}; it reads Parquet (prompt_id,
 prompt_token_ids) and writes Parquet with one row per sample: prompt_id, sample_idx, token_ids (EOS
 included when it stopped), text, sampler_logprobs, finish_reason, truncated, length.
 No Prefect import: this runs in its own process.
@@ -9,6 +9,7 @@ No Prefect import: this runs in its own process.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -35,10 +36,19 @@ def _start_engine(request: dict):
     # collective_rpc with a function (_refresh_lm_head) pickles it to the engine's own worker process.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
+    from vllm.platforms import current_platform
 
+    extra = {}
+    if current_platform.is_cpu():
+        # A seeded request whose prefill is chunked needs its generator rewound, which vLLM-CPU cannot do ("CPU
+        # Generator does not use offset", the engine dies): keep every prompt's prefill whole, with vLLM's own token
+        # budget (4,096) unless the context is longer.
+        with open(os.path.join(request["model_path"], "config.json")) as f:
+            context = json.load(f).get("max_position_embeddings") or 0
+        extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, context)}
     return LLM(
-        model=request["model_path"], dtype=request.get("dtype", "float32"), seed=request.get("seed", 0),
-        enforce_eager=True, enable_prefix_caching=True,
+        model=request["model_path"], dtype=request["dtype"], seed=request["seed"],
+        enforce_eager=True, enable_prefix_caching=True, **extra,
     )
 
 
@@ -59,6 +69,7 @@ def _run_jobs(llm, jobs: list[dict]) -> list[dict]:
             SamplingParams(
                 n=job["n"], temperature=job["temperature"], top_p=job.get("top_p", 1.0),
                 max_tokens=job["max_tokens"], logprobs=0, seed=job["seed"] + i,
+                stop=job["stop"] or None, stop_token_ids=job["stop_token_ids"] or None,
             )
             for i in range(prompts.height)
         ]

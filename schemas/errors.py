@@ -1,0 +1,15 @@
+"""The one base class for errors a user can act on: bad input (config, data, reward code, model folder) or an engine
+that failed. The CLI prints the first line of the message and exits 1; anything else is a bug and keeps its
+traceback. Every message names what is wrong (the key, the file, the column, the row)."""
+
+
+class UserError(Exception):
+    """An error whose message is meant for the user, as one line."""
+
+
+class NotFound(UserError, FileNotFoundError):
+    """A run, stage, file or checkpoint the command needs does not exist."""
+
+
+class AlreadyExists(UserError, FileExistsError):
+    pass

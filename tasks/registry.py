@@ -1,0 +1,65 @@
+"""The one registry helper: a named family of functions (advantage estimators, objectives, aggregations, KL
+estimators, reward functions, example tasks) with per-entry capabilities, so code asks an entry what it needs
+(`needs_critic`, `keeps_prompt_state`) instead of testing its name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+from schemas.errors import UserError
+
+F = TypeVar("F", bound=Callable)
+
+
+class RegistryError(UserError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+@dataclass(frozen=True)
+class Entry(Generic[F]):
+    name: str
+    fn: F
+    capabilities: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, key: str) -> Any:
+        """A capability by attribute (`entry.needs_critic`); an undeclared one is False."""
+        if key.startswith("__"):
+            raise AttributeError(key)
+        return self.capabilities.get(key, False)
+
+
+class Registry(Generic[F]):
+    def __init__(self, family: str):
+        self.family = family
+        self._entries: dict[str, Entry[F]] = {}
+
+    def register(self, name: str, **capabilities: Any) -> Callable[[F], F]:
+        """Decorator: add `fn` under `name`; a second entry under one name is a bug, refused at import."""
+
+        def wrap(fn: F) -> F:
+            if name in self._entries:
+                raise ValueError(f"{self.family} {name!r} is registered twice")
+            self._entries[name] = Entry(name, fn, dict(capabilities))
+            return fn
+
+        return wrap
+
+    def entry(self, name: str) -> Entry[F]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise RegistryError(f"unknown {self.family} {name!r}: choose one of {', '.join(self.names())}") from None
+
+    def get(self, name: str) -> F:
+        return self.entry(name).fn
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())

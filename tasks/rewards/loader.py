@@ -1,0 +1,187 @@
+"""Reward functions by reference: a built-in name, a Python file (`path` + `function`) or a module (`module` +
+`function`), loaded the same way in the run's process and in every reward worker.
+
+The contract (README, "Write a reward function"). A per-sample function is called with keyword arguments:
+
+    prompt         the prompt as the model saw it (chat template applied), str
+    messages       the prompt as chat messages, [{"role": ..., "content": ...}, ...]
+    response       the sampled response, str (decoded, special tokens left out)
+    ground_truth   the value at data.answer_key, with its type from the dataset (None without one)
+    finish_reason  "stop" (EOS or a stop string) or "length" (cut off at max_tokens)
+    length         the response's token count
+    max_tokens     the generation limit it was sampled under
+    prompt_id      the prompt's id
+    <column>       every other column of the dataset row, untouched (nested values as dicts and lists)
+    <kwargs>       the entry's `kwargs` from the config
+
+It takes the ones it names, or all of them with **kwargs, and returns a number (bool and int count). A batched
+function (`batched: true`) gets the same names with a list per argument (the config's kwargs stay scalars) and
+returns a list of numbers, one per sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from schemas.config import REWARD_ARGUMENTS, RewardConfig
+from schemas.errors import UserError
+from tasks.rewards.builtin import BUILTIN_REWARDS
+
+
+class RewardLoadError(UserError):
+    pass
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """A picklable reference to one configured reward function (what the reward workers receive)."""
+
+    name: str
+    path: str | None = None
+    module: str | None = None
+    function: str | None = None
+    batched: bool = False
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        if self.path:
+            return f"{self.path}:{self.function or self.name}"
+        if self.module:
+            return f"{self.module}:{self.function or self.name}"
+        return "built-in"
+
+
+def specs_from_config(reward: RewardConfig) -> dict[str, FunctionSpec]:
+    return {name: FunctionSpec(name, f.path, f.module, f.function, f.batched, dict(f.kwargs)) for name, f in reward.functions.items()}
+
+
+_MODULES: dict[tuple, object] = {}
+
+
+def _module_from_file(spec: FunctionSpec):
+    path = Path(spec.path).resolve()
+    try:
+        stat = path.stat()
+    except OSError:
+        raise RewardLoadError(f"reward function {spec.name!r}: file not found: {spec.path}") from None
+    key = (str(path), stat.st_mtime_ns, stat.st_size)  # an edited file is loaded again
+    if key in _MODULES:
+        return _MODULES[key]
+    # Its folder goes last on sys.path, so a helper module next to it imports, and never shadows a real package.
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    name = f"rlpipe_rewards_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise RewardLoadError(f"reward function {spec.name!r}: {spec.path} is not a Python file")
+    module = importlib.util.module_from_spec(loader_spec)
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:  # the user's module: any error it raises on import
+        raise RewardLoadError(f"reward function {spec.name!r}: importing {spec.path} failed: {_describe(exc, spec.path)}") from None
+    _MODULES[key] = module
+    return module
+
+
+def _describe(exc: BaseException, path: str | None = None) -> str:
+    """`NameError: name 'x' is not defined (rewards.py, line 3)`: the type, the message, and where in the user's file
+    (a SyntaxError names its line itself)."""
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if path and not isinstance(exc, SyntaxError):
+        target = Path(path).resolve()
+        lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == target]
+        if lines:
+            text += f" ({target.name}, line {lines[-1]})"
+    return text[:300]
+
+
+def load_function(spec: FunctionSpec) -> Callable:
+    """The callable a spec names; a one-line RewardLoadError when the file, module or function cannot be used."""
+    if not (spec.path or spec.module):
+        return BUILTIN_REWARDS.get(spec.name)
+    if spec.path:
+        module = _module_from_file(spec)
+    else:
+        try:
+            module = importlib.import_module(spec.module)
+        except Exception as exc:  # ModuleNotFoundError, or the module's own import-time error
+            raise RewardLoadError(f"reward function {spec.name!r}: importing module {spec.module} failed: {_describe(exc)}") from None
+    attr = spec.function or spec.name
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        raise RewardLoadError(f"reward function {spec.name!r}: {spec.path or spec.module} has no function {attr!r} "
+                              f"(it defines: {', '.join(defined) or 'none'})")
+    return fn
+
+
+def accepted_arguments(fn: Callable) -> frozenset[str] | None:
+    """The keyword names `fn` takes, or None when it takes any (**kwargs)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+
+def check_signature(spec: FunctionSpec, fn: Callable, columns: set[str]) -> None:
+    """Refuse a function rlpipe cannot call: a required parameter it cannot fill, positional-only parameters, or a
+    configured kwarg the function does not take."""
+    available = set(REWARD_ARGUMENTS) | columns | set(spec.kwargs)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        raise RewardLoadError(f"reward function {spec.name!r} ({spec.where}): its signature cannot be read") from None
+    for p in params:
+        required = p.default is inspect.Parameter.empty
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and required:
+            raise RewardLoadError(f"reward function {spec.name!r} ({spec.where}): parameter {p.name!r} is positional-only; "
+                                  "rlpipe passes keyword arguments")
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and required and p.name not in available:
+            raise RewardLoadError(f"reward function {spec.name!r} ({spec.where}): rlpipe cannot fill parameter {p.name!r}; "
+                                  f"it may take {', '.join(REWARD_ARGUMENTS)}, the dataset's columns "
+                                  f"({', '.join(sorted(columns)) or 'none'}) and its kwargs")
+    accepted = accepted_arguments(fn)
+    unused = sorted(set(spec.kwargs) - accepted) if accepted is not None else []
+    if unused:
+        raise RewardLoadError(f"reward function {spec.name!r} ({spec.where}) takes no argument {unused[0]!r} (set in its kwargs)")
+
+
+def source_hash(specs: dict[str, FunctionSpec]) -> str:
+    """A hash of the code behind the functions (their whole files or modules, so a changed helper counts): part of
+    the scores fingerprint, so editing a reward and rerunning `scores` re-scores."""
+    h = hashlib.sha256()
+    for name in sorted(specs):
+        spec = specs[name]
+        h.update(f"{name}:{spec.where}:{spec.batched}".encode())
+        h.update(_source_file(spec).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _source_file(spec: FunctionSpec) -> Path:
+    if spec.path:
+        return Path(spec.path)
+    if spec.module:
+        found = importlib.util.find_spec(spec.module)
+        if found is None or not found.origin or not Path(found.origin).is_file():
+            raise RewardLoadError(f"reward function {spec.name!r}: module {spec.module} not found")
+        return Path(found.origin)
+    return Path(inspect.getsourcefile(BUILTIN_REWARDS.get(spec.name)))
+
+
+def preflight(reward: RewardConfig, columns: set[str]) -> dict[str, FunctionSpec]:
+    """Load every configured function in this process and check its signature against the dataset's columns: a
+    broken reference fails here, with one line, before any engine starts."""
+    specs = specs_from_config(reward)
+    for spec in specs.values():
+        check_signature(spec, load_function(spec), columns)
+    source_hash(specs)
+    return specs

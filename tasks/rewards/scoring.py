@@ -1,0 +1,78 @@
+"""Score rollouts with the configured reward functions: one `score_<name>` and `error_<name>` column each, the
+weighted `reward`, and a combined `error` (tasks/rewards/loader.py has the calling contract)."""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+
+from schemas.config import RewardConfig
+from schemas.errors import UserError
+from tasks.rewards.loader import specs_from_config
+from tasks.rewards.pool import score_samples
+
+
+class RewardError(UserError, ValueError):
+    pass
+
+
+def nested_value(row: dict | None, dotted: str):
+    """row["a"]["b"] for "a.b" (None where a level is missing)."""
+    value = row
+    for key in dotted.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def prompt_arguments(prompts: pl.DataFrame, answer_key: str | None) -> dict[str, dict]:
+    """prompt_id → the arguments every response to that prompt shares: the prompt (text and messages), the ground
+    truth (its type from the dataset, read from the row's columns), the id and every other dataset column."""
+    n = prompts.height
+    extras = prompts["extra"].to_list() if "extra" in prompts.columns else [None] * n
+    messages = prompts["messages"].to_list() if "messages" in prompts.columns else [None] * n
+    answers = prompts["answer"].to_list() if "answer" in prompts.columns else [None] * n
+    out = {}
+    for pid, text, msgs, answer, extra in zip(prompts["prompt_id"].to_list(), prompts["text"].to_list(), messages, answers, extras):
+        truth = nested_value(extra, answer_key) if extra is not None and answer_key else answer
+        out[pid] = {**(extra or {}), "prompt": text, "messages": msgs if msgs is not None else [{"role": "user", "content": text}],
+                    "ground_truth": truth, "prompt_id": pid}
+    return out
+
+
+def score_frame(rollouts: pl.DataFrame, prompts: pl.DataFrame, reward: RewardConfig, max_tokens: int,
+                answer_key: str | None = "answer") -> pl.DataFrame:
+    """One row per rollout: `score_<fn>` and `error_<fn>` per function, the weighted `reward`, and `error`.
+
+    Functions run in the reward pool (tasks/rewards/pool.py): one that raises or exceeds reward.timeout_s scores 0
+    for that sample with the error recorded. A non-finite score is a bug in the function: refused with its name.
+    """
+    specs = specs_from_config(reward)
+    shared = prompt_arguments(prompts, answer_key)
+    lengths = rollouts["length"].to_list() if "length" in rollouts.columns else [0] * rollouts.height
+    keys = list(zip(rollouts["prompt_id"].to_list(), rollouts["text"].to_list(), rollouts["finish_reason"].to_list(), lengths))
+    # Each distinct sample is scored once: a group's G responses to one prompt are often the same text, and a reward
+    # depends only on its arguments (math-verify on 1,024 demo responses: about 1 s, most of it repeats).
+    distinct = list(dict.fromkeys(keys))
+    samples = [{**shared[pid], "response": text, "finish_reason": reason, "length": n, "max_tokens": max_tokens}
+               for pid, text, reason, n in distinct]
+    scored = score_samples(list(specs.values()), samples, reward.timeout_s, reward.workers)
+    position = {k: i for i, k in enumerate(distinct)}
+    cols: dict[str, pl.Series] = {}
+    for name, results in scored.items():
+        for (value, _), (_, text, _, _) in zip(results, distinct):
+            if not math.isfinite(value):
+                raise RewardError(f"reward function {name!r} returned {value} for response {text[:80]!r}")
+        rows = [results[position[k]] for k in keys]
+        cols[f"score_{name}"] = pl.Series(f"score_{name}", [v for v, _ in rows], dtype=pl.Float64)
+        cols[f"error_{name}"] = pl.Series(f"error_{name}", [e for _, e in rows], dtype=pl.Utf8)
+    out = rollouts.select("iteration", "round", "prompt_id", "sample_idx").with_columns(list(cols.values()))
+    weights = {name: spec.weight for name, spec in reward.functions.items()}
+    # No functions at all is allowed: with reward.kind=model the reward model is the whole reward.
+    total = sum((pl.col(f"score_{n}") * w for n, w in weights.items()), pl.lit(0.0))
+    if weights:
+        joined = pl.concat_str([pl.col(f"error_{n}") for n in weights], separator="; ", ignore_nulls=True)
+        error = pl.when(joined == "").then(None).otherwise(joined)  # all-null joins to "", which is no error
+    else:
+        error = pl.lit(None, pl.Utf8)
+    return out.with_columns(total.cast(pl.Float64).alias("reward"), error.alias("error"))

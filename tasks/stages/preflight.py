@@ -1,0 +1,59 @@
+"""Everything that can be checked before an engine starts, so that bad input fails in seconds with one line: the
+model folder and its tokenizer, the data files (read, mapped, formatted and tokenized: the `dataset` and `sft_data`
+stages run here, and a restart skips them), the reward functions against the dataset's columns, and the context
+window. A built-in example task first writes its files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from schemas.errors import UserError
+from storage import read_stage
+from tasks.data.example_tasks import ensure_task_files
+from tasks.rewards.loader import preflight as reward_preflight
+from tasks.stages.common import load_run
+from tasks.stages.dataset import dataset_task
+from tasks.stages.sft import sft_data_task
+from tasks.stages.weights import model_fingerprint
+
+
+class ContextLengthError(UserError, ValueError):
+    pass
+
+
+def check_context(model_path: str, longest_prompt: int, max_tokens: int) -> None:
+    """Refuse a generation limit that cannot fit the model's context after the longest prompt."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    context = config.get("max_position_embeddings") or config.get("n_positions")
+    if context and longest_prompt + max_tokens > context:
+        raise ContextLengthError(f"rollout.max_tokens={max_tokens} plus the longest prompt ({longest_prompt} tokens) exceeds "
+                                 f"the model's context of {context}")
+
+
+def dataset_columns(ctx) -> set[str]:
+    """The dataset's own columns the reward functions receive (the fields of its `extra` struct)."""
+    table = read_stage(ctx.layout, "dataset", 0)
+    return {f.name for f in table.schema["extra"].fields} if "extra" in table.columns else set()
+
+
+def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", "rm"]) -> None:
+    ctx = load_run(storage_root, run_id)
+    cfg = ctx.cfg
+    if cfg.task is not None:
+        ensure_task_files(cfg.task)
+    if flow == "sft":
+        model_fingerprint(cfg.model.base_path)
+        sft_data_task.fn(storage_root, run_id)
+        return
+    model_fingerprint(cfg.model.path)
+    if cfg.reward.kind == "model":
+        model_fingerprint(cfg.reward.model_path)
+    needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None
+    if needs_prompts:
+        dataset = dataset_task.fn(storage_root, run_id)
+        reward_preflight(cfg.reward, dataset_columns(ctx))
+        check_context(cfg.model.path, dataset.extra["longest_prompt_tokens"], cfg.rollout.max_tokens)
+    if flow == "rl" and cfg.loss.ptx_coef:
+        sft_data_task.fn(storage_root, run_id, cfg.model.path)
