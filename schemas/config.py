@@ -52,9 +52,9 @@ class PromptConfig(Section):
     """How a prompt becomes the tokens the model sees; one function (tasks/data/formatting.py) serves rollouts, eval,
     SFT, DPO and reward-model training, so the trainer scores exactly what the sampler saw."""
 
-    chat_template: Literal["auto", "on", "off"] = Field(
+    chat_template: Literal["auto", "always", "never"] = Field(
         "auto", description="auto: the tokenizer's chat template (with the generation prompt) when it has one, else "
-        "`template`; on: always the chat template (an error if the tokenizer has none); off: always `template` "
+        "`template`; always: the chat template (an error if the tokenizer has none); never: `template` "
         "(base models). A prompt given as chat messages always needs the chat template.")
     system_prompt: str | None = Field(None, description="Prepended as a system message (chat), or filled into {system} (template), "
                                       "unless the prompt's messages already start with one.")
@@ -192,7 +192,9 @@ class RolloutConfig(Section):
     max_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    kv_cache_gib: float = Field(1.0, gt=0)
+    kv_cache_gib: float = Field(1.0, gt=0)  # vLLM-CPU's KV cache (GiB); on a GPU, gpu_memory_utilization sizes it
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description="vLLM's share of GPU memory (weights, "
+                                          "activations, KV cache); the rest is the colocated DeepSpeed trainer's.")
     # After every weight sync the sampler's logprobs on the checkpoint's probe sequences are compared with the
     # trainer's; a larger mean gap stops the run (fp32 on CPU measures ~1e-7; bf16 samplers need more room).
     max_sync_logprob_gap: float = Field(1e-2, gt=0)

@@ -238,3 +238,24 @@ def test_adaptive_kl_controller_hand_values():
     # KL 0.09: error −0.1 → β·(1 − 0.1·0.0512)
     assert adapt_beta(0.04, 0.09, 0.1, 512, 10_000) == pytest.approx(0.04 * (1 - 0.00512))
     assert adapt_beta(0.04, 0.1, 0.1, 512, 10_000) == pytest.approx(0.04)
+
+
+def test_truncated_importance_sampling_weights_the_policy_term_only():
+    from tasks.algos.losses import tis_weights
+
+    # π_old/π_sampler = e^{old − sampler}: 0.5 → e^0.5 = 1.6487; 1.0 → e^1 = 2.718, capped at 2; −0.5 → 0.6065.
+    old, sampler = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-1.5, -2.0, -0.5]])
+    w = tis_weights(old, sampler, 2.0)
+    assert w.tolist()[0] == pytest.approx([math.exp(0.5), 2.0, math.exp(-0.5)], abs=1e-6)
+    logp = torch.tensor([[-0.9, -1.1, -1.0]], requires_grad=True)
+    adv, mask, ref = torch.tensor([[1.0, -1.0, 0.5]]), torch.ones(1, 3), torch.tensor([[-1.2, -1.2, -1.2]])
+    norm = MinibatchNorm(tokens=3.0, sequences=1.0)
+    s = PolicyLossSettings(kl_beta=0.1)
+    weighted, _ = policy_loss(logp, old, ref, adv, mask, norm, s, token_weights=w)
+    plain, _ = policy_loss(logp, old, ref, adv, mask, norm, s)
+    pg, _, _ = clip_objective(logp, old, adv, mask, ClipSettings())
+    kl = 0.1 * KL_ESTIMATORS["k3"](logp, ref)
+    # By hand: token-mean of w·ℓ_pg + β·k3 (the KL term is not reweighted).
+    assert weighted.item() == pytest.approx(((w * pg + kl).sum() / 3).item(), abs=1e-6)
+    assert plain.item() == pytest.approx(((pg + kl).sum() / 3).item(), abs=1e-6)
+    assert tis_weights(old, old, 2.0).tolist() == [[1.0, 1.0, 1.0]]  # sampler = trainer: no correction

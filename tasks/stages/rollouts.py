@@ -32,7 +32,8 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
     outs = [scratch_file(ctx, f"{log_name}.out{i}.parquet") for i in range(len(jobs))]
     engine = resident_engine(
         ctx.layout.run_id, ctx.layout.log_path("vllm"),
-        {"kv_cache_gib": ctx.cfg.rollout.kv_cache_gib, "seed": ctx.cfg.seed, "dtype": ctx.cfg.model.dtype},
+        {"kv_cache_gib": ctx.cfg.rollout.kv_cache_gib, "gpu_memory_utilization": ctx.cfg.rollout.gpu_memory_utilization,
+         "seed": ctx.cfg.seed, "dtype": ctx.cfg.model.dtype},
     )
     resp = engine.generate(model_path, [{**j, "prompts_path": str(inp), "out_path": str(o)} for j, o in zip(jobs, outs)])
     gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap

@@ -46,6 +46,8 @@ def _start_engine(request: dict):
         with open(os.path.join(request["model_path"], "config.json")) as f:
             context = json.load(f).get("max_position_embeddings") or 0
         extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, context)}
+    else:  # a GPU shared with the resident trainer: vLLM takes only its share
+        extra = {"gpu_memory_utilization": request["gpu_memory_utilization"]}
     return LLM(
         model=request["model_path"], dtype=request["dtype"], seed=request["seed"],
         enforce_eager=True, enable_prefix_caching=True, **extra,
