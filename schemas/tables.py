@@ -135,10 +135,11 @@ ADVANTAGES = _table(
 )
 
 # DCPO's per-prompt history after an iteration: an immutable snapshot per iteration (n steps seen, the
-# cumulative mean and std of the prompt's rewards, each step counted once).
+# cumulative mean and std of the prompt's rewards, each step counted once, and the lowest and highest reward ever
+# seen, which say exactly whether the rewards ever differed).
 PROMPT_STATS = _table(
-    "prompt_stats", 1,
-    {"prompt_id": STR, "n": I32, "mean": F64, "std": F64, "last_iteration": I32},
+    "prompt_stats", 2,
+    {"prompt_id": STR, "n": I32, "mean": F64, "std": F64, "reward_min": F64, "reward_max": F64, "last_iteration": I32},
     unique=("prompt_id",),
 )
 

@@ -184,7 +184,8 @@ def test_dcpo_smooth_advantage_over_three_steps_of_one_prompt():
     step1 = frame({"p": [1, 0, 0, 0]})
     assert compute_advantages(step1, "dcpo", S, history)["advantage"].to_list() == pytest.approx([1.5, -0.5, -0.5, -0.5])
     history = update_prompt_stats(history, step1, 1)
-    assert history.row(0, named=True) == {"prompt_id": "p", "n": 1, "mean": 0.25, "std": 0.5, "last_iteration": 1}
+    assert history.row(0, named=True) == {"prompt_id": "p", "n": 1, "mean": 0.25, "std": 0.5, "reward_min": 0.0, "reward_max": 1.0,
+                                           "last_iteration": 1}
     # Step 2, identical rewards [0,0,0,0]: A_new = 0; μ_c = 0.125, σ_c² = (0.25 + 0 + ½·0.25²)/2 = 0.140625
     # (σ_c = 0.375), A_cum = −0.125/0.375 = −1/3; w = ½ → S1 = S2 = −1/6. The group still trains.
     step2 = frame({"p": [0, 0, 0, 0]})
@@ -205,19 +206,22 @@ def loop_dcpo(steps):
         for p, rewards in groups.items():
             mu_new = statistics.mean(rewards)
             sigma_new = 0.0 if len(rewards) < 2 or max(rewards) == min(rewards) else statistics.stdev(rewards)
-            n, mu_c, sigma_c = state.get(p, (0, 0.0, 0.0))
+            n, mu_c, sigma_c, seen = state.get(p, (0, 0.0, 0.0, set()))
+            seen = seen | set(rewards)
             if n == 0:
                 mu_c, sigma_c = mu_new, sigma_new
             else:
                 var = (n * sigma_c**2 + sigma_new**2 + n / (n + 1) * (mu_new - mu_c) ** 2) / (n + 1)
                 mu_c, sigma_c = (n * mu_c + mu_new) / (n + 1), math.sqrt(var)
+            if len(seen) == 1:  # rewards that never differed: σ_c = 0 exactly (DESIGN §5)
+                mu_c, sigma_c = rewards[0], 0.0
             w = 1 / (n + 1)
             for r in rewards:
                 a_new = (r - mu_new) / sigma_new if sigma_new > 0 else 0.0
                 a_cum = (r - mu_c) / sigma_c if sigma_c > 0 else 0.0
                 s1, s2 = w * a_cum + (1 - w) * a_new, w * a_new + (1 - w) * a_cum
                 out.append(s1 if abs(s1) <= abs(s2) else s2)
-            state[p] = (n + 1, mu_c, sigma_c)
+            state[p] = (n + 1, mu_c, sigma_c, seen)
     return out
 
 
@@ -265,3 +269,28 @@ def test_effective_token_weights_match_a_loop(aggregation):
     assert table == pytest.approx({k: statistics.mean(v) for k, v in buckets.items()})
     assert got["nonzero_fraction"] == pytest.approx(sum(a != 0 for a in advs) / b)
     assert got["corr_grpo"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("reward", [0.1, 0.7, 1 / 3, 2.5])
+def test_dcpo_gives_a_constant_fractional_reward_advantage_zero_over_many_steps(reward):
+    """The running mean of a constant fractional reward picks up rounding error; before the fix σ_c came out near
+    1e-17 instead of 0 and the advantage was a ratio of rounding errors (−0.47 at step 6 for 0.7)."""
+    history = empty_prompt_stats()
+    for step in range(1, 31):
+        df = frame({"p": [reward] * 4, "q": [0.0, 1.0, 0.0, 1.0]})
+        out = compute_advantages(df, "dcpo", S, history)
+        assert out.filter(pl.col("prompt_id") == "p")["advantage"].to_list() == [0.0] * 4, step
+        history = update_prompt_stats(history, df, step)
+    row = history.filter(pl.col("prompt_id") == "p").row(0, named=True)
+    assert row["std"] == 0.0 and row["mean"] == reward and row["reward_min"] == row["reward_max"] == reward
+
+
+@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
+def test_one_rule_for_a_non_finite_reward_whatever_the_estimator(estimator):
+    from tasks.algos.advantages import AdvantageInputError
+
+    df = frame({"a": [1.0, 0.0], "b": [math.nan, 1.0]})
+    if estimator == "gae":
+        df = df.with_columns(pl.Series("values", [[0.0]] * 4, dtype=pl.List(pl.Float32)))
+    with pytest.raises(AdvantageInputError, match="prompt 'b' has a non-finite reward"):
+        compute_advantages(df, estimator, S, empty_prompt_stats())

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import polars as pl
 
+from schemas.errors import UserError
 from schemas.tables import PROMPT_STATS
 from tasks.algos.token_lists import flat_lists, from_flat, offsets_of
 
@@ -198,31 +199,42 @@ def empty_prompt_stats() -> pl.DataFrame:
 
 
 def step_stats(df: pl.DataFrame) -> pl.DataFrame:
-    """This step's μ_new, σ_new per prompt (σ unbiased; 0 for all-equal or single-sample groups)."""
-    stats = df.group_by(KEY, maintain_order=True).agg(_group_aggregations())
-    return stats.select(KEY, pl.col("_g_mean").alias("mu_new"), pl.col("_g_std").alias("sigma_new"))
+    """This step's μ_new, σ_new per prompt (σ unbiased; 0 for all-equal or single-sample groups), and its extremes."""
+    stats = df.group_by(KEY, maintain_order=True).agg(
+        *_group_aggregations(), pl.col("reward").min().alias("_g_min"), pl.col("reward").max().alias("_g_max"))
+    return stats.select(KEY, pl.col("_g_mean").alias("mu_new"), pl.col("_g_std").alias("sigma_new"), "_g_min", "_g_max")
 
 
 def cumulative_stats(step: pl.DataFrame, history: pl.DataFrame) -> pl.DataFrame:
-    """Join the history (n earlier steps, μ_c, σ_c) and fold this step in; each step counts once.
+    """Join the history (n earlier steps, μ_c, σ_c, the reward extremes) and fold this step in; each step counts once.
 
     n = 0: μ_c, σ_c := μ_new, σ_new. Otherwise μ_c := (n·μ_c + μ_new)/(n+1) and
     σ_c² := (n·σ_c² + σ_new² + n/(n+1)·(μ_new − μ_c_old)²)/(n+1).
+    A prompt whose rewards never differed has σ_c = 0 and μ_c = that reward, exactly: with a fractional reward the
+    running mean picks up rounding error (0.6999999999999998 for 0.7), σ_c comes out near 1e-17 instead of 0, and
+    (r − μ_c)/σ_c would be a ratio of rounding errors (about ±0.5 after a few steps).
     """
-    j = step.join(history.select(KEY, "n", "mean", "std"), on=KEY, how="left").with_columns(pl.col("n").fill_null(0))
+    j = step.join(history.select(KEY, "n", "mean", "std", "reward_min", "reward_max"), on=KEY, how="left").with_columns(
+        pl.col("n").fill_null(0))
     n = pl.col("n").cast(pl.Float64)
     first = pl.col("n") == 0
+    low = pl.when(first).then(pl.col("_g_min")).otherwise(pl.min_horizontal("reward_min", "_g_min"))
+    high = pl.when(first).then(pl.col("_g_max")).otherwise(pl.max_horizontal("reward_max", "_g_max"))
     mu = pl.when(first).then(pl.col("mu_new")).otherwise((n * pl.col("mean") + pl.col("mu_new")) / (n + 1))
     var = (n * pl.col("std") ** 2 + pl.col("sigma_new") ** 2 + n / (n + 1) * (pl.col("mu_new") - pl.col("mean")) ** 2) / (n + 1)
     sigma = pl.when(first).then(pl.col("sigma_new")).otherwise(var.sqrt())
-    return j.with_columns(mu.alias("mu_c"), sigma.alias("sigma_c")).drop("mean", "std")
+    constant = low == high
+    return j.with_columns(
+        pl.when(constant).then(low).otherwise(mu).alias("mu_c"), pl.when(constant).then(0.0).otherwise(sigma).alias("sigma_c"),
+        low.alias("low"), high.alias("high"),
+    ).drop("mean", "std", "reward_min", "reward_max", "_g_min", "_g_max")
 
 
 def update_prompt_stats(history: pl.DataFrame, df: pl.DataFrame, iteration: int) -> pl.DataFrame:
     """The next immutable snapshot: this step's prompts updated, every other prompt carried over."""
     cum = cumulative_stats(step_stats(df), history).select(
         KEY, (pl.col("n") + 1).cast(pl.Int32).alias("n"), pl.col("mu_c").alias("mean"), pl.col("sigma_c").alias("std"),
-        pl.lit(iteration, pl.Int32).alias("last_iteration"),
+        pl.col("low").alias("reward_min"), pl.col("high").alias("reward_max"), pl.lit(iteration, pl.Int32).alias("last_iteration"),
     )
     kept = history.join(cum.select(KEY), on=KEY, how="anti")
     return pl.concat([kept, cum]).sort(KEY)
@@ -241,7 +253,7 @@ def dcpo(df: pl.DataFrame, s: AdvantageSettings, history: pl.DataFrame | None = 
     w = 1.0 / (pl.col("n").cast(pl.Float64) + 1.0)
     s1, s2 = w * a_cum + (1 - w) * a_new, w * a_new + (1 - w) * a_cum
     adv = pl.when(s1.abs() <= s2.abs()).then(s1).otherwise(s2)
-    out = j.with_columns(adv.alias("advantage")).drop("mu_new", "sigma_new", "n", "mu_c", "sigma_c")
+    out = j.with_columns(adv.alias("advantage")).drop("mu_new", "sigma_new", "n", "mu_c", "sigma_c", "low", "high")
     return to_tokens(out, s)
 
 
@@ -272,7 +284,17 @@ def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
                            pl.Series("advantage", first))
 
 
+class AdvantageInputError(UserError, ValueError):
+    pass
+
+
 def compute_advantages(df: pl.DataFrame, estimator: str, s: AdvantageSettings, history: pl.DataFrame | None = None) -> pl.DataFrame:
+    """The one entry point of every estimator. One rule for non-finite rewards, whatever the estimator: refused,
+    naming the prompt (each estimator would spread a NaN differently: a group, a batch, every token)."""
+    bad = df.filter(~pl.col("reward").is_finite() | pl.col("reward").is_null()).head(1)
+    if bad.height:
+        raise AdvantageInputError(f"advantages: prompt {bad['prompt_id'][0]!r} has a non-finite reward ({bad['reward'][0]}); "
+                                  "rewards must be finite numbers")
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}")
     return ADVANTAGE_ESTIMATORS[estimator](df, s, history)

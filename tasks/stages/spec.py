@@ -1,0 +1,60 @@
+"""A stage, declared once: the table it writes (its name), the tables it reads, the config sections its body may
+read, and how often it runs. Each stage module declares its own `SPEC`; tasks/stages/graph.py lists them in order.
+
+The sections are the stage's whole view of the config: `load_run(..., spec)` hands the stage a `SectionView` that
+refuses any other section, so a setting a stage reads is always in its fingerprint (a stage that read
+`rollout.max_tokens` without declaring `rollout` was once never recomputed when it changed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from schemas.config import RunConfig
+
+# Fields of the config that are not sections: every stage may read them (the seed is in every fingerprint).
+GLOBAL_FIELDS = ("seed", "storage_root")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str  # the table it writes
+    reads: tuple[str, ...]  # the tables it reads
+    sections: tuple[str, ...]  # the config sections it reads (its fingerprint covers exactly these)
+    scope: Literal["run", "iteration", "round"]  # once per run (iteration 0), per iteration, or per sampling round
+    also_writes: tuple[str, ...] = ()  # further tables (advantages writes prompt_stats) or files (checkpoints)
+    aliases: tuple[str, ...] = ()  # other names `rlpipe rerun --stage` accepts (optimize for train_metrics)
+    recompute: Callable[[str, str, int], object] | None = field(default=None, compare=False)  # rerun from cached inputs
+
+    def __post_init__(self):
+        unknown = set(self.sections) - set(RunConfig.model_fields) - set(GLOBAL_FIELDS)
+        if unknown:
+            raise ValueError(f"stage {self.name!r} declares unknown config sections {sorted(unknown)}")
+
+
+class UndeclaredSection(AttributeError):
+    """A stage read a config section it did not declare: its fingerprint would miss that setting."""
+
+
+class SectionView:
+    """The config as one stage may see it: its declared sections and the global fields; anything else raises.
+    Properties of the config (`uses_critic`) are evaluated on the view, so what they read is checked too."""
+
+    def __init__(self, cfg: RunConfig, spec: StageSpec):
+        object.__setattr__(self, "_cfg", cfg)
+        object.__setattr__(self, "_spec", spec)
+
+    def __getattr__(self, name: str):
+        cfg, spec = self._cfg, self._spec
+        if name in RunConfig.model_fields and name not in spec.sections and name not in GLOBAL_FIELDS:
+            raise UndeclaredSection(f"stage {spec.name!r} read config section {name!r}, which it does not declare")
+        attr = getattr(type(cfg), name, None)
+        if isinstance(attr, property):
+            return attr.fget(self)
+        if callable(attr) and name == "section_hash":
+            return cfg.section_hash
+        return getattr(cfg, name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("the config is read-only")
