@@ -1,0 +1,84 @@
+"""Prompt formatting, in one place: a prompt (a string, or chat messages) becomes the text and the token ids the
+model sees. Rollouts, eval, SFT, DPO and reward-model training all call `PromptFormatter`, so the trainer scores
+exactly the tokens the sampler was given.
+
+- Chat: the tokenizer's own chat template with the generation prompt (`apply_chat_template(...,
+  add_generation_prompt=True)`), tokenized without adding special tokens again (the template writes them).
+- Template (base models): `prompt.template` filled in, tokenized with the tokenizer's special tokens (its BOS).
+- A response is its tokens plus EOS when it ended by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas.config import PromptConfig
+from schemas.errors import UserError
+
+
+class FormattingError(UserError, ValueError):
+    pass
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a model folder, with a one-line error when there is none."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FormattingError(f"model folder {path} does not exist or has no config.json")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises OSError, ValueError or its own types for a missing tokenizer
+        raise FormattingError(f"model folder {path} has no usable tokenizer: {str(exc).splitlines()[0][:200]}") from None
+
+
+def pad_id(tokenizer) -> int:
+    """The id that fills padding: the pad token, else EOS (stock GPT-2 and many Llama tokenizers have no pad token;
+    padded positions are masked out, so any id works), else 0."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+@dataclass(frozen=True)
+class FormattedPrompt:
+    text: str  # what the model sees, as text
+    token_ids: list[int]
+    messages: list[dict]  # the prompt as chat messages (a plain prompt is one user message)
+
+
+class PromptFormatter:
+    def __init__(self, tokenizer, cfg: PromptConfig):
+        self.tokenizer, self.cfg = tokenizer, cfg
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if cfg.chat_template == "always" and not has_template:
+            raise FormattingError("prompt.chat_template=always but the tokenizer has no chat template")
+        self.chat = has_template if cfg.chat_template == "auto" else cfg.chat_template == "always"
+
+    def messages(self, prompt: str | list[dict]) -> list[dict]:
+        """The prompt as messages, with the configured system prompt first unless it has its own."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if self.cfg.system_prompt and (not messages or messages[0]["role"] != "system"):
+            messages.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        return messages
+
+    def __call__(self, prompt: str | list[dict]) -> FormattedPrompt:
+        messages = self.messages(prompt)
+        if self.chat:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            if not isinstance(prompt, str):
+                raise FormattingError("a prompt given as chat messages needs a chat template, and "
+                                      + ("the tokenizer has none" if self.cfg.chat_template == "auto" else "prompt.chat_template is never"))
+            text = self.cfg.template.format(prompt=prompt, system=self.cfg.system_prompt or "")
+            ids = self.tokenizer(text)["input_ids"]
+        return FormattedPrompt(text, list(ids), messages)
+
+    def response_ids(self, response: str, ended: bool = True) -> list[int]:
+        """A response's tokens, plus EOS when it ended by itself (what the sampler emits)."""
+        ids = self.tokenizer(response, add_special_tokens=False)["input_ids"]
+        return list(ids) + ([self.tokenizer.eos_token_id] if ended and self.tokenizer.eos_token_id is not None else [])
