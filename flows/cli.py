@@ -188,7 +188,7 @@ def compare_advantages_cmd(
 def rerun(
     run_id: str,
     iteration: int = typer.Option(..., "--iteration"),
-    stage: str = typer.Option(..., "--stage", help="rollouts, scores, batch, logprobs, advantages or optimize."),
+    stage: str = typer.Option(..., "--stage", help="The stage to recompute, by its table's name (optimize: train_metrics)."),
     overrides: Optional[list[str]] = SetOpt,
     fork: Optional[str] = typer.Option(None, "--fork", help="Write to a new run that shares the upstream data."),
     root: str = typer.Option("runs", "--root"),

@@ -22,19 +22,20 @@ from pathlib import Path
 from schemas.config import ConfigError
 from schemas.errors import AlreadyExists, NotFound
 
-# Data order within one iteration; eval reads the iteration's checkpoint (written with train_metrics).
-ITERATION_STAGES = ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages", "prompt_stats", "train_metrics", "eval")
-# prompts is not here: re-drawing prompts is a new run.
-RERUNNABLE = ("rollouts", "scores", "batch", "logprobs", "advantages", "optimize")
+
+def _stages():
+    from tasks.stages import graph  # the stage graph: the only list of stages (imports every stage module)
+
+    return graph
 
 
 def _stage_table(stage: str) -> str:
-    return "train_metrics" if stage == "optimize" else stage
+    return _stages().stage(stage).name
 
 
 def downstream_of(stage: str) -> set[str]:
     """The tables of the same iteration that `stage` and everything after it write."""
-    return set(ITERATION_STAGES[ITERATION_STAGES.index(_stage_table(stage)):])  # advantages also writes prompt_stats
+    return set(_stages().downstream_tables(stage))
 
 
 def stale_stages(layout, stage: str, iteration: int) -> list[tuple[str, int]]:
@@ -109,45 +110,14 @@ def fork(src_layout, dst_layout, stage: str, iteration: int) -> int:
     return linked
 
 
-def _manifest(layout, stage: str, iteration: int) -> dict:
-    from storage import read_manifest
-
-    m = read_manifest(layout, stage, iteration)
-    if m is None:
-        raise NotFound(f"run {layout.run_id!r} has no complete {stage} for iteration {iteration}")
-    return m
-
-
 def recompute(root: str, run_id: str, stage: str, iteration: int):
-    """Run one stage's task body on its cached inputs (their fingerprints come from their manifests)."""
-    from storage import RunLayout
-    from tasks.stages.advantages import advantages_task
-    from tasks.stages.batch import batch_task
-    from tasks.stages.logprobs import logprobs_task
-    from tasks.stages.optimize import optimize_task
-    from tasks.stages.rollouts import release_engines_task, rollouts_task
-    from tasks.stages.scores import scores_task
+    """Run one stage's task body on its cached inputs (their fingerprints come from their manifests): the stage
+    declares how (its SPEC.recompute)."""
+    return _stages().stage(stage).recompute(root, run_id, iteration)
 
-    layout = RunLayout(Path(root), run_id)
-    fp = lambda s: _manifest(layout, s, iteration)["fingerprint"]  # noqa: E731
-    part_fps = lambda s: [p["fingerprint"] for p in _manifest(layout, s, iteration)["parts"]]  # noqa: E731
-    if stage == "rollouts":
-        try:
-            return [rollouts_task.fn(root, run_id, iteration, r, f) for r, f in enumerate(part_fps("prompts"))]
-        finally:
-            release_engines_task.fn()
-    if stage == "scores":
-        return [scores_task.fn(root, run_id, iteration, r, f) for r, f in enumerate(part_fps("rollouts"))]
-    if stage == "batch":
-        fps = part_fps("scores")
-        return batch_task.fn(root, run_id, iteration, len(fps) - 1, fps)
-    if stage == "logprobs":
-        return logprobs_task.fn(root, run_id, iteration, fp("batch"))
-    if stage == "advantages":
-        return advantages_task.fn(root, run_id, iteration, fp("logprobs"), fp("batch"))
-    if stage == "optimize":
-        return optimize_task.fn(root, run_id, iteration, fp("advantages"), fp("logprobs"))
-    raise ConfigError(f"cannot rerun stage {stage!r}: choose one of {', '.join(RERUNNABLE)}")
+
+def _rerunnable() -> list[str]:
+    return [name for s in _stages().rerunnable() for name in (s.name, *s.aliases)]
 
 
 def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id: str | None, root: str) -> dict:
@@ -157,8 +127,8 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
     from storage import RunLayout, read_manifest, write_json_atomic
     from storage.stage_io import write_bytes_atomic
 
-    if stage not in RERUNNABLE:
-        raise ConfigError(f"cannot rerun stage {stage!r}: choose one of {', '.join(RERUNNABLE)}")
+    if stage not in _rerunnable():
+        raise ConfigError(f"cannot rerun stage {stage!r}: choose one of {', '.join(_rerunnable())}")
     src = RunLayout(Path(root), run_id)
     if not src.config_path.exists():
         raise NotFound(f"run {run_id!r} not found under {root}")

@@ -403,7 +403,9 @@ class RunConfig(Section):
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage.estimator == "gae"
+        from tasks.algos.advantages import ADVANTAGE_ESTIMATORS
+
+        return ADVANTAGE_ESTIMATORS.entry(self.advantage.estimator).needs_critic
 
     def section_hash(self, *sections: str) -> str:
         """A stable hash of some sections: part of a stage's fingerprint."""

@@ -55,6 +55,8 @@ class Registry(Generic[F]):
     def get(self, name: str) -> F:
         return self.entry(name).fn
 
+    __getitem__ = get
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

@@ -2,12 +2,15 @@
 checkpoint it wrote, resumed with its own optimizer state and the same settings. The engines here are plain
 objects: the rule is pure bookkeeping over files (the e2e PPO test checks a reused engine against a fresh one)."""
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
+from schemas.requests import EngineSettings
 from tasks.engines.workers.engine_cache import EngineCache, write_state_id
 
-SETTINGS = {"zero_stage": 1, "lr": 1e-4}
+SETTINGS = EngineSettings(zero_stage=1, lr=1e-4, weight_decay=0.0, grad_clip=1.0, micro_batch_size=64, dtype="float32",
+                          gradient_checkpointing=False)
 
 
 def checkpoint_with_engine(tmp_path, cache, name="iter=1"):
@@ -38,7 +41,7 @@ def test_any_other_state_is_loaded_from_disk(tmp_path):
     ckpt, _ = checkpoint_with_engine(tmp_path, cache, "iter=2")
     assert cache.take_engine("policy", ckpt, None, SETTINGS) is None  # a fresh optimizer was asked for
     ckpt, _ = checkpoint_with_engine(tmp_path, cache, "iter=3")
-    assert cache.take_engine("policy", ckpt, os.path.join(ckpt, "ds_state"), {**SETTINGS, "lr": 2e-4}) is None
+    assert cache.take_engine("policy", ckpt, os.path.join(ckpt, "ds_state"), dataclasses.replace(SETTINGS, lr=2e-4)) is None
     ckpt, _ = checkpoint_with_engine(tmp_path, cache, "iter=4")
     write_state_id(ckpt)  # the folder was rewritten by another trainer (a rerun, a resumed run)
     assert cache.take_engine("policy", ckpt, os.path.join(ckpt, "ds_state"), SETTINGS) is None

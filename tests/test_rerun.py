@@ -8,8 +8,9 @@ import polars as pl
 from flows.rerun import affected, fork, supersede
 from storage import RunLayout, write_stage
 from tasks.analysis.run_diff import diff_frames
+from tasks.stages.graph import RL_ITERATION
 
-STAGES = ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages", "train_metrics", "eval")
+STAGES = tuple(s.name for s in RL_ITERATION if s.name != "prompt_stats")  # prompt_stats exists only under dcpo
 
 
 def fake_run(tmp_path, iterations=3) -> RunLayout:

@@ -7,6 +7,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from tasks.data.model_recipe import init_model
 from tasks.engines.vllm_client import ResidentEngine
 from tasks.engines.workers.sync_probe import mean_abs_gap, probe_token_ids, trainer_logprobs, write_probe
@@ -49,13 +50,14 @@ def test_sync_in_place_matches_the_trainer(tmp_path, tied):
     prompts = tmp_path / "prompts.parquet"
     pl.DataFrame({"prompt_id": ["a", "b"], "prompt_token_ids": [[1, 7, 8], [1, 9, 10, 11]]},
                  schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)}).write_parquet(prompts)
-    job = {"prompts_path": str(prompts), "out_path": str(tmp_path / "out.parquet"), "n": 2, "temperature": 1.0,
-           "max_tokens": 4, "seed": 0, "stop": [], "stop_token_ids": []}
-    engine = ResidentEngine(tmp_path / "vllm.log", {"kv_cache_gib": 1, "seed": 0})
+    job = GenerationJob(str(prompts), str(tmp_path / "out.parquet"), n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0,
+                        stop=(), stop_token_ids=())
+    engine = ResidentEngine(tmp_path / "vllm.log")
+    settings = VLLMSettings(str(before), "float32", 0, kv_cache_gib=1, gpu_memory_utilization=0.5)
     try:
-        first = engine.generate(str(before), [job])
+        first = engine.generate(GenerateRequest(str(before), (job,)), settings)
         assert first["engine_start_seconds"] > 0 and first["sync_logprob_gap"] < 1e-3
-        synced = engine.generate(str(after), [job])
+        synced = engine.generate(GenerateRequest(str(after), (job,)), settings)
     finally:
         engine.close()
     assert synced["engine_start_seconds"] == 0  # the same engine: synced, not restarted

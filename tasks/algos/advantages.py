@@ -24,7 +24,9 @@ import polars as pl
 
 from schemas.errors import UserError
 from schemas.tables import PROMPT_STATS
+from tasks.algos.kl import kl_expr
 from tasks.algos.token_lists import flat_lists, from_flat, offsets_of
+from tasks.registry import Registry
 
 KEY = "prompt_id"
 TOKEN_LISTS = pl.List(pl.Float32)
@@ -40,15 +42,10 @@ class AdvantageSettings:
 
 
 Estimator = Callable[[pl.DataFrame, AdvantageSettings, "pl.DataFrame | None"], pl.DataFrame]
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
-
-
-def register(name: str):
-    def wrap(fn: Estimator) -> Estimator:
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return wrap
+# Capabilities: needs_critic (reads the critic's values per token), keeps_prompt_state (reads and writes the
+# prompt_stats history).
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+register = ADVANTAGE_ESTIMATORS.register
 
 
 # ---- Group statistics ------------------------------------------------------------------------------------
@@ -101,16 +98,6 @@ def _finite(expr: pl.Expr) -> pl.Expr:
 # ---- Token-level helpers (long format: one row per response token) ---------------------------------------
 
 
-def _kl_expr(estimator: str) -> pl.Expr:
-    """KL(π_old ‖ π_ref) estimate per token from the lists exploded into rows (k3+ has k3's value)."""
-    lr = pl.col("old_logprobs").cast(pl.Float64) - pl.col("ref_logprobs").cast(pl.Float64)
-    if estimator == "k1":
-        return lr
-    if estimator == "k2":
-        return 0.5 * lr * lr
-    return (-lr).exp() - 1.0 + lr  # k3 and k3+
-
-
 def explode_tokens(df: pl.DataFrame, lists: list[str], keep: tuple[str, ...] = ()) -> pl.DataFrame:
     """One row per response token: the `lists` columns exploded, the `keep` columns repeated, plus `_seq`
     (row of df), `_t` (position) and `_T` (response length)."""
@@ -148,7 +135,7 @@ def to_tokens(df: pl.DataFrame, s: AdvantageSettings, whiten_tokens: bool = Fals
         return df.with_columns(from_flat("token_advantages", flat, offsets), from_flat("returns", flat, offsets))
     if s.kl_beta:
         long = explode_tokens(df, ["old_logprobs", "ref_logprobs"], keep=("advantage",))
-        penalty = (-s.kl_beta * _kl_expr(s.kl_estimator)).alias("_pen")
+        penalty = (-s.kl_beta * kl_expr(s.kl_estimator)).alias("_pen")
         long = long.with_columns(penalty).with_columns((pl.col("advantage") + pl.col("_pen").cum_sum(reverse=True).over("_seq")).alias("_a"))
     else:
         long = explode_tokens(df.with_columns(pl.col("advantage").repeat_by(pl.col("length")).alias("_a")), ["_a"])
@@ -240,7 +227,7 @@ def update_prompt_stats(history: pl.DataFrame, df: pl.DataFrame, iteration: int)
     return pl.concat([kept, cum]).sort(KEY)
 
 
-@register("dcpo")
+@register("dcpo", keeps_prompt_state=True)
 def dcpo(df: pl.DataFrame, s: AdvantageSettings, history: pl.DataFrame | None = None) -> pl.DataFrame:
     """DCPO: A_new from this group, A_cum from the prompt's cumulative stats, blended both ways with
     w = 1/(n+1); the blend with the smaller |·| wins. An all-equal group still trains when the prompt's
@@ -260,7 +247,7 @@ def dcpo(df: pl.DataFrame, s: AdvantageSettings, history: pl.DataFrame | None = 
 # ---- GAE (PPO) --------------------------------------------------------------------------------------------
 
 
-@register("gae")
+@register("gae", needs_critic=True)
 def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     """Token rewards R_t = −β·kl_t, plus r on the last token; δ_t = R_t + γ·V_{t+1} − V_t (V_{T+1} = 0);
     A_t = δ_t + γλ·A_{t+1}; returns = A + V; then A is whitened over the batch's response tokens.
@@ -275,7 +262,7 @@ def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
             flat[col], col_offsets = flat_lists(df[col])
             if not np.array_equal(col_offsets, offsets):
                 raise ValueError(f"gae: {col} and values have different lengths in some response")
-        penalty = pl.DataFrame(flat).select(-s.kl_beta * _kl_expr(s.kl_estimator)).to_series().to_numpy()
+        penalty = pl.DataFrame(flat).select(-s.kl_beta * kl_expr(s.kl_estimator)).to_series().to_numpy()
     advantages, returns = gae_flat(values, offsets, df["reward"].to_numpy(), penalty, s.gamma, s.lam, s.eps)
     nonempty = offsets[1:] > offsets[:-1]
     first = np.zeros(df.height)
@@ -295,6 +282,4 @@ def compute_advantages(df: pl.DataFrame, estimator: str, s: AdvantageSettings, h
     if bad.height:
         raise AdvantageInputError(f"advantages: prompt {bad['prompt_id'][0]!r} has a non-finite reward ({bad['reward'][0]}); "
                                   "rewards must be finite numbers")
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}")
-    return ADVANTAGE_ESTIMATORS[estimator](df, s, history)
+    return ADVANTAGE_ESTIMATORS.get(estimator)(df, s, history)

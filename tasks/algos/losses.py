@@ -1,51 +1,18 @@
-"""Pure torch math for the policy update: KL estimators, policy objectives and loss aggregations.
+"""Pure torch math for the policy update: policy objectives and loss aggregations (KL estimators: tasks/algos/kl.py).
 
-Three registries, each keyed by the config's Literal names (DESIGN §5). No I/O, no engines.
+One registry per family, keyed by the config's Literal names (DESIGN §5). No I/O, no engines.
 Shapes: B sequences × T response positions; `mask` is 1.0 on real response tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
+import polars as pl
 import torch
 
-# ---- KL estimators: lr = log π_θ − log π_ref, per token --------------------------------------------------
-
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
-
-
-def _kl(name):
-    def wrap(fn):
-        KL_ESTIMATORS[name] = fn
-        return fn
-
-    return wrap
-
-
-@_kl("k1")
-def kl_k1(logp, ref_logp):
-    return logp - ref_logp
-
-
-@_kl("k2")
-def kl_k2(logp, ref_logp):
-    return 0.5 * (logp - ref_logp) ** 2
-
-
-@_kl("k3")
-def kl_k3(logp, ref_logp):
-    lr = logp - ref_logp
-    return torch.exp(-lr) - 1 + lr
-
-
-@_kl("k3+")
-def kl_k3_plus(logp, ref_logp):
-    """k3's value with k2's gradient (unbiased gradient of KL), as k2 − sg(k2) + sg(k3)."""
-    k2 = kl_k2(logp, ref_logp)
-    return k2 - k2.detach() + kl_k3(logp, ref_logp).detach()
-
+from tasks.algos.kl import KL_ESTIMATORS, kl_k3
+from tasks.registry import Registry
 
 # ---- Policy objectives: per-token loss ℓ and clip statistics --------------------------------------------
 # Every objective has the signature (logp, old_logp, adv, mask, settings) → (ℓ, clipped_low, clipped_high),
@@ -125,7 +92,9 @@ def _first_token(mask):
     return torch.argmax((mask > 0).int(), dim=-1)
 
 
-OBJECTIVES = {"clip": clip_objective, "gspo": gspo_objective, "gspo_token": gspo_token_objective, "dcpo": dcpo_objective}
+OBJECTIVES: Registry = Registry("policy objective")
+for _name, _fn in (("clip", clip_objective), ("gspo", gspo_objective), ("gspo_token", gspo_token_objective), ("dcpo", dcpo_objective)):
+    OBJECTIVES.register(_name)(_fn)
 
 # ---- Aggregation: normalizers span the optimizer minibatch ----------------------------------------------
 
@@ -172,13 +141,18 @@ def only_token_mean(loss, mask, norm: MinibatchNorm):
     return _seq_token_means(loss, mask).sum()
 
 
-AGGREGATIONS = {
-    "token-mean": token_mean,
-    "seq-mean-token-mean": seq_mean_token_mean,
-    "seq-mean-token-sum": seq_mean_token_sum,
-    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
-    "only-token-mean": only_token_mean,
-}
+# Each aggregation's per-token factor, as a Polars expression over a batch's response lengths, is a capability: what
+# `rlpipe compare-advantages` weighs tokens by (length L_i of the response, B responses, N tokens, constant L_max).
+AGGREGATIONS: Registry = Registry("loss aggregation")
+_LEN = pl.col("length").cast(pl.Float64)
+for _name, _fn, _factor in (
+    ("token-mean", token_mean, lambda max_len: 1.0 / _LEN.sum()),
+    ("seq-mean-token-mean", seq_mean_token_mean, lambda max_len: 1.0 / (pl.len().cast(pl.Float64) * _LEN)),
+    ("seq-mean-token-sum", seq_mean_token_sum, lambda max_len: 1.0 / pl.len().cast(pl.Float64)),
+    ("seq-mean-token-sum-norm", seq_mean_token_sum_norm, lambda max_len: 1.0 / (pl.len().cast(pl.Float64) * max_len)),
+    ("only-token-mean", only_token_mean, lambda max_len: 1.0 / _LEN),
+):
+    AGGREGATIONS.register(_name, token_factor=_factor)(_fn)
 
 
 def masked_mean(x, mask):

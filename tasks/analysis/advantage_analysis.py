@@ -14,16 +14,11 @@ LENGTH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 
 def token_normaliser(aggregation: str, max_len: int) -> pl.Expr:
-    """The aggregation's per-token factor for each response, as an expression over `length`."""
-    length = pl.col("length").cast(pl.Float64)
-    n_seq, n_tok = pl.len().cast(pl.Float64), length.sum()
-    return {
-        "token-mean": 1.0 / n_tok,
-        "seq-mean-token-mean": 1.0 / (n_seq * length),
-        "seq-mean-token-sum": 1.0 / n_seq,
-        "seq-mean-token-sum-norm": 1.0 / (n_seq * max_len),
-        "only-token-mean": 1.0 / length,
-    }[aggregation]
+    """The aggregation's per-token factor for each response, as an expression over `length` (declared with the
+    aggregation itself, tasks/algos/losses.py)."""
+    from tasks.algos.losses import AGGREGATIONS
+
+    return AGGREGATIONS.entry(aggregation).token_factor(max_len)
 
 
 def length_bucket() -> pl.Expr:

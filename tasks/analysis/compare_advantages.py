@@ -41,11 +41,10 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
     from tasks.stages.common import load_run
 
     ctx = load_run(root, run_id)  # validates the run id too
-    unknown = [e for e in estimators if e not in ADVANTAGE_ESTIMATORS]
-    if unknown:
-        raise ConfigError(f"unknown estimator(s) {', '.join(unknown)}: choose from {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    if "gae" in estimators:
-        raise ConfigError("gae needs a critic's values for every response; compare-advantages covers the critic-free estimators")
+    entries = [ADVANTAGE_ESTIMATORS.entry(e) for e in estimators]  # an unknown name: one line listing the choices
+    critics = [e.name for e in entries if e.needs_critic]
+    if critics:
+        raise ConfigError(f"{critics[0]} needs a critic's values for every response; compare-advantages covers the critic-free estimators")
     aggregation = aggregation or ctx.cfg.loss.aggregation
     if aggregation not in get_args(Aggregation):
         raise ConfigError(f"unknown aggregation {aggregation!r}: choose from {', '.join(get_args(Aggregation))}")
@@ -53,7 +52,7 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
         raise NotFound(f"run {run_id!r} has no scores for iteration {iteration}")
     df = advantage_inputs(ctx, iteration, kept_only=False).sort("prompt_id", "sample_idx")
     settings = AdvantageSettings(eps=ctx.cfg.advantage.eps)
-    history = _history(ctx, iteration) if "dcpo" in estimators else None
+    history = _history(ctx, iteration) if any(e.keeps_prompt_state for e in entries) else None
     reference = compute_advantages(df, "grpo", settings)["advantage"]
     max_len = ctx.cfg.rollout.max_tokens
     results = {}

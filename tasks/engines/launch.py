@@ -13,9 +13,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from schemas.errors import UserError
+
+PROGRESS_PREFIX = "progress:"  # a worker line the client echoes to the terminal (tasks/engines/workers/training.py)
 
 
 class WorkerError(UserError, RuntimeError):
@@ -46,30 +49,51 @@ def worker_env(extra: dict | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra or {})}
 
 
-def run_worker(module: str, request: dict, scratch: Path, log: Path, env: dict | None = None) -> dict:
-    """Run the worker module (a path from tasks.engines.workers) on `request`; return the JSON it wrote, or raise WorkerError."""
+def run_worker(module: str, request, scratch: Path, log: Path, env: dict | None = None) -> dict:
+    """Run the worker module (a path from tasks.engines.workers) on `request` (a schemas.requests dataclass); return
+    the JSON it wrote, or raise WorkerError. Its `progress:` lines are shown in the terminal as they come."""
+    from schemas.requests import to_wire
+
     name = module.rsplit(".", 1)[-1]
     scratch.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     req_path = scratch / f"{name}-{os.getpid()}.request.json"
     resp_path = req_path.with_name(req_path.name.replace(".request.", ".response."))
     resp_path.unlink(missing_ok=True)
-    req_path.write_text(json.dumps({**request, "response_path": str(resp_path)}))
+    req_path.write_text(json.dumps({"request": to_wire(request), "response_path": str(resp_path)}))
     with open(log, "ab") as out:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", module, str(req_path)],
             stdout=out, stderr=subprocess.STDOUT, env=worker_env(env), cwd=os.getcwd(), preexec_fn=die_with_parent,
         )
+        follow_progress(log, proc)
     if proc.returncode != 0 or not resp_path.exists():
         raise WorkerError(f"{name} worker failed (exit {proc.returncode}): {last_error_line(log)} [log: {log}]")
     return json.loads(resp_path.read_text())
 
 
+def follow_progress(log: Path, proc: subprocess.Popen, poll: float = 1.0) -> None:
+    """Wait for `proc`, echoing the `progress:` lines it appends to its log to stderr (the terminal), so a long SFT,
+    reward-model or DPO run shows steps done, rate and time left."""
+    with open(log, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        while True:
+            done = proc.poll() is not None
+            for line in f.read().decode(errors="replace").splitlines():
+                if line.startswith(PROGRESS_PREFIX):
+                    sys.stderr.write(line + "\n")
+                    sys.stderr.flush()
+            if done:
+                return
+            time.sleep(poll)
+
+
 def worker_main(handler) -> None:
-    """Entry point body for a worker module: read the request, call handler, write the response."""
-    req_path = Path(sys.argv[1])
-    request = json.loads(req_path.read_text())
-    response = handler(request)
-    tmp = Path(request["response_path"] + ".tmp")
+    """Entry point body for a worker module: read the typed request, call handler, write the response."""
+    from schemas.requests import from_wire
+
+    payload = json.loads(Path(sys.argv[1]).read_text())
+    response = handler(from_wire(payload["request"]))
+    tmp = Path(payload["response_path"] + ".tmp")
     tmp.write_text(json.dumps(response))
-    tmp.replace(request["response_path"])
+    tmp.replace(payload["response_path"])

@@ -1,6 +1,6 @@
 """Resident engine processes: a worker kept alive across requests, spoken to over a local Unix socket.
 
-The client starts `python -m tasks.engines.workers.<name> --serve SOCKET SETTINGS_JSON` on first use, and again after
+The client starts `python -m tasks.engines.workers.<name> --serve SOCKET SETTINGS` (a typed request on the wire) on first use, and again after
 the process died. Stage tasks send it paths and small settings; the data still travels as Parquet on disk.
 Correctness never depends on the process's memory: every request names the checkpoint it starts from, and a
 server reuses what it holds only when that is provably the same state (see each server's docstring).
@@ -21,22 +21,23 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Callable
 
+from schemas.requests import from_wire, to_wire
 from tasks.engines.launch import WorkerError, die_with_parent, last_error_line, worker_env
 
 
 class ResidentProcess:
-    def __init__(self, module: str, log: Path, settings: dict):
-        self.module, self.log, self.settings = module, log, settings
+    def __init__(self, module: str, log: Path):
+        self.module, self.log = module, log
         self.name = module.rsplit(".", 1)[-1]
         self.proc: subprocess.Popen | None = None
         self.conn = None
 
-    def _start(self, start_settings: dict) -> None:
+    def _start(self, settings) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         # In the temp dir, not the run folder: a Unix socket's path is limited to about 107 bytes.
         sock = os.path.join(tempfile.gettempdir(), f"{self.name}-{os.getpid()}-{secrets.token_hex(4)}.sock")
         key = secrets.token_bytes(16)
-        args = json.dumps({**self.settings, **start_settings})
+        args = json.dumps(to_wire(settings) if settings is not None else None)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.module, "--serve", sock, args],
@@ -50,10 +51,12 @@ class ResidentProcess:
             time.sleep(0.2)
         self.conn = Client(sock, family="AF_UNIX", authkey=key)
 
-    def call(self, msg: dict, start_settings: dict | None = None) -> dict:
-        """Send one request (starting the server first if needed, with `start_settings` added to its settings)."""
+    def call(self, request, settings=None, label: str = "") -> dict:
+        """Send one typed request (schemas.requests), starting the server first if needed, with `settings` (a typed
+        start-up request, or None)."""
         if self.conn is None:
-            self._start(start_settings or {})
+            self._start(settings)
+        msg = {"request": to_wire(request), "label": label}
         try:
             self.conn.send(msg)
             resp = self.conn.recv()
@@ -67,7 +70,7 @@ class ResidentProcess:
     def close(self) -> None:
         if self.conn is not None:
             try:
-                self.conn.send({"op": "shutdown"})
+                self.conn.send({"shutdown": True})
                 self.conn.recv()
             except (EOFError, OSError):
                 pass
@@ -99,17 +102,17 @@ def close_all() -> None:
 atexit.register(close_all)
 
 
-def serve_main(make_answer: Callable[[dict], Callable[[dict], dict]]) -> None:
+def serve_main(make_answer: Callable[[object], Callable[[dict], dict]]) -> None:
     """Server side: build the answering function from the settings (engine start-up happens here, before the
     socket exists, so the client's wait covers it), then answer messages until `shutdown` or the parent dies.
     A failed request is reported to the client as one line; the server keeps serving."""
-    socket_path, settings = sys.argv[2], json.loads(sys.argv[3])
-    answer = make_answer(settings)
+    socket_path, wire = sys.argv[2], json.loads(sys.argv[3])
+    answer = make_answer(from_wire(wire) if wire is not None else None)
     authkey = bytes.fromhex(os.environ["RLPIPE_AUTHKEY"])
     with Listener(socket_path, family="AF_UNIX", authkey=authkey) as listener, listener.accept() as conn:
         while True:
             msg = conn.recv()
-            if msg.get("op") == "shutdown":
+            if msg.get("shutdown"):
                 conn.send({"ok": True})
                 return
             try:

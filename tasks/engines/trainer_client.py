@@ -5,17 +5,18 @@
 
 from __future__ import annotations
 
+from schemas.requests import LogprobsRequest, UpdateRequest
 from tasks.engines.launch import run_worker
 from tasks.engines.resident import ResidentProcess, resident
 from tasks.engines.workers import LOGPROBS_WORKER, TRAIN_WORKER, TRAINER_SERVER
 from tasks.stages.common import RunContext
 
-ONE_SHOT_MODULES = {"logprobs": LOGPROBS_WORKER, "train": TRAIN_WORKER}
+ONE_SHOT_MODULES = {LogprobsRequest: LOGPROBS_WORKER, UpdateRequest: TRAIN_WORKER}
 
 
-def call_trainer(ctx: RunContext, op: str, request: dict, log_name: str) -> dict:
+def call_trainer(ctx: RunContext, request: LogprobsRequest | UpdateRequest, log_name: str) -> dict:
     if not ctx.cfg.engines.resident_trainer:
-        return run_worker(ONE_SHOT_MODULES[op], request, ctx.layout.scratch_dir, ctx.layout.log_path(log_name))
+        return run_worker(ONE_SHOT_MODULES[type(request)], request, ctx.layout.scratch_dir, ctx.layout.log_path(log_name))
     log = ctx.layout.log_path("trainer")
-    server = resident(TRAINER_SERVER, ctx.layout.run_id, lambda: ResidentProcess(TRAINER_SERVER, log, {}))
-    return server.call({"op": op, "request": request, "label": log_name})
+    server = resident(TRAINER_SERVER, ctx.layout.run_id, lambda: ResidentProcess(TRAINER_SERVER, log))
+    return server.call(request, label=log_name)

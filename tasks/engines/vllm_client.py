@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from schemas.requests import GenerateRequest, VLLMSettings
 from tasks.engines.resident import ResidentProcess, resident
 from tasks.engines.workers import VLLM_SERVER
 
 
 class ResidentEngine(ResidentProcess):
-    def __init__(self, log: Path, settings: dict):
-        super().__init__(VLLM_SERVER, log, settings)
+    def __init__(self, log: Path):
+        super().__init__(VLLM_SERVER, log)
 
-    def generate(self, model_path: str, jobs: list[dict]) -> dict:
-        return self.call({"op": "generate", "model_path": model_path, "jobs": jobs}, {"model_path": model_path})
+    def generate(self, request: GenerateRequest, settings: VLLMSettings) -> dict:
+        """Run the request's jobs with its weights; `settings` start the engine when none is running."""
+        return self.call(request, settings)
 
 
-def resident_engine(key: str, log: Path, settings: dict) -> ResidentEngine:
-    return resident(VLLM_SERVER, key, lambda: ResidentEngine(log, settings))
+def resident_engine(key: str, log: Path) -> ResidentEngine:
+    return resident(VLLM_SERVER, key, lambda: ResidentEngine(log))

@@ -14,9 +14,10 @@ import polars as pl
 
 from schemas.errors import NotFound
 from storage import StageOutput, fingerprint, read_manifest, read_stage, write_stage
-from tasks.algos.advantages import AdvantageSettings, compute_advantages, empty_prompt_stats, update_prompt_stats
-from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
+from tasks.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages, empty_prompt_stats, update_prompt_stats
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task, upstream_fingerprint
 from tasks.stages.kl_control import kl_beta
+from tasks.stages.spec import StageSpec
 
 KEYS = ["prompt_id", "sample_idx"]
 
@@ -53,18 +54,18 @@ def prompt_history(ctx: RunContext, iteration: int) -> tuple[pl.DataFrame, str]:
 
 @stage_task("advantages")
 def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp: str, batch_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
-    estimator = ctx.cfg.advantage.estimator
+    ctx = load_run(storage_root, run_id, SPEC)
+    estimator = ADVANTAGE_ESTIMATORS.entry(ctx.cfg.advantage.estimator)
     settings = advantage_settings(ctx, iteration)
-    history, history_fp = prompt_history(ctx, iteration) if estimator == "dcpo" else (None, "")
+    history, history_fp = prompt_history(ctx, iteration) if estimator.keeps_prompt_state else (None, "")
     inputs = {"logprobs": logprobs_fp, "batch": batch_fp, "prompt_stats": history_fp}
 
     def compute():
         df = advantage_inputs(ctx, iteration)
-        if estimator == "gae" and df["values"].null_count():
-            raise ValueError("advantage.estimator=gae needs critic values, but the logprobs stage wrote none")
-        out = compute_advantages(df, estimator, settings, history)
-        if estimator == "dcpo":
+        if estimator.needs_critic and df["values"].null_count():
+            raise ValueError(f"advantage.estimator={estimator.name} needs critic values, but the logprobs stage wrote none")
+        out = compute_advantages(df, estimator.name, settings, history)
+        if estimator.keeps_prompt_state:
             snapshot = update_prompt_stats(history, df, iteration)
             config_hash = ctx.cfg.section_hash("advantage")
             write_stage(ctx.layout, "prompt_stats", iteration, snapshot, fp=fingerprint("prompt_stats", config_hash, inputs),
@@ -75,7 +76,14 @@ def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp:
             extra={"nonzero_advantage_fraction": nonzero, "kl_beta": settings.kl_beta},
         )
 
-    return run_stage(
-        ctx, "advantages", iteration, sections=("advantage", "kl"), inputs=inputs, compute=compute,
-        salt=f"beta={settings.kl_beta:.12g}",
-    )
+    return run_stage(ctx, iteration, inputs=inputs, compute=compute, salt=f"beta={settings.kl_beta:.12g}")
+
+
+def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
+    return advantages_task.fn(root, run_id, iteration, upstream_fingerprint(root, run_id, "logprobs", iteration),
+                              upstream_fingerprint(root, run_id, "batch", iteration))
+
+
+# Reads the previous iteration's train_metrics too (the adaptive KL's β) and prompt_stats (DCPO's history).
+SPEC = StageSpec("advantages", reads=("logprobs", "scores", "batch", "rollouts", "prompt_stats", "train_metrics"),
+                 sections=("advantage", "kl"), scope="iteration", also_writes=("prompt_stats",), recompute=recompute)

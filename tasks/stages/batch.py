@@ -12,7 +12,8 @@ import polars as pl
 
 from schemas.errors import UserError
 from storage import StageOutput, read_stage
-from tasks.stages.common import Computed, load_run, run_stage, stage_task
+from tasks.stages.common import Computed, load_run, run_stage, stage_task, upstream_part_fingerprints
+from tasks.stages.spec import StageSpec
 
 
 class EmptyBatchError(UserError, ValueError):
@@ -46,7 +47,7 @@ def select_groups(scores: pl.DataFrame, target_groups: int, drop_zero_variance: 
 @stage_task("batch")
 def batch_task(storage_root: str, run_id: str, iteration: int, round_: int, scores_fps: list[str]) -> StageOutput | None:
     """Returns the batch StageOutput when done, or None when another round of sampling is needed."""
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, SPEC)
     b = ctx.cfg.batch
     scores = read_stage(ctx.layout, "scores", iteration).filter(pl.col("round") <= round_)
     groups = select_groups(scores, b.target_groups, b.drop_zero_variance)
@@ -65,7 +66,12 @@ def batch_task(storage_root: str, run_id: str, iteration: int, round_: int, scor
         dropped = float((groups["filter_reason"] == "zero_variance").mean())
         return Computed(frame, extra={"rounds_used": round_ + 1, "kept_groups": kept, "zero_variance_fraction": dropped})
 
-    return run_stage(
-        ctx, "batch", iteration, sections=("batch",),
-        inputs={f"scores_round{i}": fp for i, fp in enumerate(scores_fps)}, compute=compute,
-    )
+    return run_stage(ctx, iteration, inputs={f"scores_round{i}": fp for i, fp in enumerate(scores_fps)}, compute=compute)
+
+
+def recompute(root: str, run_id: str, iteration: int) -> StageOutput | None:
+    fps = upstream_part_fingerprints(root, run_id, "scores", iteration)
+    return batch_task.fn(root, run_id, iteration, len(fps) - 1, fps)
+
+
+SPEC = StageSpec("batch", reads=("scores",), sections=("batch",), scope="iteration", recompute=recompute)

@@ -14,8 +14,11 @@ from prefect.cache_policies import NO_CACHE
 
 from schemas.config import RunConfig, build_config
 from schemas.errors import NotFound
+from schemas.requests import ScoreRequest
 from storage import RunLayout, StageOutput, find_complete, fingerprint, write_stage
 from tasks.engines.launch import run_worker
+from tasks.engines.workers import SCORE_WORKER
+from tasks.stages.spec import SectionView, StageSpec
 
 
 def stage_task(name: str):
@@ -26,14 +29,17 @@ def stage_task(name: str):
 @dataclass(frozen=True)
 class RunContext:
     layout: RunLayout
-    cfg: RunConfig
+    cfg: RunConfig  # a SectionView (the stage's declared sections only) when loaded for a stage
+    spec: StageSpec | None = None
 
 
-def load_run(storage_root: str, run_id: str) -> RunContext:
+def load_run(storage_root: str, run_id: str, spec: StageSpec | None = None) -> RunContext:
+    """The run's layout and saved config; for a stage (`spec`), the config it may see (tasks/stages/spec.py)."""
     layout = RunLayout(Path(storage_root), run_id)
     if not layout.config_path.exists():
         raise NotFound(f"run {run_id!r} has no config at {layout.config_path}")
-    return RunContext(layout, build_config(yaml.safe_load(layout.config_path.read_text())))
+    cfg = build_config(yaml.safe_load(layout.config_path.read_text()))
+    return RunContext(layout, SectionView(cfg, spec) if spec else cfg, spec)
 
 
 @dataclass
@@ -47,10 +53,8 @@ class Computed:
 
 def run_stage(
     ctx: RunContext,
-    stage: str,
     iteration: int,
     *,
-    sections: tuple[str, ...],
     inputs: dict[str, str],
     compute: Callable[[], Computed],
     part: int = 0,
@@ -58,10 +62,11 @@ def run_stage(
 ) -> StageOutput:
     """Skip the stage if its part is complete with the same fingerprint; otherwise compute and write it.
 
-    The fingerprint covers the stage name, the config sections it depends on (plus `salt`, e.g. a hash of
+    The fingerprint covers the stage name, the config sections it declares (plus `salt`, e.g. a hash of
     reward-function code) and the fingerprints of its inputs.
     """
-    config_hash = ctx.cfg.section_hash(*sections) + salt
+    stage = ctx.spec.name
+    config_hash = ctx.cfg.section_hash(*ctx.spec.sections) + salt
     fp = fingerprint(stage, config_hash, inputs)
     done = find_complete(ctx.layout, stage, iteration, fp, part)
     if done is not None:
@@ -72,6 +77,25 @@ def run_stage(
         ctx.layout, stage, iteration, out.frame, fp=fp, inputs=inputs, config_hash=config_hash,
         started=started, part=part, engines=out.engines, extra=out.extra,
     )
+
+
+def upstream_fingerprint(root: str, run_id: str, stage: str, iteration: int) -> str:
+    """The fingerprint of a complete upstream stage (what a rerun chains on)."""
+    return _complete_manifest(root, run_id, stage, iteration)["fingerprint"]
+
+
+def upstream_part_fingerprints(root: str, run_id: str, stage: str, iteration: int) -> list[str]:
+    """The fingerprints of a complete upstream stage's parts, one per sampling round."""
+    return [part["fingerprint"] for part in _complete_manifest(root, run_id, stage, iteration)["parts"]]
+
+
+def _complete_manifest(root: str, run_id: str, stage: str, iteration: int) -> dict:
+    from storage import read_manifest
+
+    manifest = read_manifest(RunLayout(Path(root), run_id), stage, iteration)
+    if manifest is None:
+        raise NotFound(f"run {run_id!r} has no complete {stage} for iteration {iteration}")
+    return manifest
 
 
 def export_checkpoint(checkpoint: Path, dest: str | Path) -> None:
@@ -90,12 +114,13 @@ def scratch_file(ctx: RunContext, name: str) -> Path:
     return ctx.layout.scratch_dir / name
 
 
-def frame_worker(ctx: RunContext, module: str, request: dict, frame: pl.DataFrame, name: str, log: str | None = None) -> pl.DataFrame:
-    """Run a worker on one table: `frame` goes in as `data_path`, the table it writes to `out_path` comes
-    back (both scratch files, removed after); its log is logs/{log or name}.log."""
+def score_frame_worker(ctx: RunContext, kind: str, model_path: str, micro_batch_size: int, frame: pl.DataFrame, name: str,
+                       log: str | None = None) -> pl.DataFrame:
+    """Score one table with the scoring worker (kind rm_score or seq_logprobs): `frame` goes in, the table it writes
+    comes back (both scratch files, removed after); its log is logs/{log or name}.log."""
     data_path, out_path = scratch_file(ctx, f"{name}.in.parquet"), scratch_file(ctx, f"{name}.out.parquet")
     frame.write_parquet(data_path)
-    run_worker(module, {**request, "data_path": str(data_path), "out_path": str(out_path)}, ctx.layout.scratch_dir,
+    run_worker(SCORE_WORKER, ScoreRequest(kind, model_path, str(data_path), str(out_path), micro_batch_size), ctx.layout.scratch_dir,
                ctx.layout.log_path(log or name))
     out = pl.read_parquet(out_path)
     data_path.unlink(), out_path.unlink()

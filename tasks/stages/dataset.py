@@ -14,7 +14,10 @@ from tasks.data.datasets import files_fingerprint
 from tasks.data.formatting import load_tokenizer
 from tasks.data.prompt_dataset import build_prompt_dataset
 from tasks.stages.common import Computed, load_run, run_stage, stage_task
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import tokenizer_fingerprint
+
+SPEC = StageSpec("dataset", reads=(), sections=("data", "prompt", "model"), scope="run")
 
 
 def dataset_fingerprint(ctx) -> tuple[str, dict]:
@@ -27,7 +30,7 @@ def dataset_fingerprint(ctx) -> tuple[str, dict]:
 
 @stage_task("dataset")
 def dataset_task(storage_root: str, run_id: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, SPEC)
     d = ctx.cfg.data
 
     def compute():
@@ -37,4 +40,4 @@ def dataset_task(storage_root: str, run_id: str) -> StageOutput:
     inputs = {"train_files": files_fingerprint(d.train_files, "data.train_files") if d.train_files else "",
               "eval_files": files_fingerprint(d.eval_files, "data.eval_files") if d.eval_files else "",
               "tokenizer": tokenizer_fingerprint(ctx.cfg.model.path)}
-    return run_stage(ctx, "dataset", 0, sections=("data", "prompt"), inputs=inputs, compute=compute)
+    return run_stage(ctx, 0, inputs=inputs, compute=compute)

@@ -12,50 +12,56 @@ from __future__ import annotations
 import polars as pl
 
 from storage import StageOutput, read_stage
-from tasks.engines.workers import PREFERENCE_WORKER
-from tasks.stages.common import Computed, RunContext, frame_worker, load_run, run_stage, stage_task
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, score_frame_worker, stage_task
 from tasks.stages.reward_model import ensure_exported, pair_eval_frame, train_preference_model, with_token_ids
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint
 
 KEYS = ["prompt_id", "pair_idx"]
 
 
+REF_SPEC = StageSpec("ref_logprobs", reads=("preference_pairs",), sections=("dpo", "model", "prompt"), scope="run")
+TRAIN_SPEC = StageSpec("dpo_metrics", reads=("preference_pairs", "ref_logprobs"), sections=("dpo", "model", "prompt"), scope="run",
+                       also_writes=("checkpoints",))
+EVAL_SPEC = StageSpec("dpo_eval", reads=("preference_pairs", "ref_logprobs", "dpo_metrics"), sections=("dpo", "model", "prompt"),
+                      scope="run")
+
+
 def sequence_logprobs(ctx: RunContext, model_path: str, pairs: pl.DataFrame, name: str) -> pl.DataFrame:
     """prompt_id, pair_idx, chosen_logp, rejected_logp of `pairs` under the model at `model_path`."""
-    request = {"mode": "seq_logprobs", "model_path": model_path, "micro_batch_size": ctx.cfg.dpo.micro_batch_size}
     data = with_token_ids(ctx, pairs.select(*KEYS, "prompt_token_ids", "chosen", "rejected"),
                           {"chosen": "chosen_token_ids", "rejected": "rejected_token_ids"})
-    return frame_worker(ctx, PREFERENCE_WORKER, request, data, name)
+    return score_frame_worker(ctx, "seq_logprobs", model_path, ctx.cfg.dpo.micro_batch_size, data, name)
 
 
 @stage_task("ref_logprobs")
 def ref_logprobs_task(storage_root: str, run_id: str, pairs_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, REF_SPEC)
 
     def compute():
         pairs = read_stage(ctx.layout, "preference_pairs", 0)
         return Computed(sequence_logprobs(ctx, ctx.cfg.model.path, pairs, "ref_logprobs"))
 
-    return run_stage(ctx, "ref_logprobs", 0, sections=(), compute=compute,
+    return run_stage(ctx, 0, compute=compute,
                      inputs={"pairs": pairs_fp, "ref": model_fingerprint(ctx.cfg.model.path)})
 
 
 @stage_task("dpo_optimize")
 def dpo_optimize_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, TRAIN_SPEC)
     d = ctx.cfg.dpo
 
     def compute():
         ref = read_stage(ctx.layout, "ref_logprobs", 0).rename({"chosen_logp": "ref_chosen_logp", "rejected_logp": "ref_rejected_logp"})
         train = read_stage(ctx.layout, "preference_pairs", 0).filter(pl.col("split") == "train").join(ref, on=KEYS, validate="1:1")
         train = with_token_ids(ctx, train, {"chosen": "chosen_token_ids", "rejected": "rejected_token_ids"})
-        final, resp, metrics = train_preference_model(ctx, "dpo_train", train, d, ctx.cfg.model.path, {"beta": d.beta, "nll_coef": d.nll_coef})
+        final, resp, metrics = train_preference_model(ctx, "dpo", train, d, d.beta, d.nll_coef)
         return Computed(
             metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
             extra={"checkpoint": str(final), "exported_to": d.out_path, "train_seconds": resp["train_seconds"], "pairs": train.height},
         )
 
-    out = run_stage(ctx, "dpo_metrics", 1, sections=("dpo",), compute=compute,
+    out = run_stage(ctx, 1, compute=compute,
                     inputs={"pairs": pairs_fp, "ref": ref_fp, "policy": model_fingerprint(ctx.cfg.model.path)})
     ensure_exported(ctx.layout.checkpoint_dir(1), d.out_path)
     return out
@@ -63,7 +69,7 @@ def dpo_optimize_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str
 
 @stage_task("dpo_eval")
 def dpo_eval_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str, dpo_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, EVAL_SPEC)
     beta = ctx.cfg.dpo.beta
 
     def compute():
@@ -77,4 +83,4 @@ def dpo_eval_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str, dp
         margin = float((out["chosen_score"] - out["rejected_score"]).mean())
         return Computed(out, extra={"reward_accuracy": float(out["correct"].mean()), "reward_margin": margin, "pairs": out.height})
 
-    return run_stage(ctx, "dpo_eval", 1, sections=("dpo",), compute=compute, inputs={"pairs": pairs_fp, "ref": ref_fp, "dpo": dpo_fp})
+    return run_stage(ctx, 1, compute=compute, inputs={"pairs": pairs_fp, "ref": ref_fp, "dpo": dpo_fp})

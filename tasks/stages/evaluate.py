@@ -22,7 +22,12 @@ from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.prompts import split_of
 from tasks.stages.rollouts import generate, sampling_job
 from tasks.stages.scores import add_model_score, reward_model_scores
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint, weights_after
+
+# Reads the weights after the iteration: the checkpoint train_metrics (or dpo_metrics) marks complete.
+SPEC = StageSpec("eval", reads=("dataset", "train_metrics"), sections=("eval", "rollout", "reward", "data", "model", "optim"),
+                 scope="iteration")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -80,7 +85,7 @@ def eval_summary(ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sample
 @stage_task("eval")
 def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics") -> StageOutput | None:
     """None when the run has no held-out prompts (data.eval_files empty and data.eval_fraction 0)."""
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, SPEC)
     dataset_fp, stats = dataset_fingerprint(ctx)
     if not stats["prompts"]["eval"]:
         return None
@@ -99,7 +104,4 @@ def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str
     inputs = {"weights": weights.fingerprint, "dataset": dataset_fp}
     if ctx.cfg.reward.kind == "model":
         inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
-    return run_stage(
-        ctx, "eval", iteration, sections=("eval", "rollout", "reward"), salt=source_hash(specs_from_config(ctx.cfg.reward)),
-        inputs=inputs, compute=compute,
-    )
+    return run_stage(ctx, iteration, salt=source_hash(specs_from_config(ctx.cfg.reward)), inputs=inputs, compute=compute)

@@ -9,9 +9,19 @@ from __future__ import annotations
 
 import polars as pl
 
+from schemas.requests import LogprobsRequest
 from storage import StageOutput, read_stage
 from tasks.engines.trainer_client import call_trainer
-from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task
+from tasks.stages.common import (
+    Computed,
+    RunContext,
+    load_run,
+    run_stage,
+    scratch_file,
+    stage_task,
+    upstream_fingerprint,
+)
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import critic_after, starting_weights, weights_after
 
 
@@ -22,7 +32,7 @@ def kept_rollouts(ctx: RunContext, iteration: int) -> pl.DataFrame:
 
 @stage_task("logprobs")
 def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, SPEC)
     policy, ref = weights_after(ctx, iteration - 1), starting_weights(ctx)
 
     def compute():
@@ -30,18 +40,20 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str)
         inp, out = scratch_file(ctx, "logprobs.in.parquet"), scratch_file(ctx, "logprobs.out.parquet")
         samples.write_parquet(inp)
         critic = critic_after(ctx, iteration - 1) if ctx.cfg.uses_critic else None
-        resp = call_trainer(
-            ctx, "logprobs",
-            {"policy_path": policy.path, "ref_path": ref.path, "samples_path": str(inp), "out_path": str(out),
-             "micro_batch_size": ctx.cfg.optim.micro_batch_size, "dtype": ctx.cfg.model.dtype,
-             "critic_path": critic.path if critic else None, "critic_fresh": bool(critic and critic.fresh)},
-            f"logprobs-{iteration:05d}",
-        )
+        request = LogprobsRequest(policy.path, ref.path, str(inp), str(out), ctx.cfg.optim.micro_batch_size, ctx.cfg.model.dtype,
+                                  critic.path if critic else None, bool(critic and critic.fresh))
+        resp = call_trainer(ctx, request, f"logprobs-{iteration:05d}")
         df = pl.read_parquet(out).with_columns(pl.lit(iteration, pl.Int32).alias("iteration"))
         inp.unlink(), out.unlink()
         return Computed(df, extra=resp)
 
-    return run_stage(
-        ctx, "logprobs", iteration, sections=("optim", "model"), salt="critic" if ctx.cfg.uses_critic else "",
-        inputs={"batch": batch_fp, "policy": policy.fingerprint, "ref": ref.fingerprint}, compute=compute,
-    )
+    return run_stage(ctx, iteration, salt="critic" if ctx.cfg.uses_critic else "",
+                     inputs={"batch": batch_fp, "policy": policy.fingerprint, "ref": ref.fingerprint}, compute=compute)
+
+
+def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
+    return logprobs_task.fn(root, run_id, iteration, upstream_fingerprint(root, run_id, "batch", iteration))
+
+
+SPEC = StageSpec("logprobs", reads=("batch", "rollouts"), sections=("optim", "model", "advantage"), scope="iteration",
+                 recompute=recompute)

@@ -12,15 +12,23 @@ from pathlib import Path
 import polars as pl
 
 from schemas.errors import NotFound
+from schemas.requests import CriticRequest, EngineSettings, LossSettings, PtxRequest, UpdateRequest
 from storage import StageOutput, commit_dir, read_manifest, read_stage, temp_dir_for
 from tasks.algos.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
 from tasks.engines.trainer_client import call_trainer
-from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task
+from tasks.stages.common import (
+    Computed,
+    RunContext,
+    load_run,
+    run_stage,
+    scratch_file,
+    stage_task,
+    upstream_fingerprint,
+)
 from tasks.stages.kl_control import kl_beta
 from tasks.stages.logprobs import kept_rollouts
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import critic_after, weights_after
-
-STAGES_OF_AN_ITERATION = ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages")
 
 
 def training_frame(ctx: RunContext, iteration: int) -> pl.DataFrame:
@@ -50,17 +58,15 @@ def ptx_file(ctx: RunContext) -> Path:
     return path
 
 
-def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> dict | None:
+def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> CriticRequest | None:
     """The critic's part of the trainer request; it is saved inside the policy's temporary checkpoint folder
     `tmp`, at the place the layout gives it, so both are committed by one rename."""
     if not ctx.cfg.uses_critic:
         return None
     c, prev = ctx.cfg.critic, critic_after(ctx, iteration - 1)
     out_dir = tmp / ctx.layout.critic_dir(iteration).relative_to(ctx.layout.checkpoint_dir(iteration))
-    return {
-        "path": prev.path, "fresh": prev.fresh, "resume_state": None if prev.fresh else f"{prev.path}/ds_state",
-        "out_dir": str(out_dir), "lr": c.lr, "value_clip": c.value_clip, "coef": c.coef,
-    }
+    return CriticRequest(prev.path, prev.fresh, None if prev.fresh else f"{prev.path}/ds_state", str(out_dir), c.lr,
+                         c.value_clip, c.coef)
 
 
 def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
@@ -76,8 +82,10 @@ def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
 def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
     """Wall seconds of each earlier stage of the iteration, and what their manifests record of the engines: the
     rollouts' generation and weight sync, the logprobs forward passes (`seconds_logprobs_forward`)."""
+    from tasks.stages.graph import RL_ITERATION
+
     out = {}
-    for stage in STAGES_OF_AN_ITERATION:
+    for stage in (s.name for s in RL_ITERATION[: RL_ITERATION.index(SPEC)]):
         m = read_manifest(ctx.layout, stage, iteration, verify=False)
         if m:
             out[f"seconds_{stage}"] = float(m["wall_seconds"])
@@ -91,7 +99,7 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
 
 @stage_task("optimize")
 def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp: str, logprobs_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, SPEC)
     policy = weights_after(ctx, iteration - 1)
     o, lc, kl = ctx.cfg.optim, ctx.cfg.loss, ctx.cfg.kl
     beta = kl_beta(ctx, iteration)
@@ -105,27 +113,16 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = temp_dir_for(final)
         prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
-        resp = call_trainer(
-            ctx, "train",
-            {
-                "mode": "rl", "model_path": policy.path, "tmp_dir": str(tmp), "metrics_path": "",
-                "data_path": str(data_path), "resume_state": prev_state, "seed": ctx.cfg.seed + iteration,
-                "zero_stage": o.zero_stage, "lr": o.lr, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip,
-                "dtype": ctx.cfg.model.dtype, "gradient_checkpointing": ctx.cfg.model.gradient_checkpointing,
-                "micro_batch_size": o.micro_batch_size, "ppo_epochs": o.ppo_epochs, "minibatches": o.minibatches,
-                "warmup_steps": o.warmup_steps, "first_step": (iteration - 1) * o.ppo_epochs * o.minibatches,
-                "max_tokens": ctx.cfg.rollout.max_tokens, "crash_point": f"optimize:{iteration}",
-                "loss": {
-                    "objective": lc.objective, "aggregation": lc.aggregation, "clip_eps_low": lc.clip_eps_low,
-                    "clip_eps_high": lc.clip_eps_high, "dual_clip": lc.dual_clip, "kl_estimator": kl.estimator,
-                    "kl_in_loss": kl.placement == "loss", "kl_beta": beta, "entropy_coef": lc.entropy_coef,
-                    "tis_cap": lc.tis_cap,
-                },
-                "critic": critic_request(ctx, iteration, tmp),
-                "ptx_coef": lc.ptx_coef, "ptx_batch": lc.ptx_batch, "ptx_data_path": str(ptx_file(ctx)) if lc.ptx_coef else None,
-            },
-            f"optimize-{iteration:05d}",
+        request = UpdateRequest(
+            model_path=policy.path, tmp_dir=str(tmp), data_path=str(data_path), resume_state=prev_state,
+            seed=ctx.cfg.seed + iteration, engine=EngineSettings.for_policy(o, ctx.cfg.model), ppo_epochs=o.ppo_epochs,
+            minibatches=o.minibatches, warmup_steps=o.warmup_steps, first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
+            loss=LossSettings.from_config(lc, kl.estimator, kl.placement == "loss", beta, ctx.cfg.rollout.max_tokens),
+            critic=critic_request(ctx, iteration, tmp),
+            ptx=PtxRequest(lc.ptx_coef, lc.ptx_batch, str(ptx_file(ctx))) if lc.ptx_coef else None,
+            crash_point=f"optimize:{iteration}",
         )
+        resp = call_trainer(ctx, request, f"optimize-{iteration:05d}")
         commit_dir(tmp, final)
         data_path.unlink()
         rollouts, advantages = read_stage(ctx.layout, "rollouts", iteration), read_stage(ctx.layout, "advantages", iteration)
@@ -149,7 +146,16 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
             extra={"checkpoint": str(final)},
         )
 
-    return run_stage(
-        ctx, "train_metrics", iteration, sections=("optim", "loss", "kl", "critic", "model"), salt=f"beta={beta:.12g}",
-        inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint, "ptx": ptx_fp}, compute=compute,
-    )
+    return run_stage(ctx, iteration, salt=f"beta={beta:.12g}", compute=compute,
+                     inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint, "ptx": ptx_fp})
+
+
+def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
+    return optimize_task.fn(root, run_id, iteration, upstream_fingerprint(root, run_id, "advantages", iteration),
+                            upstream_fingerprint(root, run_id, "logprobs", iteration))
+
+
+# The update: its table is train_metrics, its other output the checkpoint (whose manifest is train_metrics').
+SPEC = StageSpec("train_metrics", reads=("advantages", "logprobs", "rollouts", "scores", "batch", "sft_data"),
+                 sections=("optim", "loss", "kl", "critic", "model", "rollout", "advantage"), scope="iteration",
+                 also_writes=("checkpoints",), aliases=("optimize",), recompute=recompute)

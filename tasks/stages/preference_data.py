@@ -30,7 +30,12 @@ from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.evaluate import judged
 from tasks.stages.prompts import split_of
 from tasks.stages.rollouts import generate, sampling_job
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint
+
+SPEC = StageSpec("preference_rankings", reads=("dataset",), scope="run",
+                 sections=("preference", "prompt", "rollout", "reward", "eval", "model", "data", "optim"))
+PAIRS_SPEC = StageSpec("preference_pairs", reads=("preference_rankings",), sections=(), scope="run")
 
 
 def generated_rankings(ctx: RunContext) -> Computed:
@@ -51,7 +56,7 @@ def generated_rankings(ctx: RunContext) -> Computed:
 
 @stage_task("preference_rankings")
 def preference_rankings_task(storage_root: str, run_id: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, SPEC)
     p = ctx.cfg.preference
 
     def compute():
@@ -68,13 +73,12 @@ def preference_rankings_task(storage_root: str, run_id: str) -> StageOutput:
     else:
         inputs = {"model": model_fingerprint(ctx.cfg.model.path), "dataset": dataset_fingerprint(ctx)[0]}
         salt = source_hash(specs_from_config(ctx.cfg.reward))
-    return run_stage(ctx, "preference_rankings", 0, sections=("preference", "prompt", "rollout", "reward", "eval"), salt=salt,
-                     inputs=inputs, compute=compute)
+    return run_stage(ctx, 0, salt=salt, inputs=inputs, compute=compute)
 
 
 @stage_task("preference_pairs")
 def preference_pairs_task(storage_root: str, run_id: str, rankings_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, PAIRS_SPEC)
 
     def compute():
         pairs = pairs_from_rankings(read_stage(ctx.layout, "preference_rankings", 0))
@@ -86,4 +90,4 @@ def preference_pairs_task(storage_root: str, run_id: str, rankings_fp: str) -> S
             )
         return Computed(pairs, extra={"pairs_by_split": counts})
 
-    return run_stage(ctx, "preference_pairs", 0, sections=(), inputs={"rankings": rankings_fp}, compute=compute)
+    return run_stage(ctx, 0, inputs={"rankings": rankings_fp}, compute=compute)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import polars as pl
 
+from schemas.requests import EngineSettings, PreferenceTrainRequest, Schedule
 from schemas.tables import LIST_I32
 from storage import StageOutput, commit_dir, read_stage, temp_dir_for
 from tasks.data.formatting import PromptFormatter, load_tokenizer
@@ -21,13 +22,18 @@ from tasks.stages.common import (
     Computed,
     RunContext,
     export_checkpoint,
-    frame_worker,
     load_run,
     run_stage,
+    score_frame_worker,
     scratch_file,
     stage_task,
 )
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint
+
+TRAIN_SPEC = StageSpec("rm_metrics", reads=("preference_rankings",), sections=("reward_model", "model", "prompt"), scope="run",
+                       also_writes=("checkpoints",))
+EVAL_SPEC = StageSpec("rm_eval", reads=("preference_pairs", "rm_metrics"), sections=("reward_model", "model", "prompt"), scope="run")
 
 
 def with_token_ids(ctx: RunContext, frame: pl.DataFrame, columns: dict[str, str]) -> pl.DataFrame:
@@ -44,24 +50,18 @@ def with_token_ids(ctx: RunContext, frame: pl.DataFrame, columns: dict[str, str]
     return frame.with_columns(**out)
 
 
-def train_preference_model(ctx: RunContext, mode: str, data: pl.DataFrame, settings, model_path: str, extra: dict) -> tuple[Path, dict, pl.DataFrame]:
-    """Run a DeepSpeed preference trainer (rm_train or dpo_train) into checkpoints/iter=1, renamed into
-    place; returns (checkpoint, worker response, per-step metrics)."""
-    data_path, metrics_path = scratch_file(ctx, f"{mode}.in.parquet"), scratch_file(ctx, f"{mode}.metrics.parquet")
+def train_preference_model(ctx: RunContext, kind: str, data: pl.DataFrame, settings, beta: float = 0.0, nll_coef: float = 0.0
+                           ) -> tuple[Path, dict, pl.DataFrame]:
+    """Run a DeepSpeed preference trainer (kind rm or dpo) from model.path into checkpoints/iter=1, renamed into place
+    and exported to settings.out_path; returns (checkpoint, worker response, per-step metrics)."""
+    data_path, metrics_path = scratch_file(ctx, f"{kind}.in.parquet"), scratch_file(ctx, f"{kind}.metrics.parquet")
     data.write_parquet(data_path)
     final = ctx.layout.checkpoint_dir(1)
     tmp = temp_dir_for(final)
-    resp = run_worker(
-        PREFERENCE_WORKER,
-        {
-            "mode": mode, "model_path": model_path, "tmp_dir": str(tmp), "metrics_path": str(metrics_path),
-            "data_path": str(data_path), "seed": ctx.cfg.seed, "zero_stage": settings.zero_stage, "lr": settings.lr,
-            "weight_decay": settings.weight_decay, "grad_clip": 1.0, "micro_batch_size": settings.micro_batch_size,
-            "batch_size": settings.batch_size, "steps": settings.steps, "warmup_steps": settings.warmup_steps,
-            "dtype": ctx.cfg.model.dtype, "gradient_checkpointing": ctx.cfg.model.gradient_checkpointing, **extra,
-        },
-        ctx.layout.scratch_dir, ctx.layout.log_path(mode),
-    )
+    request = PreferenceTrainRequest(kind, ctx.cfg.model.path, str(tmp), str(data_path), str(metrics_path), ctx.cfg.seed,
+                                     EngineSettings.for_preferences(settings, ctx.cfg.model),
+                                     Schedule(settings.steps, settings.batch_size, settings.warmup_steps), beta, nll_coef)
+    resp = run_worker(PREFERENCE_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path(f"{kind}_train"))
     commit_dir(tmp, final)
     export_checkpoint(final, settings.out_path)
     metrics = pl.read_parquet(metrics_path)
@@ -77,20 +77,20 @@ def ensure_exported(checkpoint: Path, dest: str) -> None:
 
 @stage_task("rm_optimize")
 def rm_optimize_task(storage_root: str, run_id: str, rankings_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, TRAIN_SPEC)
     r = ctx.cfg.reward_model
 
     def compute():
         train = read_stage(ctx.layout, "preference_rankings", 0).filter(pl.col("split") == "train")
         train = with_token_ids(ctx, train, {"responses": "response_token_ids"})
-        final, resp, metrics = train_preference_model(ctx, "rm_train", train, r, ctx.cfg.model.path, {})
+        final, resp, metrics = train_preference_model(ctx, "rm", train, r)
         return Computed(
             metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
             extra={"checkpoint": str(final), "exported_to": r.out_path, "train_seconds": resp["train_seconds"],
                    "rankings": train.height},
         )
 
-    out = run_stage(ctx, "rm_metrics", 1, sections=("reward_model",), compute=compute,
+    out = run_stage(ctx, 1, compute=compute,
                     inputs={"rankings": rankings_fp, "base": model_fingerprint(ctx.cfg.model.path)})
     ensure_exported(ctx.layout.checkpoint_dir(1), r.out_path)
     return out
@@ -114,13 +114,13 @@ def pair_eval_frame(chosen_score: pl.DataFrame, rejected_score: pl.DataFrame) ->
 
 @stage_task("rm_eval")
 def rm_eval_task(storage_root: str, run_id: str, pairs_fp: str, rm_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, EVAL_SPEC)
 
     def compute():
         sides = with_token_ids(ctx, heldout_sides(read_stage(ctx.layout, "preference_pairs", 0)), {"response": "response_token_ids"})
-        request = {"mode": "rm_score", "model_path": str(ctx.layout.checkpoint_dir(1)), "micro_batch_size": ctx.cfg.reward_model.micro_batch_size}
-        scored = frame_worker(ctx, PREFERENCE_WORKER, request, sides, "rm_eval").select("prompt_id", "pair_idx", "side", "score")
+        scored = score_frame_worker(ctx, "rm_score", str(ctx.layout.checkpoint_dir(1)), ctx.cfg.reward_model.micro_batch_size, sides,
+                                    "rm_eval").select("prompt_id", "pair_idx", "side", "score")
         df = pair_eval_frame(*(scored.filter(pl.col("side") == s).drop("side") for s in ("chosen", "rejected")))
         return Computed(df, extra={"pairwise_accuracy": float(df["correct"].mean()), "pairs": df.height})
 
-    return run_stage(ctx, "rm_eval", 1, sections=(), inputs={"pairs": pairs_fp, "reward_model": rm_fp}, compute=compute)
+    return run_stage(ctx, 1, inputs={"pairs": pairs_fp, "reward_model": rm_fp}, compute=compute)

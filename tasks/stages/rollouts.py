@@ -9,19 +9,30 @@ from __future__ import annotations
 
 import polars as pl
 
+from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from storage import StageOutput, read_stage
 from tasks.engines.launch import WorkerError
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
-from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task
+from tasks.stages.common import (
+    Computed,
+    RunContext,
+    load_run,
+    run_stage,
+    scratch_file,
+    stage_task,
+    upstream_part_fingerprints,
+)
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import weights_after
 
 
 def sampling_job(ctx: RunContext, n: int, temperature: float, seed: int, top_p: float = 1.0) -> dict:
-    """One generation job's sampling settings: the run's generation limit and stop conditions."""
+    """One generation pass's sampling settings: the run's generation limit and stop conditions (the files are added
+    by `generate`)."""
     r = ctx.cfg.rollout
     return {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": r.max_tokens, "seed": seed,
-            "stop": list(r.stop), "stop_token_ids": list(r.stop_token_ids)}
+            "stop": tuple(r.stop), "stop_token_ids": tuple(r.stop_token_ids)}
 
 
 def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list[dict], log_name: str) -> tuple[list[pl.DataFrame], dict]:
@@ -30,12 +41,9 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
     inp = scratch_file(ctx, f"{log_name}.prompts.parquet")
     prompts.select("prompt_id", "prompt_token_ids").write_parquet(inp)
     outs = [scratch_file(ctx, f"{log_name}.out{i}.parquet") for i in range(len(jobs))]
-    engine = resident_engine(
-        ctx.layout.run_id, ctx.layout.log_path("vllm"),
-        {"kv_cache_gib": ctx.cfg.rollout.kv_cache_gib, "gpu_memory_utilization": ctx.cfg.rollout.gpu_memory_utilization,
-         "seed": ctx.cfg.seed, "dtype": ctx.cfg.model.dtype},
-    )
-    resp = engine.generate(model_path, [{**j, "prompts_path": str(inp), "out_path": str(o)} for j, o in zip(jobs, outs)])
+    request = GenerateRequest(model_path, tuple(GenerationJob(str(inp), str(o), **j) for j, o in zip(jobs, outs)))
+    engine = resident_engine(ctx.layout.run_id, ctx.layout.log_path("vllm"))
+    resp = engine.generate(request, VLLMSettings.from_config(model_path, ctx.cfg.model, ctx.cfg.rollout, ctx.cfg.seed))
     gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
     if gap is not None and not gap <= limit:
         raise WorkerError(f"the sampler's weights do not match the trainer's: mean logprob gap {gap:.3g} on the "
@@ -50,7 +58,7 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
 
 @stage_task("rollouts")
 def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, prompts_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, SPEC)
     policy = weights_after(ctx, iteration - 1)
     r = ctx.cfg.rollout
 
@@ -70,13 +78,22 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
                                       **timing}},
         )
 
-    return run_stage(
-        ctx, "rollouts", iteration, sections=("rollout", "model"), part=round_,
-        inputs={"prompts": prompts_fp, "policy": policy.fingerprint}, compute=compute,
-    )
+    return run_stage(ctx, iteration, part=round_, inputs={"prompts": prompts_fp, "policy": policy.fingerprint}, compute=compute)
 
 
 @stage_task("release_engines")
 def release_engines_task() -> None:
     """Stop this process's resident vLLM engine (it also dies with the process)."""
     close_all()
+
+
+def recompute(root: str, run_id: str, iteration: int) -> list[StageOutput]:
+    """Every round again, from the saved prompts (then the engine is released: a rerun is one command)."""
+    try:
+        return [rollouts_task.fn(root, run_id, iteration, r, fp)
+                for r, fp in enumerate(upstream_part_fingerprints(root, run_id, "prompts", iteration))]
+    finally:
+        release_engines_task.fn()
+
+
+SPEC = StageSpec("rollouts", reads=("prompts",), sections=("rollout", "model"), scope="round", recompute=recompute)

@@ -12,16 +12,24 @@ from __future__ import annotations
 import polars as pl
 
 from storage import StageOutput, read_stage
-from tasks.engines.workers import PREFERENCE_WORKER
 from tasks.rewards.loader import source_hash, specs_from_config
 from tasks.rewards.scoring import RewardError, score_frame
-from tasks.stages.common import Computed, RunContext, frame_worker, load_run, run_stage, stage_task
+from tasks.stages.common import (
+    Computed,
+    RunContext,
+    load_run,
+    run_stage,
+    score_frame_worker,
+    stage_task,
+    upstream_part_fingerprints,
+)
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint
 
 
 @stage_task("scores")
 def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, rollouts_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, SPEC)
 
     def compute():
         rollouts = read_stage(ctx.layout, "rollouts", iteration).filter(pl.col("round") == round_)
@@ -35,18 +43,14 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, rol
     inputs = {"rollouts": rollouts_fp}
     if ctx.cfg.reward.kind == "model":
         inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
-    return run_stage(
-        ctx, "scores", iteration, sections=("reward",), part=round_, salt=source_hash(specs_from_config(ctx.cfg.reward)),
-        inputs=inputs, compute=compute,
-    )
+    return run_stage(ctx, iteration, part=round_, salt=source_hash(specs_from_config(ctx.cfg.reward)), inputs=inputs, compute=compute)
 
 
 def reward_model_scores(ctx: RunContext, rollouts: pl.DataFrame, name: str) -> pl.Series:
     """The reward model's score of each rollout, on exactly the tokens sampled (prompt, then the response with its
     EOS when it stopped), in batches in a torch worker."""
     data = rollouts.select("prompt_token_ids", pl.col("token_ids").alias("response_token_ids"))
-    request = {"mode": "rm_score", "model_path": ctx.cfg.reward.model_path, "micro_batch_size": ctx.cfg.optim.micro_batch_size}
-    return frame_worker(ctx, PREFERENCE_WORKER, request, data, name, log="rm_score")["score"]
+    return score_frame_worker(ctx, "rm_score", ctx.cfg.reward.model_path, ctx.cfg.optim.micro_batch_size, data, name, log="rm_score")["score"]
 
 
 def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float) -> pl.DataFrame:
@@ -56,3 +60,12 @@ def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float
     return scores.with_columns(model_scores.alias("score_model")).with_columns(
         (pl.col("reward") + weight * pl.col("score_model")).alias("reward")
     )
+
+
+def recompute(root: str, run_id: str, iteration: int) -> list[StageOutput]:
+    """Every round again, from the saved rollouts (a fixed reward function re-scores without generating)."""
+    return [scores_task.fn(root, run_id, iteration, r, fp) for r, fp in enumerate(upstream_part_fingerprints(root, run_id, "rollouts", iteration))]
+
+
+SPEC = StageSpec("scores", reads=("rollouts", "prompts"), sections=("reward", "rollout", "data", "optim"), scope="round",
+                 recompute=recompute)

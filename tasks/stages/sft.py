@@ -13,6 +13,7 @@ from pathlib import Path
 
 import polars as pl
 
+from schemas.requests import EngineSettings, Schedule, SFTRequest
 from storage import StageOutput, commit_dir, read_stage, temp_dir_for
 from tasks.data.datasets import files_fingerprint
 from tasks.data.formatting import load_tokenizer
@@ -20,12 +21,17 @@ from tasks.data.sft_data import build_sft_examples
 from tasks.engines.launch import run_worker
 from tasks.engines.workers import TRAIN_WORKER
 from tasks.stages.common import Computed, export_checkpoint, load_run, run_stage, scratch_file, stage_task
+from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint, tokenizer_fingerprint
+
+SPEC = StageSpec("sft_data", reads=(), sections=("sft", "prompt", "data", "model"), scope="run")
+TRAIN_SPEC = StageSpec("sft_metrics", reads=("sft_data",), sections=("sft", "model", "optim"), scope="run",
+                       also_writes=("checkpoints/sft",))
 
 
 @stage_task("sft_data")
 def sft_data_task(storage_root: str, run_id: str, tokenizer_path: str | None = None) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, SPEC)
     s, path = ctx.cfg.sft, tokenizer_path or ctx.cfg.model.base_path
 
     def compute():
@@ -34,12 +40,12 @@ def sft_data_task(storage_root: str, run_id: str, tokenizer_path: str | None = N
 
     inputs = {"files": files_fingerprint(s.files, "sft.files") if s.files else "", "tokenizer": tokenizer_fingerprint(path),
               "max_prompt_tokens": str(ctx.cfg.data.max_prompt_tokens)}
-    return run_stage(ctx, "sft_data", 0, sections=("sft", "prompt"), inputs=inputs, compute=compute)
+    return run_stage(ctx, 0, inputs=inputs, compute=compute)
 
 
 @stage_task("sft_train")
 def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
-    ctx = load_run(storage_root, run_id)
+    ctx = load_run(storage_root, run_id, TRAIN_SPEC)
     s, m = ctx.cfg.sft, ctx.cfg.model
     final = ctx.layout.sft_checkpoint_dir
 
@@ -47,17 +53,9 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
         data_path, metrics_path = scratch_file(ctx, "sft.in.parquet"), scratch_file(ctx, "sft.metrics.parquet")
         read_stage(ctx.layout, "sft_data", 0).select("prompt_token_ids", "response_token_ids").write_parquet(data_path)
         tmp = temp_dir_for(final)
-        resp = run_worker(
-            TRAIN_WORKER,
-            {
-                "mode": "sft", "model_path": m.base_path, "tmp_dir": str(tmp), "metrics_path": str(metrics_path),
-                "data_path": str(data_path), "seed": ctx.cfg.seed, "zero_stage": s.zero_stage, "lr": s.lr,
-                "weight_decay": 0.0, "grad_clip": 1.0, "micro_batch_size": ctx.cfg.optim.micro_batch_size,
-                "steps": s.steps, "batch_size": s.batch_size, "warmup_steps": s.warmup_steps,
-                "dtype": m.dtype, "gradient_checkpointing": m.gradient_checkpointing,
-            },
-            ctx.layout.scratch_dir, ctx.layout.log_path("sft"),
-        )
+        request = SFTRequest(m.base_path, str(tmp), str(data_path), str(metrics_path), ctx.cfg.seed,
+                             EngineSettings.for_sft(s, ctx.cfg.optim, m), Schedule(s.steps, s.batch_size, s.warmup_steps))
+        resp = run_worker(TRAIN_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path("sft"))
         commit_dir(tmp, final)
         export = Path(m.path)
         export_checkpoint(final, export)
@@ -68,10 +66,7 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
             extra={"checkpoint": str(final), "exported_to": str(export), "train_seconds": resp["train_seconds"]},
         )
 
-    out = run_stage(
-        ctx, "sft_metrics", 0, sections=("sft", "model"), inputs={"data": data_fp, "base": model_fingerprint(m.base_path)},
-        compute=compute,
-    )
+    out = run_stage(ctx, 0, inputs={"data": data_fp, "base": model_fingerprint(m.base_path)}, compute=compute)
     if not Path(m.path, "config.json").exists():  # a skipped stage whose export was removed
         export_checkpoint(final, m.path)
     return out

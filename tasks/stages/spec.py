@@ -13,8 +13,9 @@ from typing import Callable, Literal
 
 from schemas.config import RunConfig
 
-# Fields of the config that are not sections: every stage may read them (the seed is in every fingerprint).
-GLOBAL_FIELDS = ("seed", "storage_root")
+# What every stage may read: the seed (in every fingerprint), where runs live, and how engines live (resident or one
+# process per call), which changes no data, so no fingerprint covers it.
+GLOBAL_FIELDS = ("seed", "storage_root", "engines")
 
 
 @dataclass(frozen=True)

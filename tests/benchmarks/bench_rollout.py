@@ -14,6 +14,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
+from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from tasks.data.model_recipe import init_model
 from tasks.engines.vllm_client import ResidentEngine
 from tests.benchmarks import result_row
@@ -52,12 +53,14 @@ def vllm_tokens_per_second(model_dir: Path, prompt_ids: list[list[int]], work: P
     prompts = work / "prompts.parquet"
     pl.DataFrame({"prompt_id": [f"p{i}" for i in range(len(prompt_ids))], "prompt_token_ids": prompt_ids},
                  schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)}).write_parquet(prompts)
-    job = {"prompts_path": str(prompts), "out_path": str(work / "out.parquet"), "n": GROUP, "temperature": 1.0,
-           "max_tokens": MAX_TOKENS, "seed": 0}
-    engine = ResidentEngine(work / "vllm.log", {"kv_cache_gib": 2, "seed": 0})
+    job = GenerationJob(str(prompts), str(work / "out.parquet"), n=GROUP, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS,
+                        seed=0, stop=(), stop_token_ids=())
+    request = GenerateRequest(str(model_dir), (job,))
+    engine = ResidentEngine(work / "vllm.log")
+    settings = VLLMSettings(str(model_dir), "float32", 0, kv_cache_gib=2, gpu_memory_utilization=0.5)
     try:
-        engine.generate(str(model_dir), [job])  # warm-up: the first generate pays one-off compilation
-        timing = engine.generate(str(model_dir), [job])["jobs"][0]
+        engine.generate(request, settings)  # warm-up: the first generate pays one-off compilation
+        timing = engine.generate(request, settings)["jobs"][0]
     finally:
         engine.close()
     return timing["tokens"] / timing["generate_seconds"]

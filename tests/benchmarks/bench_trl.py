@@ -57,7 +57,7 @@ def trl_training(model_path: str, train: pl.DataFrame) -> tuple[float, int, str]
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from tasks.rewards.builtin import Sample, accuracy, format_ok
+    from tasks.rewards.builtin import accuracy, format_ok
 
     out = WORK / "trl-model"
     shutil.rmtree(out, ignore_errors=True)
@@ -65,10 +65,10 @@ def trl_training(model_path: str, train: pl.DataFrame) -> tuple[float, int, str]
     eos = tokenizer.eos_token_id
 
     def accuracy_reward(prompts, completions, answer, **_):
-        return [accuracy(Sample(c, a)) for c, a in zip(completions, answer)]
+        return [accuracy(response=c, ground_truth=a) for c, a in zip(completions, answer)]
 
     def format_reward(prompts, completions, completion_ids, **_):  # "stop" only when it emitted EOS
-        return [format_ok(Sample(c, "", "stop" if eos in ids else "length")) for c, ids in zip(completions, completion_ids)]
+        return [format_ok(response=c, finish_reason="stop" if eos in ids else "length") for c, ids in zip(completions, completion_ids)]
 
     minibatch, minibatches, epochs, group = 128, 4, 2, 8
     args = GRPOConfig(
@@ -80,7 +80,7 @@ def trl_training(model_path: str, train: pl.DataFrame) -> tuple[float, int, str]
         max_steps=ITERATIONS * minibatches * epochs, reward_weights=[1.0, 0.1], remove_unused_columns=False,
         bf16=False, dataloader_num_workers=0,
     )
-    dataset = Dataset.from_dict({"prompt": train["text"].to_list(), "answer": train["answer"].to_list()})
+    dataset = Dataset.from_dict({"prompt": train["prompt"].to_list(), "answer": train["answer"].to_list()})
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model_path, reward_funcs=[accuracy_reward, format_reward], args=args,
                           train_dataset=dataset, processing_class=tokenizer)
@@ -95,11 +95,11 @@ def greedy_accuracy(model_path: str, held_out: pl.DataFrame) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.rewards.builtin import Sample, accuracy
+    from tasks.rewards.builtin import accuracy
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    prompts = [tok(t)["input_ids"] for t in held_out["text"].to_list()]
+    prompts = [tok(t)["input_ids"] for t in held_out["prompt"].to_list()]
     width = max(map(len, prompts))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
     attn = (ids != tok.pad_token_id).long()
@@ -107,17 +107,17 @@ def greedy_accuracy(model_path: str, held_out: pl.DataFrame) -> float:
         out = model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=6,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
-    return sum(accuracy(Sample(t, a)) for t, a in zip(texts, held_out["answer"].to_list())) / held_out.height
+    return sum(accuracy(response=t, ground_truth=a) for t, a in zip(texts, held_out["answer"].to_list())) / held_out.height
 
 
 def run() -> list[dict]:
     from schemas.config import load_config
-    from tasks.data.datasets import load_prompt_dataset, task_splits
+    from tasks.data.example_tasks import ensure_task_files
 
     ensure_demo_model()
     cfg = load_config(DEMO_CONFIG)
-    splits = task_splits(cfg.task)
-    train, held_out = load_prompt_dataset(splits["train"]), load_prompt_dataset(splits["eval"])
+    files = ensure_task_files(cfg.task)
+    train, held_out = pl.read_parquet(files["train"]), pl.read_parquet(files["eval"])
     rl_wall, rl_samples, rl_model = rlpipe_training()
     trl_wall, trl_samples, trl_model = trl_training(cfg.model.path, train)
     accuracy = {name: greedy_accuracy(path, held_out) for name, path in

@@ -11,6 +11,7 @@ leaves nothing stale behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
@@ -52,7 +53,7 @@ class EngineCache:
         self._frozen: dict[tuple[str, str | None, float], object] = {}
         self.hits = {"engine": 0, "frozen": 0}
 
-    def take_engine(self, role: str, checkpoint: str, resume_state: str | None, settings: dict):
+    def take_engine(self, role: str, checkpoint: str, resume_state: str | None, settings):
         """(engine, optimizer) whose state is exactly `checkpoint` + `resume_state`, or None."""
         slot = self._slots.pop(role, None)  # while it trains it matches no checkpoint
         if (slot is None or resume_state != os.path.join(checkpoint, "ds_state")
@@ -61,7 +62,7 @@ class EngineCache:
         self.hits["engine"] += 1
         return slot.engine, slot.optimizer
 
-    def keep_engine(self, role: str, state_id: str, engine, optimizer, settings: dict) -> None:
+    def keep_engine(self, role: str, state_id: str, engine, optimizer, settings) -> None:
         self._slots[role] = _Slot(state_id, _key(settings), engine, optimizer)
 
     def engine_module(self, role: str, checkpoint: str):
@@ -84,8 +85,8 @@ class EngineCache:
         return model
 
 
-def _key(settings: dict) -> str:
-    return json.dumps(settings, sort_keys=True)
+def _key(settings) -> str:
+    return json.dumps(dataclasses.asdict(settings), sort_keys=True)
 
 
 def _weights_mtime(path: str) -> float:

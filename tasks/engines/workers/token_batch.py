@@ -63,3 +63,17 @@ def eval_mode(model):
 
 def chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+
+def batched(fn, prompts: list[list[int]], responses: list[list[int]], pad_id: int, micro_batch_size: int) -> list:
+    """fn(input_ids, attention_mask, response_mask, prompt_lens, response_lens) over micro-batches of the sequences,
+    without gradients; the per-sequence results concatenated in order."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for idx in chunks(list(range(len(prompts))), micro_batch_size):
+            p, r = [prompts[i] for i in idx], [responses[i] for i in idx]
+            ids, attn, mask = pack(p, r, pad_id)
+            out += fn(ids, attn, mask, [len(x) for x in p], [len(x) for x in r])
+    return out

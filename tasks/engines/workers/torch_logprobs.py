@@ -1,7 +1,6 @@
 """Logprobs worker: old (policy before this update) and ref logprobs, and entropy, recomputed by torch.
 
-Request: policy_path, ref_path, samples_path (prompt_id, sample_idx, prompt_token_ids, token_ids), out_path,
-micro_batch_size, dtype; optional critic_path and critic_fresh (PPO). Run as a one-shot worker, or inside the resident
+Request: schemas.requests.LogprobsRequest; the samples file holds prompt_id, sample_idx, prompt_token_ids, token_ids. Run as a one-shot worker, or inside the resident
 trainer (tasks/engines/workers/trainer_server.py). Writes prompt_id, sample_idx, old_logprobs,
 ref_logprobs, entropy and values (list<float32>; values null without a critic).
 """
@@ -10,43 +9,29 @@ from __future__ import annotations
 
 import time
 
+from schemas.requests import LogprobsRequest
 from tasks.engines.launch import worker_main
 
 
 def _score(model, prompts, responses, pad_id, micro, with_entropy):
-    import torch
+    from tasks.engines.workers.token_batch import batched, token_logprobs, unalign
 
-    from tasks.engines.workers.token_batch import chunks, pack, token_logprobs, unalign
+    def forward(ids, attn, mask, plen, rlen):
+        lp, ent = token_logprobs(model, ids, attn, with_entropy)
+        return list(zip(unalign(lp, plen, rlen), unalign(ent, plen, rlen) if with_entropy else [[]] * len(plen)))
 
-    logps, ents = [], []
-    with torch.no_grad():
-        for idx in chunks(list(range(len(prompts))), micro):
-            p = [prompts[i] for i in idx]
-            r = [responses[i] for i in idx]
-            ids, attn, _ = pack(p, r, pad_id)
-            lp, ent = token_logprobs(model, ids, attn, with_entropy)
-            plen, rlen = [len(x) for x in p], [len(x) for x in r]
-            logps += unalign(lp, plen, rlen)
-            ents += unalign(ent, plen, rlen) if with_entropy else [[] for _ in idx]
-    return logps, ents
+    pairs = batched(forward, prompts, responses, pad_id, micro)
+    return [lp for lp, _ in pairs], [ent for _, ent in pairs]
 
 
 def _values(critic, prompts, responses, pad_id, micro):
-    import torch
-
     from tasks.engines.workers.critic import token_values
-    from tasks.engines.workers.token_batch import chunks, pack, unalign
+    from tasks.engines.workers.token_batch import batched, unalign
 
-    out = []
-    with torch.no_grad():
-        for idx in chunks(list(range(len(prompts))), micro):
-            p, r = [prompts[i] for i in idx], [responses[i] for i in idx]
-            ids, attn, _ = pack(p, r, pad_id)
-            out += unalign(token_values(critic, ids, attn), [len(x) for x in p], [len(x) for x in r])
-    return out
+    return batched(lambda ids, attn, mask, plen, rlen: unalign(token_values(critic, ids, attn), plen, rlen), prompts, responses, pad_id, micro)
 
 
-def handle(request: dict, cache=None) -> dict:
+def handle(request: LogprobsRequest, cache=None) -> dict:
     """One request. With `cache` (the resident trainer's EngineCache), the policy and critic come from the engines
     that wrote their checkpoints and the reference is loaded once, so no weights are read from disk in steady state."""
     import polars as pl
@@ -57,13 +42,13 @@ def handle(request: dict, cache=None) -> dict:
     from tasks.engines.workers.token_batch import eval_mode
 
     torch.manual_seed(0)
-    samples = pl.read_parquet(request["samples_path"])
+    samples = pl.read_parquet(request.samples_path)
     prompts = samples["prompt_token_ids"].to_list()
     responses = samples["token_ids"].to_list()
-    micro = request["micro_batch_size"]
-    policy_path, ref_path = request["policy_path"], request["ref_path"]
+    micro = request.micro_batch_size
+    policy_path, ref_path = request.policy_path, request.ref_path
 
-    dtype = request["dtype"]
+    dtype = request.dtype
 
     def load_lm(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -93,8 +78,8 @@ def handle(request: dict, cache=None) -> dict:
             ref, _ = _score(ref_model, prompts, responses, pad_id, micro, False)
         forward += time.time() - t1
     values = None
-    if request.get("critic_path"):
-        critic_path, fresh = request["critic_path"], request.get("critic_fresh", False)
+    if request.critic_path:
+        critic_path, fresh = request.critic_path, request.critic_fresh
         critic = (load_critic(critic_path, True, dtype) if fresh
                   else model_at("critic", critic_path, lambda: load_critic(critic_path, False, dtype), frozen=False))
         t1 = time.time()
@@ -107,7 +92,7 @@ def handle(request: dict, cache=None) -> dict:
         pl.Series("ref_logprobs", ref, dtype=lst),
         pl.Series("entropy", entropy, dtype=lst),
         pl.Series("values", values if values is not None else [None] * samples.height, dtype=lst),
-    ).write_parquet(request["out_path"])
+    ).write_parquet(request.out_path)
     return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0}
 
 

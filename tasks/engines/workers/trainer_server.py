@@ -2,8 +2,8 @@
 reference between iterations, and answers the `logprobs` and `optimize` stages.
 
 Started by tasks/engines/trainer_client.py as `python -m tasks.engines.workers.trainer_server --serve SOCKET SETTINGS`.
-A message is {"op": "logprobs" | "train", "request": ...}, the same request the one-shot workers
-(torch_logprobs, deepspeed_train) take; inputs and outputs stay Parquet and checkpoints on disk. What it
+A message is {"request": a LogprobsRequest or UpdateRequest on the wire (schemas/requests.py)}, the same requests
+the one-shot workers (torch_logprobs, deepspeed_train) take; inputs and outputs stay Parquet and checkpoints on disk. What it
 reuses, and when, is tasks/engines/workers/engine_cache.py: only state that provably equals the requested checkpoint.
 No Prefect import: this runs in its own process.
 """
@@ -17,21 +17,23 @@ def make_answer(settings: dict):
     import deepspeed  # noqa: F401  (the imports are paid once, here)
     import torch  # noqa: F401
 
+    from schemas.requests import LogprobsRequest, UpdateRequest, from_wire
     from tasks.engines.workers import deepspeed_train, torch_logprobs
     from tasks.engines.workers.engine_cache import EngineCache
 
     cache = EngineCache()
-    handlers = {"logprobs": torch_logprobs.handle, "train": deepspeed_train.handle}
+    handlers = {LogprobsRequest: torch_logprobs.handle, UpdateRequest: deepspeed_train.handle}
 
     def answer(msg: dict) -> dict:
-        if msg["op"] not in handlers:
-            raise ValueError(f"unknown trainer op {msg['op']!r}")
+        request = from_wire(msg["request"])
+        if type(request) not in handlers:
+            raise ValueError(f"the trainer does not take a {type(request).__name__}")
         hits = dict(cache.hits)
         t0 = time.time()
-        print(f"[trainer] {msg['op']} {msg.get('label', '')}", flush=True)
-        resp = handlers[msg["op"]](msg["request"], cache)
+        print(f"[trainer] {type(request).__name__} {msg.get('label', '')}", flush=True)
+        resp = handlers[type(request)](request, cache)
         reused = {f"reused_{k}": cache.hits[k] - hits[k] for k in hits}
-        print(f"[trainer] {msg['op']} done in {time.time() - t0:.2f}s {reused}", flush=True)
+        print(f"[trainer] done in {time.time() - t0:.2f}s {reused}", flush=True)
         return {**resp, **reused}
 
     return answer

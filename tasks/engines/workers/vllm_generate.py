@@ -13,6 +13,8 @@ import json
 import os
 import time
 
+from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings, from_wire
+
 
 def _rows(outputs, prompt_ids):
     rows = []
@@ -31,8 +33,8 @@ def _rows(outputs, prompt_ids):
     return rows
 
 
-def _start_engine(request: dict):
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(request.get("kv_cache_gib", 1))))
+def _start_engine(settings: VLLMSettings):
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(settings.kv_cache_gib)))
     # collective_rpc with a function (_refresh_lm_head) pickles it to the engine's own worker process.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
@@ -43,18 +45,18 @@ def _start_engine(request: dict):
         # A seeded request whose prefill is chunked needs its generator rewound, which vLLM-CPU cannot do ("CPU
         # Generator does not use offset", the engine dies): keep every prompt's prefill whole, with vLLM's own token
         # budget (4,096) unless the context is longer.
-        with open(os.path.join(request["model_path"], "config.json")) as f:
+        with open(os.path.join(settings.model_path, "config.json")) as f:
             context = json.load(f).get("max_position_embeddings") or 0
         extra = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, context)}
     else:  # a GPU shared with the resident trainer: vLLM takes only its share
-        extra = {"gpu_memory_utilization": request["gpu_memory_utilization"]}
+        extra = {"gpu_memory_utilization": settings.gpu_memory_utilization}
     return LLM(
-        model=request["model_path"], dtype=request["dtype"], seed=request["seed"],
+        model=settings.model_path, dtype=settings.dtype, seed=settings.seed,
         enforce_eager=True, enable_prefix_caching=True, **extra,
     )
 
 
-def _run_jobs(llm, jobs: list[dict]) -> list[dict]:
+def _run_jobs(llm, jobs: tuple[GenerationJob, ...]) -> list[dict]:
     import polars as pl
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -66,12 +68,11 @@ def _run_jobs(llm, jobs: list[dict]) -> list[dict]:
     }
     timings = []
     for job in jobs:
-        prompts = pl.read_parquet(job["prompts_path"])
+        prompts = pl.read_parquet(job.prompts_path)
         params = [
             SamplingParams(
-                n=job["n"], temperature=job["temperature"], top_p=job.get("top_p", 1.0),
-                max_tokens=job["max_tokens"], logprobs=0, seed=job["seed"] + i,
-                stop=job["stop"] or None, stop_token_ids=job["stop_token_ids"] or None,
+                n=job.n, temperature=job.temperature, top_p=job.top_p, max_tokens=job.max_tokens, logprobs=0,
+                seed=job.seed + i, stop=list(job.stop) or None, stop_token_ids=list(job.stop_token_ids) or None,
             )
             for i in range(prompts.height)
         ]
@@ -80,7 +81,7 @@ def _run_jobs(llm, jobs: list[dict]) -> list[dict]:
         outputs = llm.generate(inputs, params, use_tqdm=False)
         gen_seconds = time.time() - t1
         df = pl.DataFrame(_rows(outputs, prompts["prompt_id"].to_list()), schema=schema)
-        df.write_parquet(job["out_path"])
+        df.write_parquet(job.out_path)
         timings.append({"generate_seconds": gen_seconds, "tokens": int(df["length"].sum())})
     return timings
 
@@ -122,7 +123,7 @@ def sampler_probe_gap(llm, model_path: str) -> float | None:
     return mean_abs_gap(sampler, probe["logprobs"])
 
 
-def make_answer(settings: dict):
+def make_answer(settings: VLLMSettings):
     """Resident mode: start one engine, then answer `generate` messages.
 
     A `generate` for other weights first syncs them in place (tied embeddings included). After the start and
@@ -133,18 +134,19 @@ def make_answer(settings: dict):
 
     t0 = time.time()
     llm = _start_engine(settings)
-    state = {"current": settings["model_path"], "start_seconds": time.time() - t0}
+    state = {"current": settings.model_path, "start_seconds": time.time() - t0}
     state["gap"] = sampler_probe_gap(llm, state["current"])
 
     def answer(msg: dict) -> dict:
+        request: GenerateRequest = from_wire(msg["request"])
         sync_seconds = 0.0
-        if msg["model_path"] != state["current"]:
+        if request.model_path != state["current"]:
             state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
             t1 = time.time()
-            sync_weights(llm, msg["model_path"])
-            sync_seconds, state["current"] = time.time() - t1, msg["model_path"]
+            sync_weights(llm, request.model_path)
+            sync_seconds, state["current"] = time.time() - t1, request.model_path
             state["gap"] = sampler_probe_gap(llm, state["current"])
-        timings = _run_jobs(llm, msg["jobs"])
+        timings = _run_jobs(llm, request.jobs)
         resp = {
             "engine_start_seconds": state["start_seconds"], "sync_seconds": sync_seconds,
             "sync_logprob_gap": state["gap"], "jobs": timings, "vllm_version": vllm.__version__,

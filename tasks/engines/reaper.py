@@ -1,0 +1,108 @@
+"""No process outlives its `rlpipe` command, whatever kills it (SIGKILL included).
+
+The command marks its environment with `RLPIPE_OWNER=<its pid>`, which every process it starts inherits: engine
+servers and their own children (vLLM's EngineCore and workers), reward workers and multiprocessing's resource
+trackers, Prefect's temporary API server. A reaper process, started first and in its own session (so a signal to
+the command's process group leaves it standing), waits for the command to end, by exit or by any signal, then
+kills every process that carries the mark and removes the command's Unix sockets. A parent-death signal
+(PR_SET_PDEATHSIG) wakes it at once; it also polls.
+
+    python -m tasks.engines.reaper OWNER_PID
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import sys
+import tempfile
+import time
+
+OWNER_ENV = "RLPIPE_OWNER"
+
+
+def marked(owner: int) -> list:
+    """Processes carrying the owner's mark (this one excepted)."""
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.environ().get(OWNER_ENV) == str(owner):
+                out.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def sweep(owner: int) -> int:
+    """Kill the owner's processes until none is left (a dying server may still start one); remove its sockets."""
+    import psutil
+
+    killed = 0
+    for _ in range(5):
+        procs = marked(owner)
+        if not procs:
+            break
+        for proc in procs:
+            try:
+                proc.kill()
+                killed += 1
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=5)
+    for sock in glob.glob(os.path.join(tempfile.gettempdir(), f"*-{owner}-*.sock")):
+        try:
+            os.unlink(sock)
+        except OSError:
+            pass
+    return killed
+
+
+def start_reaper() -> None:
+    """Mark this process's environment and start its reaper (once per process)."""
+    import subprocess
+
+    if os.environ.get(OWNER_ENV) == str(os.getpid()):
+        return
+    os.environ[OWNER_ENV] = str(os.getpid())
+    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}  # the reaper is not its own target
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    subprocess.Popen([sys.executable, "-m", "tasks.engines.reaper", str(os.getpid())], env=env, start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def _wait_for(owner: int) -> None:
+    import ctypes
+
+    import psutil
+
+    try:
+        created = psutil.Process(owner).create_time()
+    except psutil.Error:
+        return
+    woken = []
+    signal.signal(signal.SIGUSR1, lambda *_: woken.append(True))
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG: our parent is the owner
+    except OSError:
+        pass
+    if os.getppid() != owner:  # the owner died before the signal was armed
+        return
+    while not woken:
+        try:
+            if psutil.Process(owner).create_time() != created:  # a reused pid is not the owner
+                return
+        except psutil.Error:
+            return
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    owner_pid = int(sys.argv[1])
+    _wait_for(owner_pid)
+    sweep(owner_pid)

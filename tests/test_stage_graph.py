@@ -1,0 +1,135 @@
+"""The stage graph: each stage declared once (tasks/stages/graph.py), its body confined to the config sections it
+declares, and what each config section's change recomputes. Plus the two caching defects the declarations fixed:
+eval ignored rollout.max_tokens, and PPO-ptx's demonstrations were cached once whatever the sft settings."""
+
+import time
+
+import polars as pl
+import pytest
+import yaml
+
+from schemas.config import RunConfig, dump_config, load_config
+from schemas.tables import TABLES
+from storage import RunLayout
+from tasks.stages import graph
+from tasks.stages.common import Computed, load_run, run_stage
+from tasks.stages.spec import SectionView, StageSpec, UndeclaredSection
+from tests.conftest import tiny_config
+
+# By hand: which stages a change to each config section recomputes (directly, or because they read a stage that
+# is recomputed). `engines`, `rl` and `storage_root` change no stage's data.
+INVALIDATES = {
+    "data": ["dataset", "sft_data", "sft_metrics", "prompts", "rollouts", "scores", "batch", "logprobs", "advantages", "prompt_stats",
+             "train_metrics", "eval", "preference_rankings", "preference_pairs", "ref_logprobs", "dpo_metrics", "dpo_eval",
+             "rm_metrics", "rm_eval"],
+    "rollout": ["prompts", "rollouts", "scores", "batch", "logprobs", "advantages", "prompt_stats", "train_metrics", "eval",
+                "preference_rankings", "preference_pairs", "ref_logprobs", "dpo_metrics", "dpo_eval", "rm_metrics", "rm_eval"],
+    "reward": ["scores", "batch", "logprobs", "advantages", "prompt_stats", "train_metrics", "eval", "preference_rankings",
+               "preference_pairs", "ref_logprobs", "dpo_metrics", "dpo_eval", "rm_metrics", "rm_eval"],
+    "batch": ["batch", "logprobs", "advantages", "prompt_stats", "train_metrics", "eval"],
+    "advantage": ["logprobs", "advantages", "prompt_stats", "train_metrics", "eval"],
+    "kl": ["advantages", "prompt_stats", "train_metrics", "eval"],
+    "loss": ["train_metrics", "advantages", "prompt_stats", "eval"],
+    "critic": ["train_metrics", "advantages", "prompt_stats", "eval"],
+    "eval": ["eval", "preference_rankings", "preference_pairs", "ref_logprobs", "dpo_metrics", "dpo_eval", "rm_metrics", "rm_eval"],
+    "sft": ["sft_data", "sft_metrics", "train_metrics", "advantages", "prompt_stats", "eval"],
+    "preference": ["preference_rankings", "preference_pairs", "ref_logprobs", "dpo_metrics", "dpo_eval", "rm_metrics", "rm_eval"],
+    "dpo": ["ref_logprobs", "dpo_metrics", "dpo_eval"],
+    "reward_model": ["rm_metrics", "rm_eval"],
+    "optim": ["sft_metrics", "scores", "batch", "logprobs", "advantages", "prompt_stats", "train_metrics", "eval", "preference_rankings",
+              "preference_pairs", "ref_logprobs", "dpo_metrics", "dpo_eval", "rm_metrics", "rm_eval"],
+    "engines": [], "rl": [],
+}
+EVERYTHING = ("model", "prompt")  # the model folder and the prompt formatting: every stage
+
+
+def test_what_each_config_section_invalidates():
+    for section, expected in INVALIDATES.items():
+        assert sorted(graph.invalidated_by(section)) == sorted(expected), section
+    for section in EVERYTHING:
+        assert graph.invalidated_by(section) == [s.name for s in graph.STAGES], section
+
+
+def test_every_table_has_one_stage_and_every_stage_one_table():
+    names = [s.name for s in graph.STAGES]
+    assert len(names) == len(set(names))
+    assert set(names) == set(TABLES) - {"bench_results"}  # benchmarks write their own results table
+    assert graph.stage("optimize") is graph.stage("train_metrics")
+    assert [s.name for s in graph.rerunnable()] == ["rollouts", "scores", "batch", "logprobs", "advantages", "train_metrics"]
+    assert graph.downstream_tables("advantages") == ["advantages", "prompt_stats", "train_metrics", "eval"]
+
+
+def test_a_stage_sees_only_the_sections_it_declares():
+    spec = StageSpec("t", reads=(), sections=("rollout", "model"), scope="run")
+    view = SectionView(RunConfig(), spec)
+    assert view.rollout.max_tokens == 8 and view.seed == 0 and view.engines.resident_trainer
+    with pytest.raises(UndeclaredSection, match="stage 't' read config section 'advantage'"):
+        view.uses_critic  # a property reads through the view: it needs `advantage`
+    with pytest.raises(UndeclaredSection, match="'eval'"):
+        view.eval
+    assert SectionView(RunConfig(), StageSpec("u", (), ("advantage",), "run")).uses_critic is False
+    with pytest.raises(ValueError, match="unknown config sections"):
+        StageSpec("v", (), ("rolout",), "run")
+
+
+def fake_run(tmp_path, **sections):
+    layout = RunLayout(tmp_path / "runs", "r")
+    layout.run_dir.mkdir(parents=True)
+    cfg = load_config(tiny_config(tmp_path, **sections))
+    layout.config_path.write_text(dump_config(cfg))
+    return layout
+
+
+def test_changing_the_generation_limit_recomputes_eval(tmp_path):
+    """Before the declarations, eval read rollout.max_tokens without it in its fingerprint: never recomputed."""
+    from tasks.stages.evaluate import SPEC
+
+    layout = fake_run(tmp_path)
+    calls = []
+
+    def eval_once():
+        ctx = load_run(str(layout.root), "r", SPEC)
+
+        def compute():
+            calls.append(ctx.cfg.rollout.max_tokens)
+            return Computed(pl.DataFrame({"x": [len(calls)]}))
+
+        return run_stage(ctx, 0, inputs={"weights": "w"}, compute=compute)
+
+    import schemas.tables as tables
+
+    tables.TABLES["eval"], saved = tables.TableSchema("eval", 1, {"x": pl.Int64}), tables.TABLES["eval"]
+    try:
+        eval_once(), eval_once()
+        assert calls == [4]  # the second call was skipped: same fingerprint
+        cfg = yaml.safe_load(layout.config_path.read_text())
+        cfg["rollout"]["max_tokens"] = 12
+        layout.config_path.write_text(yaml.safe_dump(cfg))
+        eval_once()
+        assert calls == [4, 12]
+    finally:
+        tables.TABLES["eval"] = saved
+
+
+def test_changing_the_sft_settings_recomputes_the_ppo_ptx_demonstrations(tmp_path):
+    """PPO-ptx read its demonstrations from a file cached once in _scratch; now they are the run's sft_data stage."""
+    from tasks.data.example_tasks import ensure_task_files
+    from tasks.data.model_recipe import init_model
+    from tasks.stages.optimize import ptx_fingerprint
+    from tasks.stages.sft import sft_data_task
+    from tests.conftest import ROOT
+
+    layout = fake_run(tmp_path, loss={"ptx_coef": 0.1})
+    cfg = yaml.safe_load(layout.config_path.read_text())
+    init_model(ROOT / "infra/model/demo_llama.yaml", cfg["model"]["path"])
+    paths = ensure_task_files(load_config(layout.config_path).task)
+    first = sft_data_task.fn(str(layout.root), "r", cfg["model"]["path"])
+    ctx = load_run(str(layout.root), "r", StageSpec("train_metrics", (), ("loss",), "iteration"))
+    assert ptx_fingerprint(ctx) == first.fingerprint
+    pl.read_parquet(paths["sft"]).head(50).write_parquet(tmp_path / "fewer.parquet")
+    cfg["sft"]["files"] = [str(tmp_path / "fewer.parquet")]
+    layout.config_path.write_text(yaml.safe_dump(cfg))
+    time.sleep(0.01)
+    second = sft_data_task.fn(str(layout.root), "r", cfg["model"]["path"])
+    assert second.fingerprint != first.fingerprint and second.rows == 50
+    assert ptx_fingerprint(ctx) == second.fingerprint  # the update's input changed with it
