@@ -41,25 +41,40 @@ def _guard(fn, *args, **kwargs):
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def _exit_on_interrupt() -> None:
-    """Ctrl-C (SIGINT) stops the run at once. Prefect would otherwise swallow the KeyboardInterrupt and
-    carry on. Stopping hard is safe: every stage writes atomically with its manifest last, the engine
-    workers die with this process, and the same command resumes from the last complete stage."""
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM stop the command at once, with one line. Prefect would otherwise swallow the
+    KeyboardInterrupt and carry on, and on SIGTERM its flow engine runs crash handling against a temporary API server
+    the same signal may already have stopped (minutes of retries). Stopping hard is safe: every stage writes
+    atomically with its manifest last, and the same command resumes from the last complete stage. A reaper process
+    (tasks/engines/reaper.py) kills whatever this command started even when it is SIGKILLed."""
+    from tasks.engines.reaper import start_reaper
+
+    start_reaper()
 
     def stop(signum, frame):
         import psutil
 
-        sys.stderr.write("interrupted: complete stages are kept; run the same command again to resume\n")
+        what = "interrupted" if signum == signal.SIGINT else "terminated"
+        sys.stderr.write(f"{what}: complete stages are kept; run the same command again to resume\n")
         sys.stderr.flush()
-        # Engine workers die with us (PR_SET_PDEATHSIG), but Prefect's temporary API server would linger.
         for child in psutil.Process().children(recursive=True):
             try:
                 child.kill()
             except psutil.Error:
                 pass
-        os._exit(130)
+        os._exit(128 + signum)
 
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    # Prefect installs its own SIGTERM bridge for every flow run (prefect.utilities.engine.capture_sigterm looks it up
+    # by this name): in a command started from this CLI it is ours. Deployed runs keep Prefect's.
+    import prefect.utilities.engine
+
+    prefect.utilities.engine._prefect_sigterm_handler = stop
+
+
+ReconfigureOpt = typer.Option(False, "--reconfigure", help="The run exists with another config: move the outputs the new config "
+                              "would recompute aside (as rerun does) and go on, instead of refusing.")
 
 
 @app.command("init-model")
@@ -85,15 +100,16 @@ def init_model_cmd(
 
 
 @app.command()
-def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("sft", "--run-id")) -> None:
+def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("sft", "--run-id"),
+        reconfigure: bool = ReconfigureOpt) -> None:
     """Supervised fine-tuning of model.base_path on sft.files (DeepSpeed); exports to model.path."""
 
     def run():
         from flows.deployments import prepare_checked_run
         from flows.sft import sft_flow
 
-        _exit_on_interrupt()
-        result = sft_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="sft"))
+        _stop_on_signals()
+        result = sft_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="sft", reconfigure=reconfigure))
         console.print(f"sft checkpoint: {result['checkpoint']} (exported to {result['exported_to']})")
 
     _guard(run)
@@ -105,36 +121,39 @@ def run(
     overrides: Optional[list[str]] = SetOpt,
     run_id: str = typer.Option("rl", "--run-id"),
     algo: Optional[str] = typer.Option(None, "--algo", help="Algorithm preset from infra/algos/ (ppo, grpo, dapo, dcpo, ...)."),
+    reconfigure: bool = ReconfigureOpt,
 ) -> None:
     """Run (or resume) RL: one Prefect flow run per iteration. Re-running the same command resumes."""
     from flows.rl import rl_run
 
-    _guard(_start, rl_run, config, overrides, run_id, algo)
+    _guard(_start, rl_run, config, overrides, run_id, algo, "rl", reconfigure)
 
 
-def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None, flow: str = "rl") -> None:
+def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None, flow: str = "rl", reconfigure: bool = False) -> None:
     """Validate and save the config, check the model, data and reward functions (before any engine starts), run."""
     from flows.deployments import prepare_checked_run
 
-    _exit_on_interrupt()
-    _print_summary(flow_fn(run_id, prepare_checked_run(config, overrides, run_id, algo, flow)))
+    _stop_on_signals()
+    _print_summary(flow_fn(run_id, prepare_checked_run(config, overrides, run_id, algo, flow, reconfigure)))
 
 
 @app.command("rm-train")
-def rm_train(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("rm", "--run-id")) -> None:
+def rm_train(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("rm", "--run-id"),
+             reconfigure: bool = ReconfigureOpt) -> None:
     """Train a Bradley–Terry reward model on preference data (generated from the task when
     preference.data is unset); exported to reward_model.out_path. Re-running resumes."""
     from flows.reward_model import reward_model_flow
 
-    _guard(_start, reward_model_flow, config, overrides, run_id, None, "rm")
+    _guard(_start, reward_model_flow, config, overrides, run_id, None, "rm", reconfigure)
 
 
 @app.command()
-def dpo(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("dpo", "--run-id")) -> None:
+def dpo(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("dpo", "--run-id"),
+        reconfigure: bool = ReconfigureOpt) -> None:
     """DPO from model.path on preference data; exported to dpo.out_path. Re-running resumes."""
     from flows.dpo import dpo_flow
 
-    _guard(_start, dpo_flow, config, overrides, run_id, None, "dpo")
+    _guard(_start, dpo_flow, config, overrides, run_id, None, "dpo", reconfigure)
 
 
 @app.command()
@@ -145,7 +164,7 @@ def demo(
     """init-model → SFT → RL → eval into runs/demo, with progress and a summary table."""
     from flows.demo import run_demo
 
-    _exit_on_interrupt()
+    _stop_on_signals()
     summary = _guard(run_demo, DEMO_CONFIG, overrides or [], run_id, console)
     _print_summary(summary)
 
@@ -161,11 +180,12 @@ def sql(run: list[str] = typer.Argument(..., help="RUN [RUN ...] QUERY"), root: 
 
 
 @app.command()
-def show(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
-    """Each stage's status per iteration, and the key metrics."""
-    from tasks.analysis.query import show_run
+def show(run_id: str, root: str = typer.Option("runs", "--root"),
+         wide: bool = typer.Option(False, "--wide", help="Every iteration as a row and every metric as a column.")) -> None:
+    """What a run holds: each stage's iterations and state, the last iterations' key metrics, every eval."""
+    from tasks.analysis.show import show_run
 
-    _guard(show_run, run_id, root, console)
+    _guard(show_run, run_id, root, console, wide)
 
 
 @app.command("compare-advantages")
@@ -207,10 +227,11 @@ def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
 
     def go():
         from flows.rl import rl_run
+        from storage.lock import acquire_run_lock
         from tasks.stages.common import load_run
 
-        _exit_on_interrupt()
-        load_run(root, run_id)  # a missing run fails here, before a flow starts
+        _stop_on_signals()
+        acquire_run_lock(load_run(root, run_id).layout, "resume")  # a missing run fails here, before a flow starts
         _print_summary(rl_run(run_id, root))
 
     _guard(go)

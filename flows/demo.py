@@ -32,7 +32,7 @@ def run_demo(config: str, overrides: list[str], run_id: str, console: Console) -
     from tasks.stages.summary import summary_task
 
     started = time.time()
-    cfg, layout = prepare_run(config, overrides, run_id)
+    cfg, layout = prepare_run(config, overrides, run_id, command="demo")
     n = cfg.rl.iterations
     n_evals = len({0, n, *range(cfg.rl.eval_every, n + 1, cfg.rl.eval_every)})
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())

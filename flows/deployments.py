@@ -23,19 +23,66 @@ WORK_POOL = "rlpipe"
 DEMO_CONFIG = "infra/configs/demo.yaml"
 
 
-def prepare_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None):
-    """Validate the config, create the run folder and save the resolved config. Returns (cfg, layout)."""
-    from schemas.config import dump_config, load_config
+def prepare_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None, reconfigure: bool = False,
+                command: str = "run"):
+    """Validate the config, take the run's writer lock, check a changed config against what the run already holds,
+    and save the resolved config. Returns (cfg, layout)."""
+    from schemas.config import load_config
     from storage import RunLayout
-    from storage.stage_io import write_bytes_atomic
+    from storage.lock import acquire_run_lock
 
     cfg = load_config(config, overrides, algo)
     layout = RunLayout(Path(cfg.storage_root), run_id)
     try:
-        write_bytes_atomic(layout.config_path, dump_config(cfg).encode())
+        acquire_run_lock(layout, command)
+        if layout.config_path.exists():
+            reconcile_config(layout, cfg, reconfigure, [*(overrides or []), *([f"--algo {algo}"] if algo else [])])
+        save_config(layout, cfg)
     except OSError as exc:
         raise UserError(f"cannot write to storage root {cfg.storage_root!r}: {exc.strerror}") from None
     return cfg, layout
+
+
+def save_config(layout, cfg) -> None:
+    from schemas.config import dump_config
+    from storage.stage_io import write_bytes_atomic
+
+    write_bytes_atomic(layout.config_path, dump_config(cfg).encode())
+
+
+def reconcile_config(layout, cfg, reconfigure: bool, overrides: list[str]) -> None:
+    """A run that exists with another config: fine when no complete stage's fingerprinted sections change (more
+    iterations, another engine placement); otherwise refused, unless `reconfigure`, which moves the outputs the new
+    config would recompute aside first (as `rlpipe rerun` does), so nothing finished is overwritten in place."""
+    import yaml
+
+    from flows.rerun import changed_by, supersede_changed
+    from schemas.config import ConfigError, build_config
+
+    old = build_config(yaml.safe_load(layout.config_path.read_text()))
+    if old == cfg:
+        return
+    changed = changed_by(layout, cfg)
+    if not changed:
+        return
+    if not reconfigure:
+        keys = _differences(old.model_dump(mode="json"), cfg.model_dump(mode="json"))
+        stages = sorted({name for name, _ in changed})
+        raise ConfigError(f"run {layout.run_id!r} exists with another config ({', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} "
+                          f"differ), which would recompute its {', '.join(stages)}; pass --reconfigure to move those outputs "
+                          "aside first, or choose another --run-id")
+    supersede_changed(layout, changed, {"reconfigure": True, "overrides": overrides})
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out
 
 
 @flow(name="rlpipe-rl", flow_run_name="{run_id}")
@@ -43,7 +90,9 @@ def rl_deployment(config: str = DEMO_CONFIG, run_id: str = "rl", overrides: list
                   algo: str | None = None) -> dict:
     """RL from the SFT model (or resume the run): the `rl` flow on a saved config."""
     from flows.rl import rl_run
+    from tasks.engines.reaper import start_reaper
 
+    start_reaper()  # no engine outlives this flow run, however the worker's process ends
     return rl_run(run_id, prepare_checked_run(config, overrides, run_id, algo))
 
 
@@ -51,7 +100,9 @@ def rl_deployment(config: str = DEMO_CONFIG, run_id: str = "rl", overrides: list
 def reward_model_deployment(config: str = DEMO_CONFIG, run_id: str = "rm", overrides: list[str] | None = None) -> dict:
     """A Bradley–Terry reward model on preference data (generated from the task unless preference.data)."""
     from flows.reward_model import reward_model_flow
+    from tasks.engines.reaper import start_reaper
 
+    start_reaper()
     return reward_model_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="rm"))
 
 
@@ -59,16 +110,19 @@ def reward_model_deployment(config: str = DEMO_CONFIG, run_id: str = "rm", overr
 def dpo_deployment(config: str = DEMO_CONFIG, run_id: str = "dpo", overrides: list[str] | None = None) -> dict:
     """DPO from model.path on preference data."""
     from flows.dpo import dpo_flow
+    from tasks.engines.reaper import start_reaper
 
+    start_reaper()
     return dpo_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="dpo"))
 
 
-def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None, flow: str = "rl") -> str:
-    """Save the run's config and check everything that can be checked before an engine starts (the model folder,
-    the data, the reward functions: tasks/stages/preflight.py); the storage root."""
+def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None, flow: str = "rl",
+                        reconfigure: bool = False) -> str:
+    """Save the run's config (under its writer lock) and check everything that can be checked before an engine starts
+    (the model folder, the data, the reward functions: tasks/stages/preflight.py); the storage root."""
     from tasks.stages.preflight import preflight
 
-    cfg, _ = prepare_run(config, overrides, run_id, algo)
+    cfg, _ = prepare_run(config, overrides, run_id, algo, reconfigure, command=flow)
     preflight(cfg.storage_root, run_id, flow)
     return cfg.storage_root
 
@@ -78,9 +132,11 @@ def sft_deployment(config: str = DEMO_CONFIG, run_id: str = "sft", overrides: li
     """The SFT warm start; the base model is built from the recipe first if it is not there yet."""
     from flows.sft import sft_flow
     from tasks.data.model_recipe import init_model
+    from tasks.engines.reaper import start_reaper
     from tasks.stages.preflight import preflight
 
-    cfg, _ = prepare_run(config, overrides, run_id)
+    start_reaper()
+    cfg, _ = prepare_run(config, overrides, run_id, command="sft")
     if cfg.model.recipe:
         init_model(cfg.model.recipe, cfg.model.base_path)
     preflight(cfg.storage_root, run_id, "sft")

@@ -61,23 +61,61 @@ def affected(layout, stage: str, iteration: int) -> list[Path]:
 
 
 def supersede(layout, stage: str, iteration: int, overrides: list[str]) -> dict:
-    """Move the stale paths under `_superseded/{n}/` (same relative layout) and log the move."""
+    """Move what recomputing `stage` at `iteration` makes stale under `_superseded/{n}/` and log the move."""
+    return _move_aside(layout, stale_stages(layout, stage, iteration), affected(layout, stage, iteration),
+                       {"iteration": iteration, "stage": stage, "overrides": overrides})
+
+
+def _move_aside(layout, stages: list[tuple[str, int]], paths: list[Path], note: dict) -> dict:
+    """Move `paths` under `_superseded/{n}/` (same relative layout), never deleting, and log it in superseded.json."""
     from storage import write_json_atomic
 
     history = json.loads(layout.superseded_log.read_text()) if layout.superseded_log.exists() else []
     target = layout.superseded_dir(len(history))
-    stages = stale_stages(layout, stage, iteration)
     moved = []
-    for path in affected(layout, stage, iteration):
+    for path in paths:
         rel = path.relative_to(layout.run_dir)
         (target / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, target / rel)
         moved.append(str(rel))
-    record = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "iteration": iteration, "stage": stage,
-              "overrides": overrides, "kept_in": str(target.relative_to(layout.run_dir)), "moved": moved,
-              "stages": [[name, k] for name, k in stages]}
+    record = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), **note, "kept_in": str(target.relative_to(layout.run_dir)),
+              "moved": moved, "stages": [[name, k] for name, k in stages]}
     write_json_atomic(layout.superseded_log, history + [record])
     return record
+
+
+def changed_by(layout, cfg) -> list[tuple[str, int]]:
+    """The complete (stage, iteration) whose fingerprinted config sections differ under `cfg` (what running the run
+    with `cfg` would recompute, and overwrite)."""
+    from storage import read_manifest
+
+    graph, out = _stages(), []
+    for name in layout.stages():
+        try:
+            sections = graph.stage(name).sections
+        except KeyError:
+            continue
+        new_hash = cfg.section_hash(*sections)
+        for k in layout.iterations(name):
+            manifest = read_manifest(layout, name, k, verify=False)
+            if manifest and not manifest["config_hash"].startswith(new_hash):
+                out.append((name, k))
+    return out
+
+
+def supersede_changed(layout, changed: list[tuple[str, int]], note: dict) -> dict:
+    """Move aside the changed stages and everything that read them from their earliest iteration on (later
+    iterations, checkpoints, the summary), as rerun does."""
+    first = min(k for _, k in changed)
+    readers = _stages().with_readers({name for name, _ in changed})
+    stale = [(n, k) for n in layout.stages() for k in layout.iterations(n) if (n, k) in changed or (n in readers and k >= first)]
+    paths = [layout.stage_dir(n, k) for n, k in stale]
+    if readers & {"train_metrics", "dpo_metrics", "rm_metrics"}:
+        paths += [layout.checkpoint_dir(k) for k in layout.checkpoint_iterations() if k >= first]
+    if "sft_metrics" in readers and layout.sft_checkpoint_dir.exists():
+        paths.append(layout.sft_checkpoint_dir)
+    paths += [layout.summary_path] if layout.summary_path.exists() else []
+    return _move_aside(layout, stale, paths, note)
 
 
 def _link_tree(src: Path, dst: Path) -> int:
@@ -125,6 +163,7 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
 
     from schemas.config import build_config, dump_config
     from storage import RunLayout, read_manifest, write_json_atomic
+    from storage.lock import acquire_run_lock
     from storage.stage_io import write_bytes_atomic
 
     if stage not in _rerunnable():
@@ -136,6 +175,7 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
         raise NotFound(f"run {run_id!r} has no iteration {iteration} to rerun")
     cfg = build_config(yaml.safe_load(src.config_path.read_text()), overrides)
     if fork_id is None:
+        acquire_run_lock(src, "rerun")
         record = supersede(src, stage, iteration, overrides)
         write_bytes_atomic(src.config_path, dump_config(cfg).encode())
         target, extra = src, {"superseded": len(record["moved"]), "kept_in": record["kept_in"]}
@@ -143,6 +183,7 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
         target = RunLayout(Path(root), fork_id)
         if target.run_dir.exists():
             raise AlreadyExists(f"fork target {fork_id!r} already exists under {root}")
+        acquire_run_lock(target, "rerun")
         linked = fork(src, target, stage, iteration)
         write_bytes_atomic(target.config_path, dump_config(cfg).encode())
         write_json_atomic(target.forked_from_path,

@@ -187,12 +187,14 @@ class RewardConfig(Section):
 
 
 class RolloutConfig(Section):
-    group_size: int = Field(8, ge=1)
-    prompts_per_round: int = Field(64, ge=1)
-    max_tokens: int = Field(8, ge=1)
+    # Upper bounds are sanity, not tuning: far past what one machine samples or trains (preflight also checks
+    # max_tokens against the model's context and prompts_per_round against the train prompts).
+    group_size: int = Field(8, ge=1, le=4096)
+    prompts_per_round: int = Field(64, ge=1, le=1_000_000)
+    max_tokens: int = Field(8, ge=1, le=1_048_576)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    kv_cache_gib: float = Field(1.0, gt=0)  # vLLM-CPU's KV cache (GiB); on a GPU, gpu_memory_utilization sizes it
+    kv_cache_gib: float = Field(1.0, gt=0, le=4096)  # vLLM-CPU's KV cache (GiB); on a GPU, gpu_memory_utilization sizes it
     gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description="vLLM's share of GPU memory (weights, "
                                           "activations, KV cache); the rest is the colocated DeepSpeed trainer's.")
     # After every weight sync the sampler's logprobs on the checkpoint's probe sequences are compared with the
@@ -203,8 +205,8 @@ class RolloutConfig(Section):
 
 
 class BatchConfig(Section):
-    target_groups: int = Field(32, ge=1)
-    max_rounds: int = Field(3, ge=1)
+    target_groups: int = Field(32, ge=1, le=1_000_000)
+    max_rounds: int = Field(3, ge=1, le=1000)
     drop_zero_variance: bool = True
 
 
@@ -262,9 +264,9 @@ class OptimConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    ppo_epochs: int = Field(1, ge=1)
-    minibatches: int = Field(4, ge=1)
-    micro_batch_size: int = Field(64, ge=1)
+    ppo_epochs: int = Field(1, ge=1, le=1000)
+    minibatches: int = Field(4, ge=1, le=1_000_000)
+    micro_batch_size: int = Field(64, ge=1, le=1_000_000)
     zero_stage: Literal[0, 1, 2, 3] = 1
 
 
@@ -277,12 +279,12 @@ class EnginesConfig(Section):
 
 
 class RLConfig(Section):
-    iterations: int = Field(10, ge=1)
-    eval_every: int = Field(5, ge=1)
+    iterations: int = Field(10, ge=1, le=1_000_000)
+    eval_every: int = Field(5, ge=1, le=1_000_000)
 
 
 class EvalConfig(Section):
-    samples: int = Field(8, ge=1)  # sampled completions per prompt for pass@k
+    samples: int = Field(8, ge=1, le=4096)  # sampled completions per prompt for pass@k
     pass_k: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
     max_prompts: int | None = Field(None, ge=1, description="Evaluate at most this many held-out prompts (the first ones).")
@@ -307,7 +309,7 @@ class SFTConfig(Section):
     prompt_key: str = "prompt"
     response_key: str = "response"
     messages_key: str | None = Field(None, description="A column of conversations; when set, prompt_key and response_key are not used.")
-    steps: int = Field(600, ge=1)
+    steps: int = Field(600, ge=1, le=100_000_000)
     batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(30, ge=0)
@@ -330,7 +332,7 @@ class PreferenceTrainerConfig(Section):
     """What the reward-model and DPO trainers share (DeepSpeed, warmup then cosine to 10%)."""
 
     out_path: str
-    steps: int = Field(300, ge=1)
+    steps: int = Field(300, ge=1, le=100_000_000)
     batch_size: int = Field(64, ge=1)  # elements per optimizer step: rankings (RM) or pairs (DPO)
     micro_batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -343,7 +345,7 @@ class RewardModelConfig(PreferenceTrainerConfig):
     """Bradley–Terry reward model: a sequence-classification head on the model.path backbone."""
 
     out_path: str = "models/demo-rm"
-    steps: int = Field(1500, ge=1)
+    steps: int = Field(1500, ge=1, le=100_000_000)
     batch_size: int = Field(64, ge=1)  # a ranking is one element, whatever its K
     micro_batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)
@@ -434,7 +436,12 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"invalid --set {item!r}: empty key segment")
-    return parts, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        json.dumps(value)
+    except (yaml.YAMLError, ValueError, RecursionError) as err:
+        raise ConfigError(f"invalid --set {item!r}: {str(err).splitlines()[0]}") from None
+    return parts, value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -467,9 +474,14 @@ def algorithm_presets() -> list[str]:
 
 def _read_mapping(path: Path, what: str) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        json.dumps(data)  # plain data only: a recursive alias (`a: &a [*a]`) loads as a structure containing itself
     except FileNotFoundError:
         raise ConfigError(f"{what} not found: {path}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read {what} {path}: it is not UTF-8 text") from None
+    except (ValueError, RecursionError):
+        raise ConfigError(f"cannot read {what} {path}: a recursive YAML alias, or a value that is not plain data") from None
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read {what} {path}: {str(err).splitlines()[0]}") from None
     if data is not None and not isinstance(data, dict):

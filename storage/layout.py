@@ -18,7 +18,8 @@ from pathlib import Path
 
 from schemas.errors import UserError
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+_ITERATION = re.compile(r"iter=(\d{5})")
 
 
 class LayoutError(UserError, ValueError):
@@ -27,7 +28,7 @@ class LayoutError(UserError, ValueError):
 
 def check_name(kind: str, name: str) -> str:
     """Run ids and stage names become folder names: refuse anything that could leave the run folder."""
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:  # fullmatch: no trailing newline
         raise LayoutError(f"invalid {kind} {name!r}: use letters, digits, '_', '-', '.' (no '/' or '..')")
     return name
 
@@ -102,14 +103,37 @@ class RunLayout:
     def sft_checkpoint_dir(self) -> Path:
         return self.checkpoints_root / "sft"
 
+    @property
+    def lock_path(self) -> Path:
+        return self.run_dir / "_lock"
+
     def stages(self) -> list[str]:
-        """Stage folders of the run (checkpoints share the iter= layout but are not a table)."""
+        """Stage folders of the run: a valid stage name holding at least one iteration folder (checkpoints share the
+        iter= layout but are not a table; folders starting with `_` are rlpipe's own)."""
         if not self.run_dir.is_dir():
             return []
         return sorted(
             p.name for p in self.run_dir.iterdir()
-            if p.is_dir() and p.name != "checkpoints" and not p.name.startswith("_") and any(p.glob("iter=*"))
+            if p.is_dir() and p.name != "checkpoints" and not p.name.startswith("_") and _NAME.fullmatch(p.name)
+            and any(_ITERATION.fullmatch(q.name) for q in p.iterdir())
         )
 
     def iterations(self, stage: str) -> list[int]:
-        return sorted(int(p.name.split("=", 1)[1]) for p in self.stage_root(stage).glob("iter=*"))
+        """Iteration folders (`iter=` and five digits) of a stage; anything else in it is not the run's data."""
+        root = self.stage_root(stage)
+        return sorted(int(m.group(1)) for p in root.glob("iter=*") if (m := _ITERATION.fullmatch(p.name)))
+
+    def strays(self) -> list[Path]:
+        """Folders inside the run that are not rlpipe's (a copied `iter=00001.bak`, a folder named with a space):
+        inspection ignores them, with a warning."""
+        if not self.run_dir.is_dir():
+            return []
+        out = []
+        for p in sorted(self.run_dir.iterdir()):
+            if not p.is_dir() or p.name.startswith("_") or p.name in ("checkpoints", "logs", "report"):
+                continue
+            if not _NAME.fullmatch(p.name):
+                out.append(p)
+                continue
+            out += [q for q in sorted(p.iterdir()) if q.name.startswith("iter=") and not _ITERATION.fullmatch(q.name)]
+        return out

@@ -10,6 +10,8 @@ part n drops parts after n, because later rounds were drawn knowing the earlier 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import polars as pl
 
-from schemas.errors import NotFound
+from schemas.errors import NotFound, UserError
 from schemas.tables import TABLES, TableSchema
 from storage.crash import crash_point
 from storage.layout import RunLayout
@@ -57,14 +59,49 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+class DiskFullError(UserError, OSError):
+    pass
+
+
+def is_disk_full(exc: BaseException, folder: Path | None = None) -> bool:
+    """ENOSPC, as an OSError or inside another library's message (polars: "No space left on device (os error 28)"), or
+    a failure (a worker's: torch's zip writer says "unexpected pos") while the folder's filesystem is nearly full."""
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc) or "os error 28" in str(exc):
+        return True
+    if folder is None:
+        return False
+    import shutil
+
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    usage = shutil.disk_usage(folder)
+    return usage.free < min(16 << 20, usage.total // 50)
+
+
+@contextlib.contextmanager
+def written(final: Path, *temporaries: Path):
+    """Around a write of `final` through temporary files: a full disk becomes one line naming the path, and the
+    temporaries are removed, so nothing half-written is left filling the disk."""
+    try:
+        yield
+    except Exception as exc:
+        full = is_disk_full(exc, final.parent)  # before the cleanup frees space
+        for tmp in temporaries:
+            _rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        if full:
+            raise DiskFullError(f"no space left on device writing {final}") from None
+        raise
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with written(path, tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -180,13 +217,15 @@ def write_stage(
     folder.mkdir(parents=True, exist_ok=True)
     final = layout.part_path(stage, iteration, part)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    df.write_parquet(tmp, compression="zstd", statistics=True)
-    os.replace(tmp, final)
+    with written(final, tmp):
+        df.write_parquet(tmp, compression="zstd", statistics=True)
+        os.replace(tmp, final)
     crash_point(f"{stage}:{iteration}")
 
     previous = read_manifest(layout, stage, iteration, verify=False)
     kept = [p for p in (previous or {}).get("parts", []) if p["index"] < part]
-    kept.append({"index": part, "file": final.name, "rows": df.height, "sha256": sha256_file(final), "fingerprint": fp})
+    kept.append({"index": part, "file": final.name, "rows": df.height, "bytes": final.stat().st_size, "sha256": sha256_file(final),
+                 "fingerprint": fp})
     for stale in folder.glob("part-*.parquet"):  # parts after this one are no longer valid
         if stale.name not in {p["file"] for p in kept}:
             stale.unlink()
@@ -226,15 +265,62 @@ def read_stage(layout: RunLayout, stage: str, iteration: int) -> pl.DataFrame:
     return pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed")
 
 
-def complete_files(layout: RunLayout, stage: str) -> list[Path]:
-    """Every part of every complete iteration of a stage: half-written data is never visible."""
-    return [f for it in layout.iterations(stage) for f in part_files(layout, stage, it)]
+class DamagedDataError(UserError):
+    pass
 
 
-def scan(run_id: str, stage: str, root: str | Path = "runs") -> pl.LazyFrame:
-    """A LazyFrame over every complete iteration of one stage (`iteration` is a column)."""
+def verified_parts(layout: RunLayout, stage: str, iteration: int) -> list[Path]:
+    """The parts of a complete stage-iteration, each checked against its manifest (size, then sha256); a damaged one
+    is refused with one line naming it. The sha256 of a part whose size and mtime are unchanged since it was last
+    checked is not recomputed (`_verified.json` in the run folder), so reading a large run stays fast."""
+    manifest = read_manifest(layout, stage, iteration, verify=False)
+    if manifest is None:
+        return []
+    cache_path = layout.run_dir / "_verified.json"
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    files, changed = [], False
+    for part in manifest["parts"]:
+        file = layout.stage_dir(stage, iteration) / part["file"]
+        key = str(file.relative_to(layout.run_dir))
+        try:
+            st = file.stat()
+        except OSError:
+            raise DamagedDataError(_damaged(layout, file, "missing")) from None
+        if "bytes" in part and st.st_size != part["bytes"]:
+            raise DamagedDataError(_damaged(layout, file, f"{st.st_size} bytes, its manifest says {part['bytes']}"))
+        if cache.get(key) != [st.st_size, st.st_mtime_ns, part["sha256"]]:
+            if sha256_file(file) != part["sha256"]:
+                raise DamagedDataError(_damaged(layout, file, "its sha256 differs from its manifest's"))
+            cache[key], changed = [st.st_size, st.st_mtime_ns, part["sha256"]], True
+        files.append(file)
+    if changed:
+        try:
+            write_json_atomic(cache_path, cache)
+        except OSError:
+            pass  # a read-only run folder: the check is redone next time
+    return files
+
+
+def _damaged(layout: RunLayout, file: Path, why: str) -> str:
+    return (f"{file} is damaged ({why}); re-run the command that made it to repair it "
+            f"(`rlpipe resume {layout.run_id}` for an RL run)")
+
+
+def complete_files(layout: RunLayout, stage: str, verify: bool = False) -> list[Path]:
+    """Every part of every complete iteration of a stage: half-written data is never visible. With `verify`, each
+    part is checked against its manifest (verified_parts)."""
+    parts = verified_parts if verify else part_files
+    return [f for it in layout.iterations(stage) for f in parts(layout, stage, it)]
+
+
+def scan(run_id: str, stage: str, root: str | Path = "runs", verify: bool = False) -> pl.LazyFrame:
+    """A LazyFrame over every complete iteration of one stage (`iteration` is a column); with `verify`, damaged parts
+    are refused (DamagedDataError)."""
     layout = RunLayout(Path(root), run_id)
-    files = complete_files(layout, stage)
+    files = complete_files(layout, stage, verify)
     if not files:
         table = TABLES.get(stage)
         return pl.LazyFrame(schema=table.polars if table else {})

@@ -52,6 +52,23 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def deployment_run(env, cwd, name: str, cfg, run_id: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", "--no-prompt", "deployment", "run", name, "--param", f"config={cfg}", "--param",
+         f"run_id={run_id}", "--param", "overrides=" + json.dumps(overrides), "--watch", "--watch-timeout", "600"],
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=700,
+    )
+
+
+def flow_run_message(api: str, name: str) -> str:
+    """The state message of the flow run named `name`, as the Prefect API holds it."""
+    body = json.dumps({"flow_runs": {"name": {"any_": [name]}}}).encode()
+    request = urllib.request.Request(f"{api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        runs = json.loads(resp.read())
+    return runs[0]["state"]["message"]
+
+
 def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
     cfg = tiny_config(tmp_path)
     api = f"http://127.0.0.1:{free_port()}/api"
@@ -84,10 +101,24 @@ def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
         )
         worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-2000:]
         assert triggered.returncode == 0 and "Completed" in triggered.stdout, f"{triggered.stdout[-2000:]}\n{worker_log}"
+
+        # RL from that model with the default reward pool (2 spawned workers): the entrypoint's folder is on sys.path in
+        # a deployed run, and flows/inspect.py once shadowed the standard library there and killed every reward worker.
+        rl = deployment_run(env, tmp_path, "rlpipe-rl/rl", cfg, "deployed-rl", ["rl.iterations=1", "rl.eval_every=1"])
+        worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-2000:]
+        assert rl.returncode == 0 and "Completed" in rl.stdout, f"{rl.stdout[-2000:]}\n{worker_log}"
+        # A failed run's message in the API carries its real cause, not a pointer to a terminal.
+        bad = deployment_run(env, tmp_path, "rlpipe-rl/rl", cfg, "deployed-bad", ["rollout.group_sizee=4"])
+        assert bad.returncode == 1 and "Failed" in bad.stdout
+        assert "rollout.group_sizee: unknown key" in flow_run_message(api, "deployed-bad")
     finally:
         for proc in reversed(started):
             stop(proc)
 
+    rl_run = RunLayout(tmp_path / "runs", "deployed-rl")
+    assert json.loads(rl_run.summary_path.read_text())["iterations"] == 1
+    scores = json.loads(rl_run.manifest_path("scores", 1).read_text())
+    assert scores["rows"] > 0
     layout = RunLayout(tmp_path / "runs", "deployed")
     saved = yaml.safe_load(layout.config_path.read_text())
     assert saved["sft"]["steps"] == 6  # the parameter reached the flow run

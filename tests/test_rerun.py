@@ -52,7 +52,7 @@ def test_supersede_moves_aside_and_records(tmp_path):
     assert (kept / "scores/iter=00003/_manifest.json").exists() and (kept / "checkpoints/iter=00003/model.safetensors").exists()
     log = json.loads((layout.run_dir / "superseded.json").read_text())
     assert log[0]["stage"] == "scores" and "scores/iter=00003" in log[0]["moved"]
-    from tasks.analysis.query import superseded_stages
+    from tasks.analysis.show import superseded_stages
 
     assert ("scores", 3) in superseded_stages(layout) and ("rollouts", 3) not in superseded_stages(layout)
 

@@ -1,4 +1,10 @@
-"""`rlpipe sql` and `rlpipe show`: read-only views over a run's complete stage data."""
+"""`rlpipe sql`: read-only DuckDB views over a run's complete, verified stage data, in a sandbox.
+
+Each stage is a view over the parts its manifests list, each part checked against its manifest first (a damaged one
+is refused with one line naming it). The connection then locks DuckDB's own settings: no file, URL or extension
+outside those parts can be read, and no setting can be changed back (`read_csv('/etc/passwd')`, `glob`, an https URL
+or `INSTALL httpfs` fail with one line).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,12 @@ class QueryError(UserError, ValueError):
     pass
 
 
-def connect(run_ids: list[str], root: str):
+def warn_strays(layout, console: Console) -> None:
+    for path in layout.strays():
+        console.print(f"[yellow]warning:[/] ignoring {path} (not a stage folder rlpipe wrote)", highlight=False, soft_wrap=True)
+
+
+def connect(run_ids: list[str], root: str, console: Console | None = None):
     """An in-memory DuckDB with one view per stage. With several runs, views union them with a run_id column."""
     import duckdb
 
@@ -28,8 +39,10 @@ def connect(run_ids: list[str], root: str):
         layout = RunLayout(Path(root), run_id)
         if not layout.run_dir.is_dir():
             raise NotFound(f"run {run_id!r} not found under {root}")
+        if console is not None:
+            warn_strays(layout, console)
         for stage in layout.stages():
-            files = complete_files(layout, stage)
+            files = complete_files(layout, stage, verify=True)
             if files:
                 stages.setdefault(stage, []).append((run_id, files))
     for stage, runs in stages.items():
@@ -38,7 +51,16 @@ def connect(run_ids: list[str], root: str):
             for rid, files in runs
         ]
         con.execute(f'CREATE VIEW "{stage}" AS ' + " UNION ALL BY NAME ".join(selects))
+    sandbox(con, [str(f) for runs in stages.values() for _, files in runs for f in files])
     return con
+
+
+def sandbox(con, allowed: list[str]) -> None:
+    """Only the run's parts are readable; no other file, URL or extension; and the settings are locked."""
+    con.execute("SET allowed_paths = ?", [allowed])
+    for setting in ("enable_external_access", "autoinstall_known_extensions", "autoload_known_extensions"):
+        con.execute(f"SET {setting} = false")
+    con.execute("SET lock_configuration = true")
 
 
 def check_read_only(query: str) -> None:
@@ -58,7 +80,7 @@ def run_sql(run_ids: list[str], query: str, root: str, console: Console) -> None
     import duckdb
 
     check_read_only(query)
-    con = connect(run_ids, root)
+    con = connect(run_ids, root, console)
     try:
         rel = con.sql(query)
     except duckdb.Error as exc:
@@ -69,59 +91,3 @@ def run_sql(run_ids: list[str], query: str, root: str, console: Console) -> None
     for row in rel.fetchall():
         table.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
     Console().print(table)
-
-
-def superseded_stages(layout) -> set[tuple[str, int]]:
-    """(stage, iteration) pairs that `rlpipe rerun` moved aside (see superseded.json)."""
-    import json
-
-    log = layout.superseded_log
-    records = json.loads(log.read_text()) if log.exists() else []
-    return {(name, k) for record in records for name, k in record["stages"]}
-
-
-def show_run(run_id: str, root: str, console: Console) -> None:
-    from storage import RunLayout, read_manifest, scan
-
-    layout = RunLayout(Path(root), run_id)
-    if not layout.run_dir.is_dir():
-        raise NotFound(f"run {run_id!r} not found under {root}")
-    superseded = superseded_stages(layout)
-    present = {s: set(layout.iterations(s)) for s in layout.stages()}  # listed once, not per cell
-    stages = sorted(set(present) | {s for s, _ in superseded}, key=lambda s: (s not in present, s))
-    iterations = sorted({it for its in present.values() for it in its} | {it for _, it in superseded})
-    status = Table(title=f"{run_id}: stages")
-    status.add_column("iteration")
-    for s in stages:
-        status.add_column(s)
-    for it in iterations:
-        cells = []
-        for s in stages:
-            here = it in present.get(s, ())
-            m = read_manifest(layout, s, it, verify=False) if here else None
-            if m:
-                cells.append(f"complete ({m['wall_seconds']:.1f}s)")
-            else:
-                cells.append("superseded" if (s, it) in superseded else "missing" if here else "")
-        status.add_row(str(it), *cells)
-    Console().print(status)
-    metrics = scan(run_id, "train_metrics", root).collect()
-    if metrics.height:
-        keys = [c for c in ("iteration", "reward_mean", "score_accuracy_mean", "kl_ref", "entropy", "clip_frac_high",
-                            "response_length_mean", "seconds_optimize") if c in metrics.columns]
-        t = Table(title="train_metrics")
-        for k in keys:
-            t.add_column(k)
-        for row in metrics.sort("iteration").select(keys).iter_rows():
-            t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
-        Console().print(t)
-    evals = Table(title="eval (greedy pass@1 and sampled pass@k on held-out prompts)")
-    for col in ("iteration", "accuracy", "pass@k", "prompts"):
-        evals.add_column(col)
-    for it in layout.iterations("eval"):
-        m = read_manifest(layout, "eval", it, verify=False)
-        if m:
-            e = m["extra"]
-            pk = next((v for k, v in e.items() if k.startswith("pass_at_")), float("nan"))
-            evals.add_row(str(it), f"{e['accuracy']:.4f}", f"{pk:.4f}", str(e["prompts"]))
-    Console().print(evals)

@@ -41,17 +41,37 @@ def _line_plot(path: Path, title: str, ylabel: str, series: dict[str, tuple[list
     plt.close(fig)
 
 
+# Stage wall times are disjoint (each stage runs after the last), so they stack into the iteration's time; these engine
+# timers are inside stages (generation and weight sync in rollouts, the forward passes in logprobs, forward and
+# backward in optimize), so they are drawn apart, never stacked on their own stage.
+SUB_TIMERS = {"seconds_generate": "vLLM generate (in rollouts)", "weight_sync_seconds": "weight sync (in rollouts)",
+              "seconds_logprobs_forward": "logprobs forward (in logprobs)", "seconds_forward_backward": "forward+backward (in optimize)"}
+
+
+def stage_columns(columns: list[str]) -> list[str]:
+    """The disjoint stage times, in the iteration's order (the stage graph's), then eval."""
+    from tasks.stages.graph import RL_ITERATION
+
+    order = ["seconds_optimize" if s.name == "train_metrics" else f"seconds_{s.name}" for s in RL_ITERATION]
+    return [c for c in order if c in columns]
+
+
 def _stage_seconds_plot(path: Path, seconds: pl.DataFrame) -> None:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    x, bottom = seconds["iteration"].to_list(), [0.0] * seconds.height
-    for col in [c for c in seconds.columns if c != "iteration"]:
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    colours = plt.get_cmap("tab10").colors
+    x, base = seconds["iteration"].to_list(), [0.0] * seconds.height
+    for i, col in enumerate(stage_columns(seconds.columns)):
         values = seconds[col].fill_null(0.0).to_list()
-        ax.bar(x, values, bottom=bottom, label=col.removeprefix("seconds_"))
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set(title="Time per stage", xlabel="iteration", ylabel="seconds")
-    ax.legend(fontsize=7, ncol=4)
+        top.bar(x, values, bottom=base, label=col.removeprefix("seconds_"), color=colours[i % len(colours)])
+        base = [b + v for b, v in zip(base, values)]
+    top.set(title="Time per stage (stacked: the iteration's wall time)", ylabel="seconds")
+    top.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    for i, (col, label) in enumerate((c, lab) for c, lab in SUB_TIMERS.items() if c in seconds.columns):
+        bottom.plot(x, seconds[col].fill_null(0.0).to_list(), marker="o", markersize=3, label=label, color=colours[i])
+    bottom.set(title="Engine time inside the stages", xlabel="iteration", ylabel="seconds")
+    bottom.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -73,11 +93,11 @@ def write_report(run_id: str, root: str = "runs") -> Path:
     layout = RunLayout(Path(root), run_id)
     if not layout.run_dir.is_dir():
         raise NotFound(f"run {run_id!r} not found under {root}")
-    metrics = scan(run_id, "train_metrics", root).collect().sort("iteration")
+    metrics = scan(run_id, "train_metrics", root, verify=True).collect().sort("iteration")
     if metrics.is_empty():
         raise ReportError(f"run {run_id!r} has no complete iteration yet (no train_metrics)")
     evals = eval_table(layout)
-    rollouts = scan(run_id, "rollouts", root).select("iteration", "token_ids").collect()
+    rollouts = scan(run_id, "rollouts", root, verify=True).select("iteration", "token_ids").collect()
     repetition = repetition_rate(rollouts)
     out_dir = layout.run_dir / "report"
     out_dir.mkdir(exist_ok=True)
@@ -96,7 +116,7 @@ def write_report(run_id: str, root: str = "runs") -> Path:
     _line_plot(out_dir / "repetition.png", "Repeated token bigrams within a response", "fraction",
                {"repetition_rate": (repetition["iteration"].to_list(), repetition["repetition_rate"].to_list())})
     figures.append(("repetition", "Repetition"))
-    seconds = metrics.select("iteration", *[c for c in metrics.columns if c.startswith("seconds_")])
+    seconds = metrics.select("iteration", *[c for c in metrics.columns if c.startswith("seconds_") or c in SUB_TIMERS])
     seconds = seconds.join(evals.select("iteration", "seconds_eval"), on="iteration", how="left")
     _stage_seconds_plot(out_dir / "stage_seconds.png", seconds)
     figures.append(("stage_seconds", "Time per stage"))

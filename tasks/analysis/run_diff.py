@@ -49,7 +49,7 @@ def diff_runs(run_a: str, run_b: str, stage: str, iteration: int | None, root: s
         raise NotFound(f"no per-sample table named {stage!r}")
     frames = []
     for run in (run_a, run_b):
-        lf = scan(run, stage, root)
+        lf = scan(run, stage, root, verify=True)
         frames.append((lf.filter(pl.col("iteration") == iteration) if iteration is not None else lf).collect())
     rows, counts = diff_frames(frames[0], frames[1], list(table.unique))
     out = Console()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from schemas.requests import from_wire, to_wire
-from tasks.engines.launch import WorkerError, die_with_parent, last_error_line, worker_env
+from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, die_with_parent, last_error_line, worker_env
 
 
 class ResidentProcess:
@@ -44,12 +44,26 @@ class ResidentProcess:
                 stdout=out, stderr=subprocess.STDOUT, env=worker_env({"RLPIPE_AUTHKEY": key.hex()}),
                 cwd=os.getcwd(), preexec_fn=die_with_parent,
             )
-        deadline = time.time() + 600
+        started = time.time()
+        deadline, next_note = started + 600, started + 10
         while not os.path.exists(sock):
             if self.proc.poll() is not None or time.time() > deadline:
                 raise WorkerError(f"{self.name} server failed to start: {last_error_line(self.log)} [log: {self.log}]")
+            if time.time() >= next_note:  # a start takes tens of seconds (vLLM loads and warms up): say so
+                self._progress(f"starting {self.name}: {time.time() - started:.0f}s so far [log: {self.log}]")
+                next_note += 10
             time.sleep(0.2)
+        if time.time() - started >= 10:
+            self._progress(f"{self.name} started in {time.time() - started:.0f}s")
         self.conn = Client(sock, family="AF_UNIX", authkey=key)
+
+    def _progress(self, text: str) -> None:
+        """A progress line in the terminal and in the engine's log."""
+        line = f"{PROGRESS_PREFIX} {text}"
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        with open(self.log, "a") as f:
+            f.write(line + "\n")
 
     def call(self, request, settings=None, label: str = "") -> dict:
         """Send one typed request (schemas.requests), starting the server first if needed, with `settings` (a typed

@@ -67,7 +67,7 @@ def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp:
         out = compute_advantages(df, estimator.name, settings, history)
         if estimator.keeps_prompt_state:
             snapshot = update_prompt_stats(history, df, iteration)
-            config_hash = ctx.cfg.section_hash("advantage")
+            config_hash = ctx.cfg.section_hash(*STATS_SPEC.sections)
             write_stage(ctx.layout, "prompt_stats", iteration, snapshot, fp=fingerprint("prompt_stats", config_hash, inputs),
                         inputs=inputs, config_hash=config_hash, started=time.time())
         nonzero = float((out["advantage"] != 0).mean())
@@ -87,3 +87,5 @@ def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
 # Reads the previous iteration's train_metrics too (the adaptive KL's β) and prompt_stats (DCPO's history).
 SPEC = StageSpec("advantages", reads=("logprobs", "scores", "batch", "rollouts", "prompt_stats", "train_metrics"),
                  sections=("advantage", "kl"), scope="iteration", also_writes=("prompt_stats",), recompute=recompute)
+# DCPO's per-prompt history, advantages' second table.
+STATS_SPEC = StageSpec("prompt_stats", reads=("advantages",), sections=SPEC.sections, scope="iteration")

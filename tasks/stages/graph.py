@@ -22,7 +22,7 @@ from tasks.stages import (
 )
 from tasks.stages.spec import StageSpec
 
-PROMPT_STATS = StageSpec("prompt_stats", reads=("advantages",), sections=advantages.SPEC.sections, scope="iteration")
+PROMPT_STATS = advantages.STATS_SPEC
 
 # Once per run, before any iteration (iteration 0).
 RUN_STAGES = (dataset.SPEC, sft.SPEC, sft.TRAIN_SPEC)
@@ -52,13 +52,16 @@ def downstream_tables(name: str) -> list[str]:
     return names[names.index(stage(name).name):]
 
 
+def with_readers(names: set[str]) -> set[str]:
+    """The stages named and every stage that reads one of them, transitively."""
+    stale = set(names)
+    while more := {s.name for s in STAGES if s.name not in stale and stale & set(s.reads)}:
+        stale |= more
+    return stale
+
+
 def invalidated_by(section: str) -> list[str]:
     """The stages a change to one config section recomputes: those that declare it, and every stage that reads one of
     them, transitively."""
-    stale = {s.name for s in STAGES if section in s.sections}
-    changed = True
-    while changed:
-        more = {s.name for s in STAGES if s.name not in stale and stale & set(s.reads)}
-        changed = bool(more)
-        stale |= more
+    stale = with_readers({s.name for s in STAGES if section in s.sections})
     return [s.name for s in STAGES if s.name in stale]

@@ -20,7 +20,7 @@ from tasks.stages.weights import model_fingerprint
 
 
 class ContextLengthError(UserError, ValueError):
-    pass
+    """A setting the data or the model cannot meet (the context window, the number of prompts)."""
 
 
 def check_context(model_path: str, longest_prompt: int, max_tokens: int) -> None:
@@ -55,5 +55,9 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         dataset = dataset_task.fn(storage_root, run_id)
         reward_preflight(cfg.reward, dataset_columns(ctx))
         check_context(cfg.model.path, dataset.extra["longest_prompt_tokens"], cfg.rollout.max_tokens)
+        train = dataset.extra["prompts"]["train"]
+        if flow == "rl" and cfg.rollout.prompts_per_round > train:
+            raise ContextLengthError(f"rollout.prompts_per_round={cfg.rollout.prompts_per_round} is more than the {train} train prompts "
+                                     "of data.train_files")
     if flow == "rl" and cfg.loss.ptx_coef:
         sft_data_task.fn(storage_root, run_id, cfg.model.path)

@@ -1,0 +1,140 @@
+"""`rlpipe show RUN`: what a run holds, at a glance, in 80 columns.
+
+One line per stage (in the stage graph's order): the iterations it holds, their state, and their wall seconds; then
+the last iterations' key metrics and every eval. Every part shown as complete is checked against its manifest first.
+`--wide` shows the full grid (a column per stage, a row per iteration) and every metric column.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from schemas.errors import NotFound
+from tasks.analysis.query import warn_strays
+
+# (train_metrics column, short header) for the 80-column view.
+KEY_METRICS = [("reward_mean", "reward"), ("score_accuracy_mean", "acc"), ("kl_ref", "kl_ref"), ("entropy", "entropy"),
+               ("clip_frac_high", "clip_hi"), ("response_length_mean", "len"), ("seconds_optimize", "s_opt")]
+
+
+def superseded_stages(layout) -> set[tuple[str, int]]:
+    """(stage, iteration) pairs that `rlpipe rerun` (or `--reconfigure`) moved aside (see superseded.json)."""
+    log = layout.superseded_log
+    records = json.loads(log.read_text()) if log.exists() else []
+    return {(name, k) for record in records for name, k in record["stages"]}
+
+
+def ranges(values: list[int]) -> str:
+    """[1, 2, 3, 5] → "1-3, 5"."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)
+
+
+def _order(stages: set[str]) -> list[str]:
+    from tasks.stages import graph
+
+    known = [s.name for s in graph.STAGES if s.name in stages]
+    return known + sorted(stages - set(known))
+
+
+def stage_states(layout) -> dict[str, dict[int, tuple[str, float]]]:
+    """stage → iteration → (complete | missing | superseded, wall seconds), each complete part verified."""
+    from storage import read_manifest, verified_parts
+
+    superseded = superseded_stages(layout)
+    out: dict[str, dict[int, tuple[str, float]]] = {}
+    for stage in layout.stages():
+        for it in layout.iterations(stage):
+            m = read_manifest(layout, stage, it, verify=False)
+            if m is not None:
+                verified_parts(layout, stage, it)  # a damaged part: one line naming it, and how to repair it
+            out.setdefault(stage, {})[it] = ("complete", float(m["wall_seconds"])) if m else ("missing", 0.0)
+    for stage, it in superseded:
+        out.setdefault(stage, {}).setdefault(it, ("superseded", 0.0))
+    return out
+
+
+def summary_table(run_id: str, states: dict) -> Table:
+    table = Table(title=f"{run_id}: stages")
+    for col, justify in (("stage", "left"), ("iterations", "left"), ("state", "left"), ("seconds", "right")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for stage in _order(set(states)):
+        its = states[stage]
+        counts = {}
+        for state, _ in its.values():
+            counts[state] = counts.get(state, 0) + 1
+        state = ", ".join(f"{n} {s}" for s, n in counts.items()) if len(counts) > 1 else next(iter(counts))
+        table.add_row(stage, ranges(sorted(its)), state, f"{sum(sec for _, sec in its.values()):.1f}")
+    return table
+
+
+def grid_table(run_id: str, states: dict) -> Table:
+    stages = _order(set(states))
+    table = Table(title=f"{run_id}: stages")
+    table.add_column("iteration")
+    for s in stages:
+        table.add_column(s)
+    for it in sorted({it for its in states.values() for it in its}):
+        cells = []
+        for s in stages:
+            state, sec = states[s].get(it, ("", 0.0))
+            cells.append(f"complete ({sec:.1f}s)" if state == "complete" else state)
+        table.add_row(str(it), *cells)
+    return table
+
+
+def metrics_table(metrics, wide: bool, last: int = 5) -> Table | None:
+    if not metrics.height:
+        return None
+    if wide:
+        cols = [(c, c) for c in metrics.columns]
+    else:
+        cols = [("iteration", "it")] + [(c, h) for c, h in KEY_METRICS if c in metrics.columns]
+        metrics = metrics.sort("iteration").tail(last)
+    table = Table(title="train_metrics" + ("" if wide else f" (last {min(last, metrics.height)})"))
+    for _, header in cols:
+        table.add_column(header, justify="right")
+    for row in metrics.sort("iteration").select([c for c, _ in cols]).iter_rows():
+        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+    return table
+
+
+def eval_table(layout) -> Table:
+    from storage import read_manifest
+
+    table = Table(title="eval (greedy pass@1, sampled pass@k, greedy mean reward; held-out prompts)")
+    for col in ("iteration", "accuracy", "pass@k", "reward", "prompts"):
+        table.add_column(col, justify="right")
+    for it in layout.iterations("eval"):
+        m = read_manifest(layout, "eval", it, verify=False)
+        if m and "accuracy" in m["extra"]:
+            e = m["extra"]
+            pk = next((v for k, v in e.items() if k.startswith("pass_at_")), float("nan"))
+            table.add_row(str(it), f"{e['accuracy']:.4f}", f"{pk:.4f}", f"{e.get('mean_reward', float('nan')):.4f}", str(e["prompts"]))
+    return table
+
+
+def show_run(run_id: str, root: str, console: Console, wide: bool = False) -> None:
+    from storage import RunLayout, scan
+
+    layout = RunLayout(Path(root), run_id)
+    if not layout.run_dir.is_dir():
+        raise NotFound(f"run {run_id!r} not found under {root}")
+    warn_strays(layout, console)
+    states = stage_states(layout)
+    out = Console(width=None if wide else min(Console().width, 80))
+    out.print(grid_table(run_id, states) if wide else summary_table(run_id, states))
+    metrics = metrics_table(scan(run_id, "train_metrics", root, verify=True).collect(), wide)
+    if metrics is not None:
+        out.print(metrics)
+    out.print(eval_table(layout))

@@ -1,0 +1,94 @@
+"""No process outlives its `rlpipe run`: after a SIGKILL of the command alone (not its process group), and after a
+SIGTERM, no process it started survives (vLLM's server, EngineCore and workers, the trainer, reward workers, Prefect's
+temporary API server) and no socket is left; SIGTERM exits promptly with one line."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, rlpipe, tiny_config
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """The recipe's untrained model is enough: the run is stopped while it generates."""
+    workspace = tmp_path_factory.mktemp("orphans")
+    cfg = tiny_config(workspace, model={"path": str(workspace / "models/base")}, rollout={"max_tokens": 40, "prompts_per_round": 64},
+                      task={"max_operand": 40})
+    rlpipe("init-model", "--config", str(cfg), cwd=workspace)
+    return workspace, cfg
+
+
+def start_run(workspace, cfg, run_id: str) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT), "PREFECT_LOGGING_LEVEL": "WARNING"}
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(cfg), "--run-id", run_id], cwd=workspace, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def engines_running(proc: subprocess.Popen, timeout: float = 300) -> list[psutil.Process]:
+    """Wait until vLLM's EngineCore runs under the command; return every process it started so far."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        if any("EngineCore" in " ".join(c.cmdline() + [c.name()]) for c in _alive(children)):
+            return children
+        time.sleep(1)
+    raise AssertionError("the vLLM engine did not start")
+
+
+def _alive(procs):
+    out = []
+    for p in procs:
+        try:
+            p.cmdline()
+            out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def assert_nothing_left(pid: int, children: list[psutil.Process], seconds: float = 30) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline and (_alive(children) or _sockets(pid)):
+        time.sleep(0.5)
+    assert not _alive(children), [" ".join(p.cmdline())[:120] for p in _alive(children)]
+    assert not _sockets(pid)
+    from tasks.engines.reaper import marked
+
+    assert not marked(pid)
+
+
+def _sockets(pid: int) -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"*-{pid}-*.sock"))
+
+
+def test_sigkill_of_the_command_leaves_no_process_and_no_socket(workspace):
+    ws, cfg = workspace
+    proc = start_run(ws, cfg, "killed")
+    children = engines_running(proc)
+    assert any("uvicorn" in " ".join(c.cmdline()) for c in children)  # Prefect's temporary API server is among them
+    os.kill(proc.pid, signal.SIGKILL)  # the command alone: its children are not signalled
+    proc.wait(10)
+    assert_nothing_left(proc.pid, children)
+
+
+def test_sigterm_exits_promptly_with_one_line_and_leaves_nothing(workspace):
+    ws, cfg = workspace
+    proc = start_run(ws, cfg, "terminated")
+    children = engines_running(proc)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - t0 < 10 and proc.returncode == 128 + signal.SIGTERM
+    assert err.strip().splitlines()[-1] == "terminated: complete stages are kept; run the same command again to resume"
+    assert_nothing_left(proc.pid, children)
