@@ -35,12 +35,12 @@ def complete_digest(layout: RunLayout) -> dict[str, str]:
     return out
 
 
-def run_until_killed(workspace, cfg, run_id: str, crash_at: str) -> None:
-    """`rlpipe run` in its own process group, SIGKILLed (the whole group, as a machine failure would) at the
-    named point inside a stage (storage/crash.py)."""
+def run_until_killed(workspace, cfg, run_id: str, crash_at: str, command: str = "run", *extra: str) -> None:
+    """`rlpipe run` (or another command) in its own process group, SIGKILLed (the whole group, as a machine
+    failure would) at the named point inside a stage (storage/crash.py)."""
     env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT),
            "PREFECT_LOGGING_LEVEL": "WARNING", CRASH_ENV: crash_at}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(cfg), "--run-id", run_id], cwd=workspace,
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", command, str(cfg), "--run-id", run_id, *extra], cwd=workspace,
                           env=env, capture_output=True, text=True, start_new_session=True, timeout=900)
     assert proc.returncode == -signal.SIGKILL, f"not killed at {crash_at} ({proc.returncode}): {proc.stderr[-2000:]}"
 
@@ -102,6 +102,23 @@ def tiny_sft(tmp_path_factory):
     rlpipe("init-model", "--config", str(cfg), cwd=workspace)
     rlpipe("sft", str(cfg), "--run-id", "sft", cwd=workspace)
     return workspace, cfg
+
+
+def test_sft_interrupted_and_resumed_gives_bit_identical_weights(tiny_sft):
+    """Same machine, same thread count: a second SFT of the same config, SIGKILLed after training (checkpoint
+    written, manifest not) and then resumed, retrains to the very same bytes as the fixture's uninterrupted SFT."""
+    workspace, cfg = tiny_sft
+    export = f"model.path={workspace / 'models/sft-again'}"  # leave the fixture's exported model alone
+    run_until_killed(workspace, cfg, "sft-again", "sft_metrics:0", "sft", "--set", export)
+    layout = RunLayout(workspace / "runs", "sft-again")
+    assert not layout.manifest_path("sft_metrics", 0).exists()
+    rlpipe("sft", str(cfg), "--run-id", "sft-again", "--set", export, cwd=workspace)
+    assert layout.manifest_path("sft_metrics", 0).exists()
+    first = RunLayout(workspace / "runs", "sft").sft_checkpoint_dir / "model.safetensors"
+    again = layout.sft_checkpoint_dir / "model.safetensors"
+    assert hashlib.sha256(again.read_bytes()).hexdigest() == hashlib.sha256(first.read_bytes()).hexdigest()
+    losses = [read_table(RunLayout(workspace / "runs", r), "sft_metrics", 0)["loss"].to_list() for r in ("sft", "sft-again")]
+    assert losses[0] == losses[1]
 
 
 def read_table(layout: RunLayout, stage: str, iteration: int):
