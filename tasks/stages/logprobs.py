@@ -12,15 +12,7 @@ import polars as pl
 from schemas.requests import LogprobsRequest
 from storage import StageOutput, read_stage
 from tasks.engines.trainer_client import call_trainer
-from tasks.stages.common import (
-    Computed,
-    RunContext,
-    load_run,
-    run_stage,
-    scratch_file,
-    stage_task,
-    upstream_fingerprint,
-)
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task, upstream_fingerprint
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import critic_after, starting_weights, weights_after
 

@@ -16,15 +16,7 @@ from schemas.requests import CriticRequest, EngineSettings, LossSettings, PtxReq
 from storage import StageOutput, commit_dir, read_manifest, read_stage, temp_dir_for
 from tasks.algos.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
 from tasks.engines.trainer_client import call_trainer
-from tasks.stages.common import (
-    Computed,
-    RunContext,
-    load_run,
-    run_stage,
-    scratch_file,
-    stage_task,
-    upstream_fingerprint,
-)
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task, upstream_fingerprint
 from tasks.stages.kl_control import kl_beta
 from tasks.stages.logprobs import kept_rollouts
 from tasks.stages.spec import StageSpec

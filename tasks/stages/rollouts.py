@@ -14,15 +14,7 @@ from storage import StageOutput, read_stage
 from tasks.engines.launch import WorkerError
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
-from tasks.stages.common import (
-    Computed,
-    RunContext,
-    load_run,
-    run_stage,
-    scratch_file,
-    stage_task,
-    upstream_part_fingerprints,
-)
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task, upstream_part_fingerprints
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import weights_after
 
