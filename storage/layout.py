@@ -20,6 +20,8 @@ from schemas.errors import UserError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 _ITERATION = re.compile(r"iter=(\d{5})")
+# A run's folders that are not tables: checkpoints share the iter= layout; logs and the report hold plain files.
+NON_TABLE_FOLDERS = ("checkpoints", "logs", "report")
 
 
 class LayoutError(UserError, ValueError):
@@ -107,6 +109,20 @@ class RunLayout:
     def lock_path(self) -> Path:
         return self.run_dir / "_lock"
 
+    @property
+    def report_dir(self) -> Path:
+        """The report's plots; the page itself is `report_path`."""
+        return self.run_dir / "report"
+
+    @property
+    def report_path(self) -> Path:
+        return self.run_dir / "report.html"
+
+    @property
+    def verified_cache_path(self) -> Path:
+        """Size, mtime and sha256 of each part already checked against its manifest (storage.verified_parts)."""
+        return self.run_dir / "_verified.json"
+
     def stages(self) -> list[str]:
         """Stage folders of the run: a valid stage name holding at least one iteration folder (checkpoints share the
         iter= layout but are not a table; folders starting with `_` are rlpipe's own)."""
@@ -114,7 +130,7 @@ class RunLayout:
             return []
         return sorted(
             p.name for p in self.run_dir.iterdir()
-            if p.is_dir() and p.name != "checkpoints" and not p.name.startswith("_") and _NAME.fullmatch(p.name)
+            if p.is_dir() and p.name not in NON_TABLE_FOLDERS and not p.name.startswith("_") and _NAME.fullmatch(p.name)
             and any(_ITERATION.fullmatch(q.name) for q in p.iterdir())
         )
 
@@ -130,7 +146,7 @@ class RunLayout:
             return []
         out = []
         for p in sorted(self.run_dir.iterdir()):
-            if not p.is_dir() or p.name.startswith("_") or p.name in ("checkpoints", "logs", "report"):
+            if not p.is_dir() or p.name.startswith("_") or p.name in NON_TABLE_FOLDERS:
                 continue
             if not _NAME.fullmatch(p.name):
                 out.append(p)

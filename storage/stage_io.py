@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Iterable
 
 import polars as pl
 
@@ -269,39 +270,42 @@ class DamagedDataError(UserError):
     pass
 
 
-def verified_parts(layout: RunLayout, stage: str, iteration: int) -> list[Path]:
-    """The parts of a complete stage-iteration, each checked against its manifest (size, then sha256); a damaged one
-    is refused with one line naming it. The sha256 of a part whose size and mtime are unchanged since it was last
-    checked is not recomputed (`_verified.json` in the run folder), so reading a large run stays fast."""
-    manifest = read_manifest(layout, stage, iteration, verify=False)
-    if manifest is None:
-        return []
-    cache_path = layout.run_dir / "_verified.json"
+def verified_parts(layout: RunLayout, keys: Iterable[tuple[str, int]]) -> dict[tuple[str, int], list[Path]]:
+    """The parts of each complete (stage, iteration) in `keys`, each checked against its manifest (size, then
+    sha256); a damaged one is refused with one line naming it. The sha256 of a part whose size and mtime are
+    unchanged since it was last checked is not recomputed (the run's verification cache, read and written once per
+    call), so reading a large run stays fast. Incomplete stage-iterations map to no parts."""
+    cache_path = layout.verified_cache_path
     try:
         cache = json.loads(cache_path.read_text())
     except (OSError, ValueError):
         cache = {}
-    files, changed = [], False
-    for part in manifest["parts"]:
-        file = layout.stage_dir(stage, iteration) / part["file"]
-        key = str(file.relative_to(layout.run_dir))
-        try:
-            st = file.stat()
-        except OSError:
-            raise DamagedDataError(_damaged(layout, file, "missing")) from None
-        if "bytes" in part and st.st_size != part["bytes"]:
-            raise DamagedDataError(_damaged(layout, file, f"{st.st_size} bytes, its manifest says {part['bytes']}"))
-        if cache.get(key) != [st.st_size, st.st_mtime_ns, part["sha256"]]:
-            if sha256_file(file) != part["sha256"]:
-                raise DamagedDataError(_damaged(layout, file, "its sha256 differs from its manifest's"))
-            cache[key], changed = [st.st_size, st.st_mtime_ns, part["sha256"]], True
-        files.append(file)
-    if changed:
-        try:
-            write_json_atomic(cache_path, cache)
-        except OSError:
-            pass  # a read-only run folder: the check is redone next time
-    return files
+    out, changed = {}, False
+    try:
+        for stage, iteration in keys:
+            manifest = read_manifest(layout, stage, iteration, verify=False)
+            out[stage, iteration] = files = []
+            for part in manifest["parts"] if manifest else []:
+                file = layout.stage_dir(stage, iteration) / part["file"]
+                key = str(file.relative_to(layout.run_dir))
+                try:
+                    st = file.stat()
+                except OSError:
+                    raise DamagedDataError(_damaged(layout, file, "missing")) from None
+                if "bytes" in part and st.st_size != part["bytes"]:
+                    raise DamagedDataError(_damaged(layout, file, f"{st.st_size} bytes, its manifest says {part['bytes']}"))
+                if cache.get(key) != [st.st_size, st.st_mtime_ns, part["sha256"]]:
+                    if sha256_file(file) != part["sha256"]:
+                        raise DamagedDataError(_damaged(layout, file, "its sha256 differs from its manifest's"))
+                    cache[key], changed = [st.st_size, st.st_mtime_ns, part["sha256"]], True
+                files.append(file)
+    finally:
+        if changed:  # what was checked before a damaged part stays checked
+            try:
+                write_json_atomic(cache_path, cache)
+            except OSError:
+                pass  # a read-only run folder: the check is redone next time
+    return out
 
 
 def _damaged(layout: RunLayout, file: Path, why: str) -> str:
@@ -312,8 +316,11 @@ def _damaged(layout: RunLayout, file: Path, why: str) -> str:
 def complete_files(layout: RunLayout, stage: str, verify: bool = False) -> list[Path]:
     """Every part of every complete iteration of a stage: half-written data is never visible. With `verify`, each
     part is checked against its manifest (verified_parts)."""
-    parts = verified_parts if verify else part_files
-    return [f for it in layout.iterations(stage) for f in parts(layout, stage, it)]
+    iterations = layout.iterations(stage)
+    if verify:
+        checked = verified_parts(layout, [(stage, it) for it in iterations])
+        return [f for it in iterations for f in checked[stage, it]]
+    return [f for it in iterations for f in part_files(layout, stage, it)]
 
 
 def scan(run_id: str, stage: str, root: str | Path = "runs", verify: bool = False) -> pl.LazyFrame:

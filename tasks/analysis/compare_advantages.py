@@ -50,9 +50,8 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
         raise ConfigError(f"unknown aggregation {aggregation!r}: choose from {', '.join(get_args(Aggregation))}")
     if read_manifest(ctx.layout, "scores", iteration, verify=False) is None:
         raise NotFound(f"run {run_id!r} has no scores for iteration {iteration}")
-    for k in range(1, iteration + 1):  # what it reads, each part checked against its manifest
-        for stage in ("scores", "rollouts", "prompt_stats"):
-            verified_parts(ctx.layout, stage, k)
+    # What it reads, each part checked against its manifest.
+    verified_parts(ctx.layout, [(stage, k) for k in range(1, iteration + 1) for stage in ("scores", "rollouts", "prompt_stats")])
     df = advantage_inputs(ctx, iteration, kept_only=False).sort("prompt_id", "sample_idx")
     settings = AdvantageSettings(eps=ctx.cfg.advantage.eps)
     history = _history(ctx, iteration) if any(e.keeps_prompt_state for e in entries) else None

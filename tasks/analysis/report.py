@@ -99,7 +99,7 @@ def write_report(run_id: str, root: str = "runs") -> Path:
     evals = eval_table(layout)
     rollouts = scan(run_id, "rollouts", root, verify=True).select("iteration", "token_ids").collect()
     repetition = repetition_rate(rollouts)
-    out_dir = layout.run_dir / "report"
+    out_dir = layout.report_dir
     out_dir.mkdir(exist_ok=True)
     x = metrics["iteration"].to_list()
     figures = []
@@ -121,7 +121,7 @@ def write_report(run_id: str, root: str = "runs") -> Path:
     _stage_seconds_plot(out_dir / "stage_seconds.png", seconds)
     figures.append(("stage_seconds", "Time per stage"))
     flags = hacking_flags(metrics, evals, repetition)
-    path = layout.run_dir / "report.html"
+    path = layout.report_path
     path.write_text(_html(run_id, metrics, evals, flags, figures))
     return path
 

@@ -56,9 +56,9 @@ def stage_states(layout) -> dict[str, dict[int, tuple[str, float]]]:
     for stage in layout.stages():
         for it in layout.iterations(stage):
             m = read_manifest(layout, stage, it, verify=False)
-            if m is not None:
-                verified_parts(layout, stage, it)  # a damaged part: one line naming it, and how to repair it
             out.setdefault(stage, {})[it] = ("complete", float(m["wall_seconds"])) if m else ("missing", 0.0)
+    # A damaged part: one line naming it, and how to repair it.
+    verified_parts(layout, [(stage, it) for stage, its in out.items() for it, (state, _) in its.items() if state == "complete"])
     for stage, it in superseded:
         out.setdefault(stage, {}).setdefault(it, ("superseded", 0.0))
     return out
