@@ -66,12 +66,12 @@ def start_reaper() -> None:
     """Mark this process's environment and start its reaper (once per process)."""
     import subprocess
 
+    from tasks.engines.launch import worker_env
+
     if os.environ.get(OWNER_ENV) == str(os.getpid()):
         return
     os.environ[OWNER_ENV] = str(os.getpid())
-    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}  # the reaper is not its own target
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env = {k: v for k, v in worker_env().items() if k != OWNER_ENV}  # the reaper is not its own target
     subprocess.Popen([sys.executable, "-m", "tasks.engines.reaper", str(os.getpid())], env=env, start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
 
