@@ -27,7 +27,10 @@ SetOpt = typer.Option(None, "--set", help="Override a config value: --set a.b=va
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # escape: a message quotes logs and paths, whose brackets ("[rank1]:", "[log: ...]") are not markup
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(1)
 
 

@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -26,6 +26,8 @@ class ConfigError(UserError, ValueError):
 class Section(BaseModel):
     # allow_inf_nan: `optim.lr=.inf` or a NaN weight is a typo, never a setting.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # Keys that say where and how engines run, not what they compute: no stage fingerprint includes them.
+    PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset()
 
 
 def _as_list(value: Any) -> Any:
@@ -202,6 +204,11 @@ class RolloutConfig(Section):
     max_sync_logprob_gap: float = Field(1e-2, gt=0)
     stop: list[str] = Field(default_factory=list, description="Stop strings: generation ends at the first (left out of the text).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation, besides the tokenizer's EOS.")
+    # Scale-out: data-parallel vLLM replicas (prompts shared out, per-request seeds, so the table does not depend on
+    # how many) and vLLM's tensor parallelism within each. Devices: engines.rollout_devices.
+    engines: int = Field(1, ge=1, le=1024, description="vLLM replicas, each its own resident process; prompts are shared among them.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM replica (vLLM's tensor parallelism).")
+    PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset({"engines", "tensor_parallel_size"})
 
 
 class BatchConfig(Section):
@@ -276,6 +283,18 @@ class EnginesConfig(Section):
     # Keep the DeepSpeed engines and the reference in one process across iterations (tasks/engines/workers/trainer_server.py);
     # false starts a worker process per logprobs and optimize stage that loads everything from disk.
     resident_trainer: bool = True
+    # Data-parallel DeepSpeed ranks (one process each, one process group: gloo on CPU, NCCL on GPU) for every trainer:
+    # RL updates and logprobs, SFT, reward model, DPO. Updates do not depend on it beyond float rounding (README
+    # "Scale out"); ZeRO optimizer state must be resumed by as many ranks as saved it.
+    train_ranks: int = Field(1, ge=1, le=1024)
+    # GPU placement on one node (ignored without CUDA): the trainer ranks' devices (one per rank) and the vLLM
+    # replicas' (tensor_parallel_size per replica). Overlapping lists colocate (time-share) the two, and then
+    # rollout.gpu_memory_utilization must leave room for the trainer; disjoint lists split them.
+    trainer_devices: list[int] | None = Field(None, description="CUDA device ids of the trainer ranks, one per rank.")
+    rollout_devices: list[int] | None = Field(None, description="CUDA device ids of the vLLM replicas, tensor_parallel_size each.")
+    # Trainer ranks on several machines: a DeepSpeed hostfile (`host slots=N` per line, this machine first; slots in
+    # all = train_ranks), started by DeepSpeed's launcher over pdsh/ssh (README "Scale out").
+    hostfile: str | None = None
 
 
 class RLConfig(Section):
@@ -403,6 +422,16 @@ class RunConfig(Section):
             raise ValueError(f"eval.judge {self.eval.judge!r} is not scored by this run: choose one of {', '.join(sorted(judges))}")
         return self
 
+    @model_validator(mode="after")
+    def _devices_match_ranks_and_engines(self) -> "RunConfig":
+        e, r = self.engines, self.rollout
+        if e.trainer_devices is not None and len(e.trainer_devices) != e.train_ranks:
+            raise ValueError(f"engines.trainer_devices names {len(e.trainer_devices)} device(s) for {e.train_ranks} train_ranks: give one per rank")
+        if e.rollout_devices is not None and len(e.rollout_devices) != r.engines * r.tensor_parallel_size:
+            raise ValueError(f"engines.rollout_devices names {len(e.rollout_devices)} device(s); rollout.engines × tensor_parallel_size "
+                             f"needs {r.engines * r.tensor_parallel_size}")
+        return self
+
     @property
     def uses_critic(self) -> bool:
         from tasks.algos.advantages import ADVANTAGE_ESTIMATORS
@@ -417,7 +446,7 @@ class RunConfig(Section):
 
 
 def _dump(section):
-    return section.model_dump(mode="json") if section is not None else None
+    return section.model_dump(mode="json", exclude=set(section.PLACEMENT_KEYS)) if section is not None else None
 
 
 def _one_line(err: ValidationError) -> str:

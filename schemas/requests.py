@@ -25,10 +25,11 @@ class VLLMSettings:
     seed: int
     kv_cache_gib: float  # vLLM-CPU's KV cache
     gpu_memory_utilization: float  # on a GPU, vLLM's share (a colocated trainer has the rest)
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_config(cls, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int) -> "VLLMSettings":
-        return cls(model_path, model.dtype, seed, rollout.kv_cache_gib, rollout.gpu_memory_utilization)
+        return cls(model_path, model.dtype, seed, rollout.kv_cache_gib, rollout.gpu_memory_utilization, rollout.tensor_parallel_size)
 
 
 @dataclass(frozen=True)

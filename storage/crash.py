@@ -4,7 +4,8 @@ API server included). Nothing is flushed or cleaned up, which is the point: the 
 and check that every complete stage is untouched.
 
 The points: every stage, after its Parquet part is in place and before its manifest; `optimize`, inside the
-DeepSpeed worker after the new weights are saved and before the optimizer state is.
+DeepSpeed worker after the new weights are saved and before the optimizer state is; `optimize:K:rankR`, trainer rank
+R alone (SIGKILL of that one process) after its first micro-step of iteration K's update, the others mid-step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import signal
 CRASH_ENV = "RLPIPE_CRASH_AT"
 
 
-def crash_point(name: str) -> None:
+def crash_point(name: str, whole_group: bool = True) -> None:
     if os.environ.get(CRASH_ENV) == name:
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+        if whole_group:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -243,3 +243,81 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
     ref = read_table(dpo, "ref_logprobs", 0)
     assert ref.height == 160 * 2 and (ref["chosen_logp"] < 0).all()
     assert pl.read_parquet(dpo.stage_dir("dpo_eval", 1) / "*.parquet").height == 64
+
+
+@pytest.fixture(scope="module")
+def one_iteration(tiny_sft):
+    """A one-iteration GRPO run on one trainer rank and one vLLM engine: the reference the scale-out runs are forked from."""
+    workspace, cfg = tiny_sft
+    rlpipe("run", str(cfg), "--run-id", "scale-base", "--set", "rl.iterations=1", "--set", "rl.eval_every=100", cwd=workspace)
+    return workspace, RunLayout(workspace / "runs", "scale-base")
+
+
+def max_weight_gap(a_dir, b_dir) -> float:
+    from safetensors.torch import load_file
+
+    a, b = load_file(a_dir / "model.safetensors"), load_file(b_dir / "model.safetensors")
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_two_trainer_ranks_give_the_one_rank_logprobs_and_update(one_iteration):
+    """engines.train_ranks=2 (gloo, ZeRO-1): the sharded logprobs come back in the same row order with the same values,
+    and the updated weights agree with one rank's within 1e-5 (the minibatch's normalizers span both ranks)."""
+    workspace, base = one_iteration
+    root = str(workspace / "runs")
+    rlpipe("rerun", base.run_id, "--iteration", "1", "--stage", "logprobs", "--set", "engines.train_ranks=2", "--fork", "ranks2",
+           "--root", root, cwd=workspace)
+    for stage in ("advantages", "optimize"):  # the stages after logprobs, in the fork (still on 2 ranks)
+        rlpipe("rerun", "ranks2", "--iteration", "1", "--stage", stage, "--root", root, cwd=workspace)
+    fork = RunLayout(workspace / "runs", "ranks2")
+    one, two = read_table(base, "logprobs", 1), read_table(fork, "logprobs", 1)
+    assert one.select("prompt_id", "sample_idx").equals(two.select("prompt_id", "sample_idx"))
+    gaps = [abs(x - y) for a, b in zip(one["old_logprobs"].to_list(), two["old_logprobs"].to_list()) for x, y in zip(a, b, strict=True)]
+    assert gaps and max(gaps) <= 1e-5
+    assert (fork.run_dir / "logs" / "trainer-rank1.log").exists()
+    gap = max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1))
+    assert gap <= 1e-5, gap
+    assert max_weight_gap(base.checkpoint_dir(1), workspace / "models/sft") > 1e-4  # it did train
+    metrics = read_table(fork, "train_metrics", 1).row(0, named=True)
+    assert len(metrics["rank_seconds_forward"]) == 2 and min(metrics["rank_seconds_backward"]) > 0
+    assert metrics["optimizer_steps"] == read_table(base, "train_metrics", 1)["optimizer_steps"][0]
+
+
+def test_zero3_over_two_ranks_resumes_after_one_rank_is_killed(one_iteration):
+    """ZeRO-3 across 2 ranks, trainer rank 1 SIGKILLed after its first micro-step: the command fails with one line
+    naming the rank, no trainer process is left, `rlpipe resume` finishes the update, and the consolidated weights
+    agree with one rank's within 1e-5; the optimizer state is saved per rank."""
+    workspace, base = one_iteration
+    root = str(workspace / "runs")
+    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT), "PREFECT_LOGGING_LEVEL": "WARNING",
+           CRASH_ENV: "optimize:1:rank1"}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "rerun", base.run_id, "--iteration", "1", "--stage", "optimize",
+                           "--set", "engines.train_ranks=2", "--set", "optim.zero_stage=3", "--fork", "zero3", "--root", root],
+                          cwd=workspace, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "rank 1 of 2" in proc.stderr, proc.stderr[-2000:]
+    fork = RunLayout(workspace / "runs", "zero3")
+    assert not fork.checkpoint_dir(1).exists()
+    left = subprocess.run(["pgrep", "-f", "tasks.engines.workers.trainer_server"], capture_output=True, text=True).stdout.split()
+    assert not left, left
+    rlpipe("resume", "zero3", "--root", root, cwd=workspace)
+    assert max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1)) <= 1e-5
+    state = fork.checkpoint_dir(1) / "ds_state" / "state"
+    assert sorted(p.name for p in state.glob("*optim_states.pt")) == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    assert json.loads((fork.checkpoint_dir(1) / "trainer_state.json").read_text())["world_size"] == 2
+
+
+def test_two_vllm_engines_give_the_one_engine_rollouts(one_iteration):
+    """rollout.engines=2: prompts shared between two resident vLLM replicas, each request seeded by its place in the
+    whole prompt list, so the rollouts table is identical to the one-engine table."""
+    workspace, base = one_iteration
+    root = str(workspace / "runs")
+    rlpipe("rerun", base.run_id, "--iteration", "1", "--stage", "rollouts", "--set", "rollout.engines=2", "--fork", "engines2",
+           "--root", root, cwd=workspace)
+    fork = RunLayout(workspace / "runs", "engines2")
+    columns = ["prompt_id", "sample_idx", "token_ids", "text", "sampler_logprobs", "finish_reason", "round"]
+    one, two = read_table(base, "rollouts", 1).select(columns), read_table(fork, "rollouts", 1).select(columns)
+    assert one.height > 0 and one.equals(two)
+    assert (fork.run_dir / "logs" / "vllm-engine1.log").exists()
+    rounds = [v for k, v in json.loads(fork.manifest_path("rollouts", 1).read_text())["extra"].items() if k.startswith("round")]
+    assert all(len(r["engines"]) == 2 and all(e["tokens_per_second"] > 0 for e in r["engines"]) for r in rounds)

@@ -249,5 +249,5 @@ def test_progress_lines_say_steps_rate_and_time_left(tmp_path, capsys):
     log = tmp_path / "worker.log"
     log.write_text("")
     writer = subprocess.Popen([sys.executable, "-c", f"import time\nfor i in range(3):\n    open({str(log)!r}, 'a').write(f'noise\\nprogress: step {{i}}\\n'); time.sleep(0.3)"])
-    follow_progress(log, writer, poll=0.1)
+    follow_progress(log, [writer], poll=0.1)
     assert capsys.readouterr().err.splitlines() == ["progress: step 0", "progress: step 1", "progress: step 2"]

@@ -43,15 +43,112 @@ def last_error_line(log: Path) -> str:
     return lines[-1][-300:] if lines else "empty log"
 
 
+def rank_envs(ranks: int, devices: list[int] | None = None, hostfile: str | None = None) -> list[dict]:
+    """The environment of each of `ranks` trainer processes on this machine: what torchrun or DeepSpeed's launcher
+    set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), the CUDA devices, and on CPU the cores shared out (ranks
+    that each take every core slow each other down several times over; OMP_NUM_THREADS set by the user wins)."""
+    from tasks.engines.workers.ranks import free_port
+
+    visible = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
+    if ranks == 1 or hostfile:  # DeepSpeed's launcher sets the rank variables on every host
+        return [visible] * ranks
+    base = {**visible, "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // ranks))}
+    return [{**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(ranks)]
+
+
+def hostfile_slots(hostfile: str) -> int:
+    """Total `slots=N` of a DeepSpeed hostfile (`host slots=N` per line, # comments)."""
+    total = 0
+    for line in Path(hostfile).read_text().splitlines():
+        words = line.split("#")[0].split()
+        if words:
+            slots = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
+            if not slots or not slots[0].isdigit():
+                raise WorkerError(f"{hostfile}: line {line.strip()!r} is not 'HOST slots=N'")
+            total += int(slots[0])
+    return total
+
+
+def multi_node_launch(cmd: list[str], hostfile: str, ranks: int, env: dict) -> tuple[list[str], dict]:
+    """(command, environment) that start `cmd` (`python -m MODULE ARGS`) as trainer ranks on the hosts of a DeepSpeed
+    hostfile, through DeepSpeed's own launcher (pdsh to each host, then one process per slot with RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT set). Rank 0 runs on the hostfile's first host, which must be this machine (it owns
+    the local socket). The extra environment travels in a private file named by DS_ENV_FILE, which the launcher
+    exports to every host; the repository (and storage_root) must be at the same path on every host."""
+    import tempfile
+
+    from tasks.engines.workers.ranks import free_port
+
+    slots = hostfile_slots(hostfile)
+    if slots != ranks:
+        raise WorkerError(f"engines.hostfile {hostfile} has {slots} slots in all and engines.train_ranks is {ranks}: make them equal")
+    fd, env_file = tempfile.mkstemp(prefix="rlpipe-ds-env-")
+    with os.fdopen(fd, "w") as f:  # mkstemp: readable by this user only (it holds the socket's key)
+        f.write("".join(f"{k}={v}\n" for k, v in {**env, "PYTHONPATH": worker_env()["PYTHONPATH"]}.items()))
+    runner = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--master_port", str(free_port()),
+              "--no_local_rank", "--module", cmd[2], *cmd[3:]]
+    return runner, {**env, "DS_ENV_FILE": env_file}
+
+
+def rank_log(log: Path, rank: int) -> Path:
+    """Rank 0 writes the stage's log; rank r > 0 writes `<log>-rank<r>.log` beside it."""
+    return log if rank == 0 else log.with_name(f"{log.stem}-rank{rank}{log.suffix}")
+
+
+def start_ranks(cmd: list[str], log: Path, envs: list[dict], hostfile: str | None = None) -> list[subprocess.Popen]:
+    """Start `cmd` once per rank environment on this machine, or, with a hostfile, once as DeepSpeed's multi-node
+    launcher (which starts and watches every rank, and ends them all when one fails)."""
+    if hostfile:
+        cmd, env = multi_node_launch(cmd, hostfile, len(envs), envs[0])
+        envs = [env]
+    procs = []
+    for r, env in enumerate(envs):
+        with open(rank_log(log, r), "ab") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=worker_env(env), cwd=os.getcwd(),
+                                          preexec_fn=die_with_parent))
+    return procs
+
+
+def failed_rank(procs: list[subprocess.Popen]) -> int | None:
+    """The rank that brought the group down, or None while none has failed. A rank killed by a signal (SIGKILL, the
+    OOM killer) is the cause rather than the peers that then exit on a broken connection; else the first failed."""
+    dead = [(r, p.poll()) for r, p in enumerate(procs)]
+    signalled = [r for r, code in dead if code is not None and code < 0]
+    failed = [r for r, code in dead if code not in (None, 0)]
+    return (signalled or failed or [None])[0]
+
+
+def failure_line(name: str, procs: list[subprocess.Popen], log: Path, what: str = "failed", rank: int | None = None) -> str:
+    """One line for a failed worker or server: the rank (`rank`, or the one failed_rank finds), its signal or last error
+    line, its log."""
+    r = rank if rank is not None else failed_rank(procs) or 0
+    code = procs[r].poll() if procs else None
+    which = f" (rank {r} of {len(procs)})" if len(procs) > 1 else ""
+    cause = f"killed by signal {-code}" if code is not None and code < 0 else last_error_line(rank_log(log, r))
+    return f"{name} {what}{which}: {cause} [log: {rank_log(log, r)}]"
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        proc.wait()
+
+
 def worker_env(extra: dict | None = None) -> dict:
     """The environment of a worker process: ours, with the repository importable."""
     root = Path(__file__).resolve().parents[2]
     return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra or {})}
 
 
-def run_worker(module: str, request, scratch: Path, log: Path, env: dict | None = None) -> dict:
-    """Run the worker module (a path from tasks.engines.workers) on `request` (a schemas.requests dataclass); return
-    the JSON it wrote, or raise WorkerError. Its `progress:` lines are shown in the terminal as they come."""
+def run_worker(module: str, request, scratch: Path, log: Path, env: dict | None = None, ranks: int = 1,
+               devices: list[int] | None = None, hostfile: str | None = None) -> dict:
+    """Run the worker module (a path from tasks.engines.workers) on `request` (a schemas.requests dataclass) as `ranks`
+    data-parallel processes; return the JSON rank 0 wrote, or raise WorkerError. Its `progress:` lines are shown in
+    the terminal as they come."""
     from schemas.requests import to_wire
 
     name = module.rsplit(".", 1)[-1]
@@ -61,30 +158,33 @@ def run_worker(module: str, request, scratch: Path, log: Path, env: dict | None 
     resp_path = req_path.with_name(req_path.name.replace(".request.", ".response."))
     resp_path.unlink(missing_ok=True)
     req_path.write_text(json.dumps({"request": to_wire(request), "response_path": str(resp_path)}))
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(req_path)],
-            stdout=out, stderr=subprocess.STDOUT, env=worker_env(env), cwd=os.getcwd(), preexec_fn=die_with_parent,
-        )
-        follow_progress(log, proc)
-    if proc.returncode != 0 or not resp_path.exists():
-        raise WorkerError(f"{name} worker failed (exit {proc.returncode}): {last_error_line(log)} [log: {log}]")
+    procs = start_ranks([sys.executable, "-m", module, str(req_path)], log,
+                        [{**(env or {}), **e} for e in rank_envs(ranks, devices, hostfile)], hostfile)
+    failed = follow_progress(log, procs)
+    if failed is not None or not resp_path.exists():
+        raise WorkerError(failure_line(f"{name} worker", procs, log, rank=failed or 0))
     return json.loads(resp_path.read_text())
 
 
-def follow_progress(log: Path, proc: subprocess.Popen, poll: float = 1.0) -> None:
-    """Wait for `proc`, echoing the `progress:` lines it appends to its log to stderr (the terminal), so a long SFT,
-    reward-model or DPO run shows steps done, rate and time left."""
+def follow_progress(log: Path, procs: list[subprocess.Popen], poll: float = 1.0) -> int | None:
+    """Wait for the processes (all ranks of a worker; the first failure ends them all, and its rank is returned),
+    echoing the `progress:` lines rank 0 appends to its log to stderr (the terminal), so a long SFT, reward-model or
+    DPO run shows steps done, rate and time left."""
     with open(log, "rb") as f:
         f.seek(0, os.SEEK_END)
         while True:
-            done = proc.poll() is not None
+            failed = failed_rank(procs)
+            if failed is not None:
+                time.sleep(0.5)  # let the rest of the group fail too, so the cause is the one reported
+                failed = failed_rank(procs)
+                kill_all(procs)
+            done = failed is not None or all(p.poll() is not None for p in procs)
             for line in f.read().decode(errors="replace").splitlines():
                 if line.startswith(PROGRESS_PREFIX):
                     sys.stderr.write(line + "\n")
                     sys.stderr.flush()
             if done:
-                return
+                return failed
             time.sleep(poll)
 
 
@@ -94,6 +194,8 @@ def worker_main(handler) -> None:
 
     payload = json.loads(Path(sys.argv[1]).read_text())
     response = handler(from_wire(payload["request"]))
+    if os.environ.get("RANK", "0") != "0":  # every rank did the work; rank 0 answers
+        return
     tmp = Path(payload["response_path"] + ".tmp")
     tmp.write_text(json.dumps(response))
     tmp.replace(payload["response_path"])

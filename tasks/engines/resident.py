@@ -22,33 +22,54 @@ from pathlib import Path
 from typing import Callable
 
 from schemas.requests import from_wire, to_wire
-from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, die_with_parent, last_error_line, worker_env
+from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, failure_line, kill_all, rank_envs, start_ranks
 
 
 class ResidentProcess:
-    def __init__(self, module: str, log: Path):
-        self.module, self.log = module, log
+    """A resident server: `ranks` data-parallel processes (tasks/engines/workers/ranks.py) of which rank 0 owns the
+    socket and passes every message on to the others; `env` and `devices` (CUDA ids) go to all of them."""
+
+    def __init__(self, module: str, log: Path, ranks: int = 1, devices: list[int] | None = None, env: dict | None = None,
+                 hostfile: str | None = None):
+        self.module, self.log, self.ranks, self.devices, self.env, self.hostfile = module, log, ranks, devices, env or {}, hostfile
         self.name = module.rsplit(".", 1)[-1]
-        self.proc: subprocess.Popen | None = None
+        self.procs: list[subprocess.Popen] = []
         self.conn = None
 
-    def _start(self, settings) -> None:
+    def _died(self, what: str) -> WorkerError:
+        """The group after one of its processes died or failed: all of them ended, the error names the rank that caused it."""
+        time.sleep(0.5)  # let the rest of the group fail too, so the cause is the one reported
+        line = failure_line(self.name, self.procs, self.log, what)
+        self._end_group()
+        return WorkerError(line)
+
+    def _end_group(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        kill_all(self.procs)
+        self.procs, self.conn = [], None
+
+    def spawn(self, settings) -> None:
+        """Start the server's processes without waiting for them. Call it from a thread that lives as long as they
+        should: PR_SET_PDEATHSIG fires when the *thread* that started a child exits (a pool thread would kill it)."""
+        if self.procs:
+            return
         self.log.parent.mkdir(parents=True, exist_ok=True)
         # In the temp dir, not the run folder: a Unix socket's path is limited to about 107 bytes.
-        sock = os.path.join(tempfile.gettempdir(), f"{self.name}-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        key = secrets.token_bytes(16)
+        self.sock = os.path.join(tempfile.gettempdir(), f"{self.name}-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        self.key = secrets.token_bytes(16)
         args = json.dumps(to_wire(settings) if settings is not None else None)
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module, "--serve", sock, args],
-                stdout=out, stderr=subprocess.STDOUT, env=worker_env({"RLPIPE_AUTHKEY": key.hex()}),
-                cwd=os.getcwd(), preexec_fn=die_with_parent,
-            )
-        started = time.time()
+        envs = [{**self.env, "RLPIPE_AUTHKEY": self.key.hex(), **e} for e in rank_envs(self.ranks, self.devices, self.hostfile)]
+        self.procs = start_ranks([sys.executable, "-m", self.module, "--serve", self.sock, args], self.log, envs, self.hostfile)
+        self.spawned = time.time()
+
+    def _start(self, settings) -> None:
+        self.spawn(settings)
+        sock, key, started = self.sock, self.key, self.spawned
         deadline, next_note = started + 600, started + 10
         while not os.path.exists(sock):
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise WorkerError(f"{self.name} server failed to start: {last_error_line(self.log)} [log: {self.log}]")
+            if any(p.poll() is not None for p in self.procs) or time.time() > deadline:
+                raise self._died("server failed to start")
             if time.time() >= next_note:  # a start takes tens of seconds (vLLM loads and warms up): say so
                 self._progress(f"starting {self.name}: {time.time() - started:.0f}s so far [log: {self.log}]")
                 next_note += 10
@@ -73,11 +94,15 @@ class ResidentProcess:
         msg = {"request": to_wire(request), "label": label}
         try:
             self.conn.send(msg)
+            while not self.conn.poll(0.5):  # a rank that dies would leave the others waiting in a collective forever
+                if any(p.poll() is not None for p in self.procs):
+                    raise EOFError
             resp = self.conn.recv()
         except (EOFError, OSError):
-            self.close()
-            raise WorkerError(f"{self.name} server died: {last_error_line(self.log)} [log: {self.log}]") from None
+            raise self._died("server died") from None
         if "error" in resp:
+            if len(self.procs) > 1:  # the group ends on a failure (its ranks may be in different places); the next call restarts it
+                raise self._died("failed")
             raise WorkerError(f"{self.name} failed: {resp['error']} [log: {self.log}]")
         return resp
 
@@ -90,12 +115,12 @@ class ResidentProcess:
                 pass
             self.conn.close()
             self.conn = None
-        if self.proc is not None:
+        for proc in self.procs:
             try:
-                self.proc.wait(timeout=30)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-            self.proc = None
+                proc.kill()
+        self.procs = []
 
 
 _PROCESSES: dict[tuple[str, str], ResidentProcess] = {}
@@ -119,13 +144,32 @@ atexit.register(close_all)
 def serve_main(make_answer: Callable[[object], Callable[[dict], dict]]) -> None:
     """Server side: build the answering function from the settings (engine start-up happens here, before the
     socket exists, so the client's wait covers it), then answer messages until `shutdown` or the parent dies.
-    A failed request is reported to the client as one line; the server keeps serving."""
+    A failed request is reported to the client as one line; a single-process server keeps serving.
+
+    With several ranks (WORLD_SIZE > 1) rank 0 owns the socket and broadcasts each message to the others, which
+    answer it too (they hold their share of the engines) and drop their answer. A failure on any rank ends that
+    process, and the client ends the group."""
     socket_path, wire = sys.argv[2], json.loads(sys.argv[3])
     answer = make_answer(from_wire(wire) if wire is not None else None)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        from tasks.engines.workers.ranks import broadcast
+    if rank > 0:
+        while not (msg := broadcast(None)).get("shutdown"):
+            try:
+                answer(msg)
+            except Exception:
+                traceback.print_exc()
+                sys.stdout.flush()
+                os._exit(1)
+            sys.stdout.flush()
+        return
     authkey = bytes.fromhex(os.environ["RLPIPE_AUTHKEY"])
     with Listener(socket_path, family="AF_UNIX", authkey=authkey) as listener, listener.accept() as conn:
         while True:
             msg = conn.recv()
+            if world > 1:
+                broadcast(msg)
             if msg.get("shutdown"):
                 conn.send({"ok": True})
                 return
@@ -136,3 +180,5 @@ def serve_main(make_answer: Callable[[object], Callable[[dict], dict]]) -> None:
                 resp = {"error": f"{type(exc).__name__}: {exc}"}
             sys.stdout.flush()
             conn.send(resp)
+            if world > 1 and "error" in resp:
+                os._exit(1)

@@ -15,8 +15,12 @@ ONE_SHOT_MODULES = {LogprobsRequest: LOGPROBS_WORKER, UpdateRequest: TRAIN_WORKE
 
 
 def call_trainer(ctx: RunContext, request: LogprobsRequest | UpdateRequest, log_name: str) -> dict:
-    if not ctx.cfg.engines.resident_trainer:
-        return run_worker(ONE_SHOT_MODULES[type(request)], request, ctx.layout.scratch_dir, ctx.layout.log_path(log_name))
+    e = ctx.cfg.engines
+    if not e.resident_trainer:
+        return run_worker(ONE_SHOT_MODULES[type(request)], request, ctx.layout.scratch_dir, ctx.layout.log_path(log_name),
+                          ranks=e.train_ranks, devices=e.trainer_devices, hostfile=e.hostfile)
     log = ctx.layout.log_path("trainer")
-    server = resident(TRAINER_SERVER, ctx.layout.run_id, lambda: ResidentProcess(TRAINER_SERVER, log))
+    server = resident(TRAINER_SERVER, ctx.layout.run_id,
+                      lambda: ResidentProcess(TRAINER_SERVER, log, ranks=e.train_ranks, devices=e.trainer_devices,
+                                                      hostfile=e.hostfile))
     return server.call(request, label=log_name)

@@ -15,13 +15,15 @@ from tasks.engines.workers import VLLM_SERVER
 
 
 class ResidentEngine(ResidentProcess):
-    def __init__(self, log: Path):
-        super().__init__(VLLM_SERVER, log)
+    def __init__(self, log: Path, devices: list[int] | None = None):
+        super().__init__(VLLM_SERVER, log, env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else None)
 
     def generate(self, request: GenerateRequest, settings: VLLMSettings) -> dict:
         """Run the request's jobs with its weights; `settings` start the engine when none is running."""
         return self.call(request, settings)
 
 
-def resident_engine(key: str, log: Path) -> ResidentEngine:
-    return resident(VLLM_SERVER, key, lambda: ResidentEngine(log))
+def resident_engine(key: str, log: Path, replica: int = 0, devices: list[int] | None = None) -> ResidentEngine:
+    """This process's vLLM replica number `replica` for `key` (a run id); replica r > 0 logs to `<log>-engine<r>.log`."""
+    log = log if replica == 0 else log.with_name(f"{log.stem}-engine{replica}{log.suffix}")
+    return resident(VLLM_SERVER, f"{key}#{replica}", lambda: ResidentEngine(log, devices))

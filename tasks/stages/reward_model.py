@@ -61,7 +61,9 @@ def train_preference_model(ctx: RunContext, kind: str, data: pl.DataFrame, setti
     request = PreferenceTrainRequest(kind, ctx.cfg.model.path, str(tmp), str(data_path), str(metrics_path), ctx.cfg.seed,
                                      EngineSettings.for_preferences(settings, ctx.cfg.model),
                                      Schedule(settings.steps, settings.batch_size, settings.warmup_steps), beta, nll_coef)
-    resp = run_worker(PREFERENCE_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path(f"{kind}_train"))
+    resp = run_worker(PREFERENCE_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path(f"{kind}_train"),
+                      ranks=ctx.cfg.engines.train_ranks, devices=ctx.cfg.engines.trainer_devices,
+                      hostfile=ctx.cfg.engines.hostfile)
     commit_dir(tmp, final)
     export_checkpoint(final, settings.out_path)
     metrics = pl.read_parquet(metrics_path)

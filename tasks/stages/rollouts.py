@@ -7,6 +7,8 @@ and eval, and synced to the weights each request names.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import polars as pl
 
 from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
@@ -27,25 +29,72 @@ def sampling_job(ctx: RunContext, n: int, temperature: float, seed: int, top_p: 
             "stop": tuple(r.stop), "stop_token_ids": tuple(r.stop_token_ids)}
 
 
+def shard_bounds(rows: int, shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) row ranges, sizes differing by at most one, empty ones left out."""
+    base, extra = divmod(rows, shards)
+    bounds, start = [], 0
+    for k in range(shards):
+        end = start + base + (k < extra)
+        if end > start:
+            bounds.append((start, end))
+        start = end
+    return bounds
+
+
 def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list[dict], log_name: str) -> tuple[list[pl.DataFrame], dict]:
-    """Run the resident vLLM engine over `jobs` for the prompts' token ids (formatted once, in the `dataset` stage);
-    return one frame per job, each row with its prompt_token_ids."""
-    inp = scratch_file(ctx, f"{log_name}.prompts.parquet")
-    prompts.select("prompt_id", "prompt_token_ids").write_parquet(inp)
-    outs = [scratch_file(ctx, f"{log_name}.out{i}.parquet") for i in range(len(jobs))]
-    request = GenerateRequest(model_path, tuple(GenerationJob(str(inp), str(o), **j) for j, o in zip(jobs, outs)))
-    engine = resident_engine(ctx.layout.run_id, ctx.layout.log_path("vllm"))
-    resp = engine.generate(request, VLLMSettings.from_config(model_path, ctx.cfg.model, ctx.cfg.rollout, ctx.cfg.seed))
-    gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
+    """Run the resident vLLM engines over `jobs` for the prompts' token ids (formatted once, in the `dataset` stage);
+    return one frame per job, each row with its prompt_token_ids.
+
+    With `rollout.engines` replicas the prompts are cut into contiguous shards, one per replica, generated
+    concurrently; prompt i of the whole file keeps the per-request seed `job seed + i` whichever replica samples
+    it, so the table does not depend on the number of replicas."""
+    r = ctx.cfg.rollout
+    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed)
+    shards = shard_bounds(prompts.height, r.engines)
+    devices = ctx.cfg.engines.rollout_devices
+    calls = []
+    for k, (start, end) in enumerate(shards):
+        inp = scratch_file(ctx, f"{log_name}.prompts{k}.parquet")
+        prompts.slice(start, end - start).select("prompt_id", "prompt_token_ids").write_parquet(inp)
+        outs = [scratch_file(ctx, f"{log_name}.out{i}-{k}.parquet") for i in range(len(jobs))]
+        request = GenerateRequest(model_path, tuple(GenerationJob(str(inp), str(o), **{**j, "seed": j["seed"] + start})
+                                                    for j, o in zip(jobs, outs)))
+        tp = r.tensor_parallel_size
+        engine = resident_engine(ctx.layout.run_id, ctx.layout.log_path("vllm"), k, devices[k * tp:(k + 1) * tp] if devices else None)
+        if engine.conn is None:
+            engine.spawn(settings)  # here, not in the pool's thread (see ResidentProcess.spawn); the replicas start at once
+        calls.append((engine, request, inp, outs))
+    with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own process: they generate at the same time
+        resps = list(pool.map(lambda c: c[0].generate(c[1], settings), calls))
+    gaps = [x["sync_logprob_gap"] for x in resps if x["sync_logprob_gap"] is not None]
+    gap, limit = (max(gaps) if gaps else None), r.max_sync_logprob_gap
     if gap is not None and not gap <= limit:
         raise WorkerError(f"the sampler's weights do not match the trainer's: mean logprob gap {gap:.3g} on the "
                           f"probe sequences of {model_path} (rollout.max_sync_logprob_gap = {limit:g})")
     frames = []
-    for o in outs:
-        frames.append(pl.read_parquet(o).join(pl.read_parquet(inp), on="prompt_id", how="left"))
-        o.unlink()
-    inp.unlink()
-    return frames, resp
+    for i in range(len(jobs)):
+        frames.append(pl.concat([pl.read_parquet(outs[i]).join(pl.read_parquet(inp), on="prompt_id", how="left")
+                                 for _, _, inp, outs in calls]))
+    for _, _, inp, outs in calls:
+        for o in outs:
+            o.unlink()
+        inp.unlink()
+    return frames, merge_engine_responses(resps)
+
+
+def merge_engine_responses(resps: list[dict]) -> dict:
+    """One response for the replicas' answers: the slowest start and sync, the worst probe gap, each job's wall seconds
+    (the replicas ran at once) and total tokens, and per replica its generation seconds and tokens/s."""
+    gaps = [x["sync_logprob_gap"] for x in resps if x["sync_logprob_gap"] is not None]
+    jobs = [{"generate_seconds": max(t["generate_seconds"] for t in timings), "tokens": sum(t["tokens"] for t in timings)}
+            for timings in zip(*(x["jobs"] for x in resps))]
+    per_engine = [{"generate_seconds": sum(t["generate_seconds"] for t in x["jobs"]), "tokens": sum(t["tokens"] for t in x["jobs"])}
+                  for x in resps]
+    for e in per_engine:
+        e["tokens_per_second"] = e["tokens"] / e["generate_seconds"] if e["generate_seconds"] > 0 else 0.0
+    return {"engine_start_seconds": max(x["engine_start_seconds"] for x in resps), "sync_seconds": max(x["sync_seconds"] for x in resps),
+            "sync_logprob_gap": max(gaps) if gaps else None, "jobs": jobs, "vllm_version": resps[0]["vllm_version"],
+            "per_engine": per_engine}
 
 
 @stage_task("rollouts")
@@ -67,7 +116,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
             df, engines={"vllm": resp["vllm_version"]},
             extra={f"round{round_}": {"engine_start_seconds": resp["engine_start_seconds"],
                                       "sync_seconds": resp["sync_seconds"], "sync_logprob_gap": resp["sync_logprob_gap"],
-                                      **timing}},
+                                      **timing, "engines": resp["per_engine"]}},
         )
 
     return run_stage(ctx, iteration, part=round_, inputs={"prompts": prompts_fp, "policy": policy.fingerprint}, compute=compute)

@@ -55,7 +55,9 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
         tmp = temp_dir_for(final)
         request = SFTRequest(m.base_path, str(tmp), str(data_path), str(metrics_path), ctx.cfg.seed,
                              EngineSettings.for_sft(s, ctx.cfg.optim, m), Schedule(s.steps, s.batch_size, s.warmup_steps))
-        resp = run_worker(TRAIN_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path("sft"))
+        resp = run_worker(TRAIN_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path("sft"),
+                          ranks=ctx.cfg.engines.train_ranks, devices=ctx.cfg.engines.trainer_devices,
+                          hostfile=ctx.cfg.engines.hostfile)
         commit_dir(tmp, final)
         export = Path(m.path)
         export_checkpoint(final, export)

@@ -29,11 +29,16 @@ class ValueModel(torch.nn.Module):
     def gradient_checkpointing_enable(self, **kwargs):
         self.backbone.gradient_checkpointing_enable(**kwargs)
 
-    def save_pretrained(self, out_dir: str, **kwargs) -> None:
+    def save_pretrained(self, out_dir: str, state_dict: dict | None = None, **kwargs) -> None:
+        """`state_dict`: the whole model's weights when they do not live in its parameters (ZeRO-3 gathers them)."""
         from safetensors.torch import save_file
 
-        self.backbone.save_pretrained(out_dir, **kwargs)
-        save_file({k: v.detach().contiguous() for k, v in self.head.state_dict().items()}, os.path.join(out_dir, HEAD_FILE))
+        def part(prefix: str) -> dict | None:
+            return None if state_dict is None else {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+
+        self.backbone.save_pretrained(out_dir, state_dict=part("backbone."), **kwargs)
+        head = part("head.") if state_dict is not None else self.head.state_dict()
+        save_file({k: v.detach().contiguous() for k, v in head.items()}, os.path.join(out_dir, HEAD_FILE))
 
 
 def load_critic(path: str, fresh: bool, dtype: str = "float32") -> ValueModel:

@@ -13,8 +13,10 @@ import math
 import time
 
 from schemas.requests import CriticRequest, EngineSettings, SFTRequest, UpdateRequest
+from storage.crash import crash_point
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
+from tasks.engines.workers import ranks
 from tasks.engines.workers.training import (
     Progress,
     accumulation_steps,
@@ -44,17 +46,18 @@ def _sft(request: SFTRequest, model, tokenizer):
     s = request.schedule
     engine, optimizer = deepspeed_engine(model, request.engine, accumulation_steps(s, request.engine.micro_batch_size))
     rows, progress = [], Progress("sft", s.steps)
-    for step, lr, parts in supervised_steps(s, optimizer, request.engine.lr, len(prompts), request.seed, request.engine.micro_batch_size):
-        total_tokens = sum(len(responses[i]) for part in parts for i in part)
+    for step, lr, batch, parts in supervised_steps(s, optimizer, request.engine.lr, len(prompts), request.seed, request.engine.micro_batch_size):
+        total_tokens = sum(len(responses[i]) for i in batch)
         loss_sum = 0.0
-        for k, idx in enumerate(parts):
+        for k, idx, scale in ranks.micro_steps(batch, parts):
             ids, attn, mask = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id(tokenizer))
             logp, _ = token_logprobs(engine, ids, attn, with_entropy=False)
             loss = -(logp * mask).sum() / total_tokens  # token-mean over the whole batch
             engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
-            engine.backward(loss, scale_wrt_gas=False)
+            engine.backward(loss * scale, scale_wrt_gas=False)
             engine.step()
-            loss_sum += float(loss.detach())
+            loss_sum += float(loss.detach()) if scale else 0.0
+        loss_sum = ranks.sum_over_ranks({"loss": loss_sum})["loss"]
         rows.append({"step": step, "loss": loss_sum, "lr": lr})
         progress.step(step + 1, {"loss": loss_sum})
     return engine, pl.DataFrame(rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64})
@@ -99,7 +102,7 @@ def _kept_or_new_engine(cache, role: str, model_path: str, resume_state: str | N
     kept = cache.take_engine(role, model_path, resume_state, settings) if cache else None
     if kept is None:
         return deepspeed_engine(load_model(), settings, gas, resume_state)
-    kept[0].set_train_batch_size(settings.micro_batch_size * gas)  # the batch may differ from the last update's
+    kept[0].set_train_batch_size(settings.micro_batch_size * gas * ranks.world())  # the batch may differ from the last update's
     return kept
 
 
@@ -114,6 +117,7 @@ class _Update:
         self.loss_mask = data["loss_mask"].to_list()
         self.settings = _policy_settings(request)
         self.totals: dict[str, float] = {}
+        self.seconds = dict.fromkeys(("forward", "backward", "step"), 0.0)  # this rank's, for the per-rank timings
 
     def add(self, key: str, value) -> None:
         self.totals[key] = self.totals.get(key, 0.0) + float(value)
@@ -126,13 +130,15 @@ class _Update:
                              sequences=float(sum(1 for i in minibatch if self.loss_mask[i] and self.responses[i])),
                              max_len=float(self.request.loss.max_tokens))
 
-    def micro_step(self, engine, idx: list[int], norm, extra_loss=None):
-        """Forward and backward of one micro-batch; returns what the critic needs (ids, attention, mask, prompt lengths)."""
+    def micro_step(self, engine, idx: list[int], norm, extra_loss=None, scale: float = 1.0):
+        """Forward and backward of one micro-batch, its loss × `scale` (ranks.micro_steps: the world size, or 0 for a
+        dummy step, whose sums are left out); returns what the critic needs (ids, attention, mask, prompt lengths)."""
         import torch
 
         from tasks.algos.losses import policy_loss, tis_weights
         from tasks.engines.workers.token_batch import align, pack, token_logprobs
 
+        add = self.add if scale else (lambda key, value: None)
         p = [self.prompts[i] for i in idx]
         ids, attn, mask = pack(p, [self.responses[i] for i in idx], self.pad)
         mask = mask * torch.tensor([float(self.loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, T)
@@ -141,21 +147,39 @@ class _Update:
         weights, cap = None, self.request.loss.tis_cap
         if cap:
             weights = tis_weights(old, align([self.lists["sampler_logprobs"][i] for i in idx], plen, width), cap)  # (B, T)
-            self.add("tis_weight_mean", (weights * mask).sum())
-            self.add("tis_capped_fraction", ((weights >= cap).float() * mask).sum())
+            add("tis_weight_mean", (weights * mask).sum())
+            add("tis_capped_fraction", ((weights >= cap).float() * mask).sum())
+        t0 = time.time()
         logp, ent = token_logprobs(engine, ids, attn, with_entropy=True)
         loss, sums = policy_loss(logp, old, ref, adv, mask, norm, self.settings, entropy=ent, token_weights=weights)
-        if extra_loss is not None:  # PPO-ptx, once per optimizer step
+        total = loss * scale
+        if extra_loss is not None:  # PPO-ptx, once per optimizer step, the same batch on every rank (not scaled)
             ptx_loss = extra_loss(engine)
-            loss = loss + ptx_loss
-            self.add("ptx_loss", ptx_loss.detach())
-        engine.backward(loss, scale_wrt_gas=False)
+            total = total + ptx_loss
+            if ranks.rank() == 0:
+                self.add("ptx_loss", ptx_loss.detach())
+                self.add("loss", ptx_loss.detach())
+        t1 = time.time()
+        engine.backward(total, scale_wrt_gas=False)
+        t2 = time.time()
         engine.step()
+        self._time(forward=t1 - t0, backward=t2 - t1, step=time.time() - t2)
         for key, v in sums.items():
-            self.add(key, v)
-        self.add("loss", loss.detach())
-        self.add("entropy", (ent.detach() * mask).sum())
+            add(key, v)
+        add("loss", loss.detach())
+        add("entropy", (ent.detach() * mask).sum())
         return ids, attn, mask, plen, width
+
+    def _time(self, **seconds: float) -> None:
+        for key, value in seconds.items():
+            self.seconds[key] += value
+
+    def rank_timings(self, wait_seconds: float) -> dict[str, list[float]]:
+        """Per-rank seconds (lists indexed by rank): forward, backward (DeepSpeed's gradient reduction runs inside it),
+        optimizer step, and waiting for the slowest rank at the end of the update."""
+        mine = {**self.seconds, "wait": wait_seconds}
+        every = ranks.all_gather(mine)
+        return {f"rank_seconds_{k}": [r[k] for r in every] for k in mine}
 
 
 def _rl(request: UpdateRequest, tokenizer, cache=None):
@@ -168,7 +192,7 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     update = _Update(request, tokenizer, data)
     n, micro = data.height, request.engine.micro_batch_size
     minibatches = min(request.minibatches, n)
-    gas = max(1, math.ceil(math.ceil(n / minibatches) / micro))
+    gas = ranks.accumulation_steps(math.ceil(n / minibatches), ranks.world(), micro)
     engine, optimizer = _kept_or_new_engine(cache, "policy", request.model_path, request.resume_state, request.engine, gas,
                                             lambda: _load_policy(request.model_path))
     critic = _critic_engine(request.critic, request.engine, gas, data, cache) if request.critic else None
@@ -180,19 +204,24 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
         for mb in [perm[i::minibatches] for i in range(minibatches)]:
             for group in optimizer.param_groups:  # linear warmup over the run's first optimizer steps
                 group["lr"] = request.engine.lr * min(1.0, (request.first_step + steps + 1) / max(1, request.warmup_steps))
-            parts, norm = [p for p in (mb[i::gas] for i in range(gas)) if p], update.norm(mb)
-            for k, idx in enumerate(parts):
+            parts, norm = ranks.rank_micro_batches(mb, gas, ranks.world(), ranks.rank()), update.norm(mb)
+            for k, idx, scale in ranks.micro_steps(mb, parts):
                 last = k == len(parts) - 1
                 engine.set_gradient_accumulation_boundary(last)
-                batch = update.micro_step(engine, idx, norm, ptx.loss if ptx is not None and last else None)
+                batch = update.micro_step(engine, idx, norm, ptx.loss if ptx is not None and last else None, scale)
                 if critic is not None:
-                    for key, v in critic.micro_step(idx, *batch, norm, last).items():
+                    for key, v in critic.micro_step(idx, *batch, norm, last, scale).items():
                         update.add(key, v)
+                crash_point(f"{request.crash_point}:rank{ranks.rank()}", whole_group=False)  # one rank dies, the rest mid-step
             steps += 1
             gn = engine.get_global_grad_norm()
             if gn is not None:
                 grad_norms.append(float(gn))
-    return engine, optimizer, _update_metrics(update.totals, steps, grad_norms, n, time.time() - t0), critic
+    seconds = time.time() - t0
+    waited = time.time()
+    update.totals = ranks.sum_over_ranks(update.totals)  # also the barrier: every rank has finished its steps
+    timings = update.rank_timings(time.time() - waited)
+    return engine, optimizer, {**_update_metrics(update.totals, steps, grad_norms, n, seconds), **timings}, critic
 
 
 def _update_metrics(totals: dict, steps: int, grad_norms: list[float], samples: int, seconds: float) -> dict:
@@ -214,7 +243,7 @@ class _Critic:
         self.engine, self.optimizer, self.request = engine, optimizer, request
         self.old_values, self.returns = old_values, returns
 
-    def micro_step(self, idx, ids, attn, mask, plen, width, norm, last) -> dict:
+    def micro_step(self, idx, ids, attn, mask, plen, width, norm, last, scale: float = 1.0) -> dict:
         from tasks.algos.losses import value_loss
         from tasks.engines.workers.critic import token_values
         from tasks.engines.workers.token_batch import align
@@ -224,9 +253,9 @@ class _Critic:
         values = token_values(self.engine, ids, attn)
         loss, clipped = value_loss(values, old, ret, mask, self.request.value_clip, norm)
         self.engine.set_gradient_accumulation_boundary(last)
-        self.engine.backward(self.request.coef * loss, scale_wrt_gas=False)
+        self.engine.backward(self.request.coef * loss * scale, scale_wrt_gas=False)
         self.engine.step()
-        return {"value_loss": loss.detach(), "value_clip_frac": clipped}
+        return {"value_loss": loss.detach(), "value_clip_frac": clipped} if scale else {}
 
 
 def critic_settings(c: CriticRequest, policy: EngineSettings) -> EngineSettings:
@@ -254,7 +283,8 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)
     if isinstance(request, SFTRequest):
         engine, table = _sft(request, _load_policy(request.model_path), tokenizer)
-        table.write_parquet(request.metrics_path)
+        if ranks.rank() == 0:
+            table.write_parquet(request.metrics_path)
         metrics, train_seconds = {}, time.time() - t0
         save_checkpoint(engine, tokenizer, request.tmp_dir)
     else:

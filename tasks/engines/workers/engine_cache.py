@@ -20,18 +20,23 @@ from dataclasses import dataclass
 STATE_FILE = "trainer_state.json"
 
 
-def read_state_id(checkpoint: str) -> str | None:
+def read_state(checkpoint: str) -> dict:
+    """The checkpoint's `trainer_state.json`: its id and the number of trainer ranks that saved its optimizer state."""
     try:
         with open(os.path.join(checkpoint, STATE_FILE)) as f:
-            return json.load(f)["id"]
-    except (OSError, ValueError, KeyError):
-        return None
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
-def write_state_id(checkpoint: str) -> str:
+def read_state_id(checkpoint: str) -> str | None:
+    return read_state(checkpoint).get("id")
+
+
+def write_state_id(checkpoint: str, world_size: int = 1) -> str:
     state_id = uuid.uuid4().hex
     with open(os.path.join(checkpoint, STATE_FILE), "w") as f:
-        json.dump({"id": state_id}, f)
+        json.dump({"id": state_id, "world_size": world_size}, f)
     return state_id
 
 

@@ -18,6 +18,7 @@ import time
 from schemas.requests import PreferenceTrainRequest
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
+from tasks.engines.workers import ranks
 from tasks.engines.workers.sequence_scores import reward_model, rm_scores, sequence_logps
 from tasks.engines.workers.training import Progress, accumulation_steps, deepspeed_engine, save_checkpoint, supervised_steps
 
@@ -61,19 +62,22 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
     engine, optimizer = _engine(model, request)
     pad, bs = model.config.pad_token_id, request.schedule.batch_size
     rows, progress = [], Progress("reward model", request.schedule.steps)
-    for step, lr, parts in _steps(request, optimizer, data.height):
+    for step, lr, batch, parts in _steps(request, optimizer, data.height):
         loss_sum, correct, pairs = 0.0, 0.0, 0
-        for k, idx in enumerate(parts):
+        for k, idx, scale in ranks.micro_steps(batch, parts):
             ids, attn, _ = pack([x for i in idx for x in seqs[i][0]], [x for i in idx for x in seqs[i][1]], pad)
             scores, rank_t, valid = _ranking_scores(rm_scores(engine, ids, attn), ranks, idx)  # (B, K)
             # A sum over elements divided by the whole batch: the accumulated gradient is the batch mean.
             loss = kwise_bradley_terry(scores, rank_t, valid).sum() / bs
             engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
-            engine.backward(loss, scale_wrt_gas=False)
+            engine.backward(loss * scale, scale_wrt_gas=False)
             engine.step()
-            loss_sum += float(loss.detach())
-            c, n = pairwise_accuracy(scores.detach(), rank_t, valid)
-            correct, pairs = correct + c, pairs + n
+            if scale:
+                loss_sum += float(loss.detach())
+                c, n = pairwise_accuracy(scores.detach(), rank_t, valid)
+                correct, pairs = correct + c, pairs + n
+        summed = ranks.sum_over_ranks({"loss": loss_sum, "correct": float(correct), "pairs": float(pairs)})
+        loss_sum, correct, pairs = summed["loss"], summed["correct"], summed["pairs"]
         rows.append({"step": step, "loss": loss_sum, "lr": lr, "train_pair_accuracy": correct / max(pairs, 1)})
         progress.step(step + 1, {"loss": loss_sum, "pair_accuracy": correct / max(pairs, 1)})
     return engine, pl.DataFrame(rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64, "train_pair_accuracy": pl.Float64})
@@ -94,9 +98,9 @@ def _dpo_train(request: PreferenceTrainRequest, tokenizer):
     model.config.use_cache = False
     engine, optimizer = _engine(model, request)
     bs, rows, progress = request.schedule.batch_size, [], Progress("dpo", request.schedule.steps)
-    for step, lr, parts in _steps(request, optimizer, data.height):
+    for step, lr, batch, parts in _steps(request, optimizer, data.height):
         totals = dict.fromkeys(("loss", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"), 0.0)
-        for k, idx in enumerate(parts):
+        for k, idx, scale in ranks.micro_steps(batch, parts):
             # Chosen and rejected in one forward pass: (2B,) sequence logprobs.
             ids, attn, mask = pack([prompts[i] for i in idx] * 2, [rc[i] for i in idx] + [rr[i] for i in idx], pad_id(tokenizer))
             logps = sequence_logps(engine, ids, attn, mask)
@@ -106,17 +110,20 @@ def _dpo_train(request: PreferenceTrainRequest, tokenizer):
             if request.nll_coef:
                 nll = chosen_nll(chosen, torch.tensor([float(len(rc[i])) for i in idx]))
                 loss = loss + request.nll_coef * nll
-                totals["chosen_nll"] = totals.get("chosen_nll", 0.0) + float(nll.detach()) * len(idx) / bs
+                totals["chosen_nll"] = totals.get("chosen_nll", 0.0) + float(nll.detach()) * len(idx) / bs * (scale > 0)
             weight = len(idx) / bs  # the accumulated gradient is the batch mean
             engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
-            engine.backward(loss * weight, scale_wrt_gas=False)
+            engine.backward(loss * weight * scale, scale_wrt_gas=False)
             engine.step()
+            if not scale:
+                continue
             margin = stats.chosen_rewards - stats.rejected_rewards
             totals["loss"] += float(stats.loss.detach()) * weight
             totals["reward_margin"] += float(margin.sum()) / bs
             totals["reward_accuracy"] += float((margin > 0).float().sum()) / bs
             totals["chosen_logp"] += float(chosen.detach().sum()) / bs
             totals["rejected_logp"] += float(rejected.detach().sum()) / bs
+        totals = ranks.sum_over_ranks(totals)
         rows.append({"step": step, "lr": lr, **totals})
         progress.step(step + 1, {"loss": totals["loss"], "reward_accuracy": totals["reward_accuracy"]})
     return engine, pl.DataFrame(rows).with_columns(pl.col("step").cast(pl.Int32), pl.exclude("step").cast(pl.Float64))
@@ -132,7 +139,8 @@ def handle(request: PreferenceTrainRequest) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)
     engine, table = (_rm_train if request.kind == "rm" else _dpo_train)(request, tokenizer)
     train_seconds = time.time() - t0
-    table.write_parquet(request.metrics_path)
+    if ranks.rank() == 0:
+        table.write_parquet(request.metrics_path)
     save_checkpoint(engine, tokenizer, request.tmp_dir)
     return {"train_seconds": train_seconds, "deepspeed_version": deepspeed.__version__, "zero_stage": request.engine.zero_stage}
 

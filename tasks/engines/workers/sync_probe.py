@@ -42,13 +42,16 @@ def trainer_logprobs(model, token_ids: list[list[int]]) -> list[list[float]]:
                 for seq in token_ids]
 
 
-def write_probe(model, tokenizer, out_dir: str) -> None:
-    """Save the probe for a causal LM (a reward model or a critic has no token logprobs and gets none)."""
+def write_probe(model, tokenizer, out_dir: str, write: bool = True) -> None:
+    """Save the probe for a causal LM (a reward model or a critic has no token logprobs and gets none). Every trainer
+    rank computes it (a ZeRO-3 forward needs them all); only the one with `write` saves it."""
     if not hasattr(model, "lm_head"):
         return
     ids = probe_token_ids(tokenizer, getattr(model.config, "max_position_embeddings", 64) or 64)
-    with open(os.path.join(out_dir, PROBE_FILE), "w") as f:
-        json.dump({"token_ids": ids, "logprobs": trainer_logprobs(model, ids)}, f)
+    logprobs = trainer_logprobs(model, ids)
+    if write:
+        with open(os.path.join(out_dir, PROBE_FILE), "w") as f:
+            json.dump({"token_ids": ids, "logprobs": logprobs}, f)
 
 
 def read_probe(model_dir: str) -> dict | None:

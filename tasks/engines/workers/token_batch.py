@@ -67,13 +67,16 @@ def chunks(indices: list[int], size: int) -> list[list[int]]:
 
 def batched(fn, prompts: list[list[int]], responses: list[list[int]], pad_id: int, micro_batch_size: int) -> list:
     """fn(input_ids, attention_mask, response_mask, prompt_lens, response_lens) over micro-batches of the sequences,
-    without gradients; the per-sequence results concatenated in order."""
+    without gradients; the per-sequence results concatenated in order. With several trainer ranks the micro-batches
+    are shared among them and every rank gets all the results (tasks/engines/workers/ranks.py)."""
     import torch
 
-    out = []
+    from tasks.engines.workers.ranks import map_in_order
+
+    def one(idx: list[int]) -> list:
+        p, r = [prompts[i] for i in idx], [responses[i] for i in idx]
+        ids, attn, mask = pack(p, r, pad_id)
+        return fn(ids, attn, mask, [len(x) for x in p], [len(x) for x in r])
+
     with torch.no_grad():
-        for idx in chunks(list(range(len(prompts))), micro_batch_size):
-            p, r = [prompts[i] for i in idx], [responses[i] for i in idx]
-            ids, attn, mask = pack(p, r, pad_id)
-            out += fn(ids, attn, mask, [len(x) for x in p], [len(x) for x in r])
-    return out
+        return [row for part in map_in_order(one, chunks(list(range(len(prompts))), micro_batch_size)) for row in part]

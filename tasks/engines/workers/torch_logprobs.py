@@ -11,6 +11,7 @@ import time
 
 from schemas.requests import LogprobsRequest
 from tasks.engines.launch import worker_main
+from tasks.engines.workers import ranks
 
 
 def _score(model, prompts, responses, pad_id, micro, with_entropy):
@@ -87,6 +88,8 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
             values = _values(critic, prompts, responses, pad_id, micro)
         forward += time.time() - t1
     lst = pl.List(pl.Float32)
+    if ranks.rank() != 0:  # every rank holds all the rows; one writes them
+        return {}
     samples.select("prompt_id", "sample_idx").with_columns(
         pl.Series("old_logprobs", old, dtype=lst),
         pl.Series("ref_logprobs", ref, dtype=lst),

@@ -5,29 +5,22 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 
 from schemas.requests import EngineSettings, Schedule
 from storage.crash import crash_point
 from tasks.engines.launch import PROGRESS_PREFIX  # clients show these lines of a worker's log in the terminal
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tasks.engines.workers import ranks
 
 
 def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: str | None = None):
     """(engine, optimizer): AdamW under DeepSpeed (ZeRO stage, gradient clipping, bf16 from the settings), resumed from
-    `resume_state` when given (the settings' lr wins over the saved one)."""
+    `resume_state` when given (the settings' lr wins over the saved one). `gas` counts one rank's micro-steps per
+    optimizer step; ZeRO partitions over all the ranks of the process group."""
     import deepspeed
     import torch
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    ranks.init_process_group()
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999))
@@ -43,24 +36,40 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if resume_state:
+        check_saved_world(resume_state, settings.zero_stage)
         engine.load_checkpoint(resume_state, tag="state", load_module_strict=True)
         for group in engine.optimizer.param_groups:
             group["lr"] = settings.lr
     return engine, optimizer
 
 
+def check_saved_world(resume_state: str, zero_stage: int) -> None:
+    """ZeRO's optimizer state is saved one partition per rank: resuming it needs as many ranks as saved it."""
+    from tasks.engines.workers.engine_cache import read_state
+
+    saved = read_state(os.path.dirname(resume_state)).get("world_size", 1)
+    if zero_stage > 0 and saved != ranks.world():
+        raise ValueError(f"{resume_state} holds ZeRO-{zero_stage} optimizer state of {saved} trainer rank(s), and this trainer has "
+                         f"{ranks.world()}: set engines.train_ranks={saved} (or convert it with DeepSpeed's ds_to_universal)")
+
+
 def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "") -> str:
     """HF weights + tokenizer (what vLLM loads), the sync probe, then the DeepSpeed state; returns the state id, written
-    last (a checkpoint without one is never reused by a resident trainer)."""
+    last (a checkpoint without one is never reused by a resident trainer). Every rank calls it: ZeRO-3's weights are
+    gathered from all ranks, rank 0 writes the consolidated HF folder, each rank saves its optimizer partition."""
     from tasks.engines.workers.engine_cache import write_state_id
     from tasks.engines.workers.sync_probe import write_probe
 
-    engine.module.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    write_probe(engine.module, tokenizer, out_dir)  # the sampler checks its weight sync against these logprobs
+    consolidated = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_stage() == 3 else None
+    if ranks.rank() == 0:
+        engine.module.save_pretrained(out_dir, safe_serialization=True, state_dict=consolidated)
+        tokenizer.save_pretrained(out_dir)
+    # The sampler checks its weight sync against these logprobs; under ZeRO-3 a forward needs every rank.
+    write_probe(engine.module, tokenizer, out_dir, write=ranks.rank() == 0)
     crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
     engine.save_checkpoint(os.path.join(out_dir, "ds_state"), tag="state")
-    return write_state_id(out_dir)
+    state_id = write_state_id(out_dir, ranks.world()) if ranks.rank() == 0 else None
+    return ranks.broadcast(state_id)
 
 
 def cosine_lr(schedule: Schedule, base_lr: float, step: int) -> float:
@@ -70,22 +79,23 @@ def cosine_lr(schedule: Schedule, base_lr: float, step: int) -> float:
 
 
 def accumulation_steps(schedule: Schedule, micro_batch_size: int) -> int:
-    return math.ceil(schedule.batch_size / min(micro_batch_size, schedule.batch_size))
+    """One rank's micro-steps per optimizer step."""
+    return ranks.accumulation_steps(schedule.batch_size, ranks.world(), micro_batch_size)
 
 
 def supervised_steps(schedule: Schedule, optimizer, base_lr: float, n: int, seed: int, micro_batch_size: int):
-    """For each optimizer step, with its learning rate set: (step, lr, micro-batches of element indices), batch_size
-    elements drawn at random (seeded) from n."""
+    """For each optimizer step, with its learning rate set: (step, lr, batch, this rank's micro-batches of it), batch_size
+    elements drawn at random (seeded, the same draw on every rank) from n; an empty micro-batch is a dummy step."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    bs, micro = schedule.batch_size, min(micro_batch_size, schedule.batch_size)
+    bs, gas, chunk = schedule.batch_size, accumulation_steps(schedule, micro_batch_size), min(micro_batch_size, schedule.batch_size)
     for step in range(schedule.steps):
         lr = cosine_lr(schedule, base_lr, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = torch.randint(n, (bs,), generator=gen).tolist()
-        yield step, lr, [batch[i : i + micro] for i in range(0, bs, micro)]
+        yield step, lr, batch, ranks.rank_micro_batches(batch, gas, ranks.world(), ranks.rank(), chunk)
 
 
 class Progress:

@@ -51,7 +51,7 @@ def _start_engine(settings: VLLMSettings):
     else:  # a GPU shared with the resident trainer: vLLM takes only its share
         extra = {"gpu_memory_utilization": settings.gpu_memory_utilization}
     return LLM(
-        model=settings.model_path, dtype=settings.dtype, seed=settings.seed,
+        model=settings.model_path, dtype=settings.dtype, seed=settings.seed, tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=True, enable_prefix_caching=True, **extra,
     )
 

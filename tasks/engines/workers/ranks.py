@@ -1,0 +1,136 @@
+"""Data parallelism for the DeepSpeed trainers: which rank this process is, how a batch is shared, and the few
+collectives the workers need besides DeepSpeed's own.
+
+A trainer of `engines.train_ranks` processes is started with the standard `torch.distributed` environment (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; tasks/engines/launch.py sets it on one machine, DeepSpeed's
+hostfile launcher across machines). Without it a worker is rank 0 of 1. Every rank reads the same request and
+the same Parquet input, so the split is a pure function of (indices, world size, rank): nothing is scattered.
+
+Why dummy micro-steps: DeepSpeed reduces gradients inside backward (ZeRO 1/2) and gathers ZeRO-3's partitioned
+weights inside forward, so every rank must run as many forward/backward passes as the others. A rank with fewer
+rows runs a zero-weighted pass on a real row instead of skipping.
+No Prefect import: this runs in the worker processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from datetime import timedelta
+
+# The control group (request broadcast) waits between iterations while rollouts run, possibly for hours.
+CONTROL_TIMEOUT = timedelta(days=7)
+_CONTROL = {"group": None}
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group() -> None:
+    """Join the trainer's process group (NCCL on GPU, gloo on CPU); a worker started alone is rank 0 of 1. Safe to
+    call again."""
+    import deepspeed
+    import torch
+
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False,
+                               verbose=False, timeout=CONTROL_TIMEOUT)
+    if world() > 1:
+        control_group()  # made now, in the same order on every rank (creating a group is itself a collective)
+
+
+def control_group():
+    """A gloo group for small Python objects (requests, metrics, gathered rows): NCCL's watchdog would abort a rank
+    that waits long for the next request, and objects need no GPU."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        init_process_group()
+    if _CONTROL["group"] is None:
+        _CONTROL["group"] = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return _CONTROL["group"]
+
+
+def broadcast(obj):
+    """Rank 0's `obj` on every rank."""
+    if world() == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=control_group())
+    return box[0]
+
+
+def all_gather(obj) -> list:
+    """Every rank's `obj`, by rank."""
+    if world() == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world()
+    dist.all_gather_object(out, obj, group=control_group())
+    return out
+
+
+def sum_over_ranks(totals: dict[str, float]) -> dict[str, float]:
+    """Each key summed over the ranks (keys missing on a rank count as 0)."""
+    merged: dict[str, float] = {}
+    for part in all_gather(totals):
+        for key, value in part.items():
+            merged[key] = merged.get(key, 0.0) + value
+    return merged
+
+
+def accumulation_steps(batch_rows: int, world_size: int, micro_batch_size: int) -> int:
+    """Micro-steps per optimizer step when `batch_rows` rows are shared by `world_size` ranks."""
+    return max(1, math.ceil(math.ceil(batch_rows / world_size) / micro_batch_size))
+
+
+def rank_micro_batches(indices: list[int], gas: int, world_size: int, rank_: int, chunk: int | None = None) -> list[list[int]]:
+    """This rank's micro-batches of a batch: its rows are rank, rank + W, rank + 2W, ..., dealt round-robin over `gas`
+    micro-batches, or cut into consecutive chunks of `chunk` rows. With several ranks there are always `gas` of them,
+    an empty one being a dummy step; alone, empty ones are left out (nothing to keep in step with)."""
+    mine = indices[rank_::world_size]
+    parts = [mine[i : i + chunk] for i in range(0, gas * chunk, chunk)] if chunk else [mine[i::gas] for i in range(gas)]
+    return parts if world_size > 1 else [p for p in parts if p]
+
+
+def micro_steps(batch: list[int], parts: list[list[int]]):
+    """(k, rows, scale) for each of this rank's micro-batches. Losses are sums over the whole batch divided by the
+    batch's normalizer, and DeepSpeed averages gradients over the ranks, so a real step is scaled by the world size;
+    a dummy step runs batch[0]'s row with scale 0 (its metrics must be left out)."""
+    w = float(world())
+    for k, idx in enumerate(parts):
+        yield k, (idx or batch[:1]), (w if idx else 0.0)
+
+
+def map_in_order(fn, items: list) -> list:
+    """[fn(x) for x in items], the items dealt round-robin over the ranks and the results gathered back in order on
+    every rank. Ranks with fewer items call fn on items[0] and drop the result, to stay in lockstep (ZeRO-3)."""
+    w, r = world(), rank()
+    if w == 1:
+        return [fn(x) for x in items]
+    mine = items[r::w]
+    out = [fn(x) for x in mine]
+    for _ in range(math.ceil(len(items) / w) - len(mine)):
+        fn(items[0])
+    result = [None] * len(items)
+    for rr, part in enumerate(all_gather(out)):
+        result[rr::w] = part
+    return result

@@ -1,0 +1,53 @@
+"""How a batch is shared among trainer ranks and prompts among vLLM replicas: pure functions, checked against the
+one-process behaviour they must reproduce."""
+
+import pytest
+
+from tasks.engines.launch import WorkerError, hostfile_slots, rank_envs
+from tasks.engines.workers.ranks import accumulation_steps, rank_micro_batches
+from tasks.stages.rollouts import shard_bounds
+
+
+@pytest.mark.parametrize("rows,world,micro", [(16, 2, 32), (17, 2, 4), (5, 4, 1), (3, 4, 2), (128, 1, 64), (64, 3, 8)])
+def test_every_row_once_and_every_rank_the_same_number_of_micro_steps(rows, world, micro):
+    batch = list(range(100, 100 + rows))
+    gas = accumulation_steps(rows, world, micro)
+    for chunk in (None, min(micro, rows)):
+        parts = [rank_micro_batches(batch, gas, world, r, chunk) for r in range(world)]
+        seen = sorted(i for rank_parts in parts for part in rank_parts for i in part)
+        assert seen == batch
+        assert all(len(part) <= micro for rank_parts in parts for part in rank_parts)
+        if world > 1:
+            assert {len(rank_parts) for rank_parts in parts} == {gas}  # lockstep: dummies fill the short ranks
+
+
+def test_one_rank_keeps_the_single_process_micro_batches():
+    mb = list(range(10))
+    gas = accumulation_steps(len(mb), 1, 3)
+    assert gas == 4
+    assert rank_micro_batches(mb, gas, 1, 0) == [mb[i::gas] for i in range(gas)]  # the RL update's round-robin split
+    assert rank_micro_batches(mb, gas, 1, 0, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]  # SFT's consecutive chunks
+    assert rank_micro_batches([1, 2], 4, 1, 0) == [[1], [2]]  # no dummy steps alone
+
+
+def test_prompt_shards_are_contiguous_and_cover_every_row():
+    for rows in range(0, 12):
+        for shards in range(1, 6):
+            bounds = shard_bounds(rows, shards)
+            assert [i for a, b in bounds for i in range(a, b)] == list(range(rows))
+            sizes = [b - a for a, b in bounds]
+            assert all(s > 0 for s in sizes) and (not sizes or max(sizes) - min(sizes) <= 1)
+
+
+def test_rank_environments_and_hostfiles(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert rank_envs(1) == [{}]
+    envs = rank_envs(2, devices=[3, 5])
+    assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"3,5"} and len({e["MASTER_PORT"] for e in envs}) == 1
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nnode-a slots=8\nnode-b slots=4  # fewer\n\n")
+    assert hostfile_slots(str(hostfile)) == 12
+    hostfile.write_text("node-a\n")
+    with pytest.raises(WorkerError, match="not 'HOST slots=N'"):
+        hostfile_slots(str(hostfile))
