@@ -47,7 +47,7 @@ def rank_envs(ranks: int, devices: list[int] | None = None, hostfile: str | None
     """The environment of each of `ranks` trainer processes on this machine: what torchrun or DeepSpeed's launcher
     set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), the CUDA devices, and on CPU the cores shared out (ranks
     that each take every core slow each other down several times over; OMP_NUM_THREADS set by the user wins)."""
-    from tasks.engines.workers.ranks import free_port
+    from tasks.engines.workers.data_parallel import free_port
 
     visible = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
     if ranks == 1 or hostfile:  # DeepSpeed's launcher sets the rank variables on every host
@@ -79,7 +79,7 @@ def multi_node_launch(cmd: list[str], hostfile: str, ranks: int, env: dict) -> t
     exports to every host; the repository (and storage_root) must be at the same path on every host."""
     import tempfile
 
-    from tasks.engines.workers.ranks import free_port
+    from tasks.engines.workers.data_parallel import free_port
 
     slots = hostfile_slots(hostfile)
     if slots != ranks:

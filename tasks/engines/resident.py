@@ -26,7 +26,7 @@ from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, failure_line, kil
 
 
 class ResidentProcess:
-    """A resident server: `ranks` data-parallel processes (tasks/engines/workers/ranks.py) of which rank 0 owns the
+    """A resident server: `ranks` data-parallel processes (tasks/engines/workers/data_parallel.py) of which rank 0 owns the
     socket and passes every message on to the others; `env` and `devices` (CUDA ids) go to all of them."""
 
     def __init__(self, module: str, log: Path, ranks: int = 1, devices: list[int] | None = None, env: dict | None = None,
@@ -153,7 +153,7 @@ def serve_main(make_answer: Callable[[object], Callable[[dict], dict]]) -> None:
     answer = make_answer(from_wire(wire) if wire is not None else None)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        from tasks.engines.workers.ranks import broadcast
+        from tasks.engines.workers.data_parallel import broadcast
     if rank > 0:
         while not (msg := broadcast(None)).get("shutdown"):
             try:

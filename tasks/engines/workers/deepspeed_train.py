@@ -16,7 +16,7 @@ from schemas.requests import CriticRequest, EngineSettings, SFTRequest, UpdateRe
 from storage.crash import crash_point
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
-from tasks.engines.workers import ranks
+from tasks.engines.workers import data_parallel
 from tasks.engines.workers.training import (
     Progress,
     accumulation_steps,
@@ -49,7 +49,7 @@ def _sft(request: SFTRequest, model, tokenizer):
     for step, lr, batch, parts in supervised_steps(s, optimizer, request.engine.lr, len(prompts), request.seed, request.engine.micro_batch_size):
         total_tokens = sum(len(responses[i]) for i in batch)
         loss_sum = 0.0
-        for k, idx, scale in ranks.micro_steps(batch, parts):
+        for k, idx, scale in data_parallel.micro_steps(batch, parts):
             ids, attn, mask = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id(tokenizer))
             logp, _ = token_logprobs(engine, ids, attn, with_entropy=False)
             loss = -(logp * mask).sum() / total_tokens  # token-mean over the whole batch
@@ -57,7 +57,7 @@ def _sft(request: SFTRequest, model, tokenizer):
             engine.backward(loss * scale, scale_wrt_gas=False)
             engine.step()
             loss_sum += float(loss.detach()) if scale else 0.0
-        loss_sum = ranks.sum_over_ranks({"loss": loss_sum})["loss"]
+        loss_sum = data_parallel.sum_over_ranks({"loss": loss_sum})["loss"]
         rows.append({"step": step, "loss": loss_sum, "lr": lr})
         progress.step(step + 1, {"loss": loss_sum})
     return engine, pl.DataFrame(rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64})
@@ -102,7 +102,7 @@ def _kept_or_new_engine(cache, role: str, model_path: str, resume_state: str | N
     kept = cache.take_engine(role, model_path, resume_state, settings) if cache else None
     if kept is None:
         return deepspeed_engine(load_model(), settings, gas, resume_state)
-    kept[0].set_train_batch_size(settings.micro_batch_size * gas * ranks.world())  # the batch may differ from the last update's
+    kept[0].set_train_batch_size(settings.micro_batch_size * gas * data_parallel.world())  # the batch may differ from the last update's
     return kept
 
 
@@ -131,7 +131,7 @@ class _Update:
                              max_len=float(self.request.loss.max_tokens))
 
     def micro_step(self, engine, idx: list[int], norm, extra_loss=None, scale: float = 1.0):
-        """Forward and backward of one micro-batch, its loss × `scale` (ranks.micro_steps: the world size, or 0 for a
+        """Forward and backward of one micro-batch, its loss × `scale` (data_parallel.micro_steps: the world size, or 0 for a
         dummy step, whose sums are left out); returns what the critic needs (ids, attention, mask, prompt lengths)."""
         import torch
 
@@ -156,7 +156,7 @@ class _Update:
         if extra_loss is not None:  # PPO-ptx, once per optimizer step, the same batch on every rank (not scaled)
             ptx_loss = extra_loss(engine)
             total = total + ptx_loss
-            if ranks.rank() == 0:
+            if data_parallel.rank() == 0:
                 self.add("ptx_loss", ptx_loss.detach())
                 self.add("loss", ptx_loss.detach())
         t1 = time.time()
@@ -178,7 +178,7 @@ class _Update:
         """Per-rank seconds (lists indexed by rank): forward, backward (DeepSpeed's gradient reduction runs inside it),
         optimizer step, and waiting for the slowest rank at the end of the update."""
         mine = {**self.seconds, "wait": wait_seconds}
-        every = ranks.all_gather(mine)
+        every = data_parallel.all_gather(mine)
         return {f"rank_seconds_{k}": [r[k] for r in every] for k in mine}
 
 
@@ -192,7 +192,7 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     update = _Update(request, tokenizer, data)
     n, micro = data.height, request.engine.micro_batch_size
     minibatches = min(request.minibatches, n)
-    gas = ranks.accumulation_steps(math.ceil(n / minibatches), ranks.world(), micro)
+    gas = data_parallel.accumulation_steps(math.ceil(n / minibatches), data_parallel.world(), micro)
     engine, optimizer = _kept_or_new_engine(cache, "policy", request.model_path, request.resume_state, request.engine, gas,
                                             lambda: _load_policy(request.model_path))
     critic = _critic_engine(request.critic, request.engine, gas, data, cache) if request.critic else None
@@ -204,22 +204,22 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
         for mb in [perm[i::minibatches] for i in range(minibatches)]:
             for group in optimizer.param_groups:  # linear warmup over the run's first optimizer steps
                 group["lr"] = request.engine.lr * min(1.0, (request.first_step + steps + 1) / max(1, request.warmup_steps))
-            parts, norm = ranks.rank_micro_batches(mb, gas, ranks.world(), ranks.rank()), update.norm(mb)
-            for k, idx, scale in ranks.micro_steps(mb, parts):
+            parts, norm = data_parallel.rank_micro_batches(mb, gas, data_parallel.world(), data_parallel.rank()), update.norm(mb)
+            for k, idx, scale in data_parallel.micro_steps(mb, parts):
                 last = k == len(parts) - 1
                 engine.set_gradient_accumulation_boundary(last)
                 batch = update.micro_step(engine, idx, norm, ptx.loss if ptx is not None and last else None, scale)
                 if critic is not None:
                     for key, v in critic.micro_step(idx, *batch, norm, last, scale).items():
                         update.add(key, v)
-                crash_point(f"{request.crash_point}:rank{ranks.rank()}", whole_group=False)  # one rank dies, the rest mid-step
+                crash_point(f"{request.crash_point}:rank{data_parallel.rank()}", whole_group=False)  # one rank dies, the rest mid-step
             steps += 1
             gn = engine.get_global_grad_norm()
             if gn is not None:
                 grad_norms.append(float(gn))
     seconds = time.time() - t0
     waited = time.time()
-    update.totals = ranks.sum_over_ranks(update.totals)  # also the barrier: every rank has finished its steps
+    update.totals = data_parallel.sum_over_ranks(update.totals)  # also the barrier: every rank has finished its steps
     timings = update.rank_timings(time.time() - waited)
     return engine, optimizer, {**_update_metrics(update.totals, steps, grad_norms, n, seconds), **timings}, critic
 
@@ -283,7 +283,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)
     if isinstance(request, SFTRequest):
         engine, table = _sft(request, _load_policy(request.model_path), tokenizer)
-        if ranks.rank() == 0:
+        if data_parallel.rank() == 0:
             table.write_parquet(request.metrics_path)
         metrics, train_seconds = {}, time.time() - t0
         save_checkpoint(engine, tokenizer, request.tmp_dir)

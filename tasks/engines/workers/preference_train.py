@@ -18,7 +18,7 @@ import time
 from schemas.requests import PreferenceTrainRequest
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
-from tasks.engines.workers import ranks
+from tasks.engines.workers import data_parallel
 from tasks.engines.workers.sequence_scores import reward_model, rm_scores, sequence_logps
 from tasks.engines.workers.training import Progress, accumulation_steps, deepspeed_engine, save_checkpoint, supervised_steps
 
@@ -64,7 +64,7 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
     rows, progress = [], Progress("reward model", request.schedule.steps)
     for step, lr, batch, parts in _steps(request, optimizer, data.height):
         loss_sum, correct, pairs = 0.0, 0.0, 0
-        for k, idx, scale in ranks.micro_steps(batch, parts):
+        for k, idx, scale in data_parallel.micro_steps(batch, parts):
             ids, attn, _ = pack([x for i in idx for x in seqs[i][0]], [x for i in idx for x in seqs[i][1]], pad)
             scores, rank_t, valid = _ranking_scores(rm_scores(engine, ids, attn), ranks, idx)  # (B, K)
             # A sum over elements divided by the whole batch: the accumulated gradient is the batch mean.
@@ -76,7 +76,7 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
                 loss_sum += float(loss.detach())
                 c, n = pairwise_accuracy(scores.detach(), rank_t, valid)
                 correct, pairs = correct + c, pairs + n
-        summed = ranks.sum_over_ranks({"loss": loss_sum, "correct": float(correct), "pairs": float(pairs)})
+        summed = data_parallel.sum_over_ranks({"loss": loss_sum, "correct": float(correct), "pairs": float(pairs)})
         loss_sum, correct, pairs = summed["loss"], summed["correct"], summed["pairs"]
         rows.append({"step": step, "loss": loss_sum, "lr": lr, "train_pair_accuracy": correct / max(pairs, 1)})
         progress.step(step + 1, {"loss": loss_sum, "pair_accuracy": correct / max(pairs, 1)})
@@ -100,7 +100,7 @@ def _dpo_train(request: PreferenceTrainRequest, tokenizer):
     bs, rows, progress = request.schedule.batch_size, [], Progress("dpo", request.schedule.steps)
     for step, lr, batch, parts in _steps(request, optimizer, data.height):
         totals = dict.fromkeys(("loss", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"), 0.0)
-        for k, idx, scale in ranks.micro_steps(batch, parts):
+        for k, idx, scale in data_parallel.micro_steps(batch, parts):
             # Chosen and rejected in one forward pass: (2B,) sequence logprobs.
             ids, attn, mask = pack([prompts[i] for i in idx] * 2, [rc[i] for i in idx] + [rr[i] for i in idx], pad_id(tokenizer))
             logps = sequence_logps(engine, ids, attn, mask)
@@ -123,7 +123,7 @@ def _dpo_train(request: PreferenceTrainRequest, tokenizer):
             totals["reward_accuracy"] += float((margin > 0).float().sum()) / bs
             totals["chosen_logp"] += float(chosen.detach().sum()) / bs
             totals["rejected_logp"] += float(rejected.detach().sum()) / bs
-        totals = ranks.sum_over_ranks(totals)
+        totals = data_parallel.sum_over_ranks(totals)
         rows.append({"step": step, "lr": lr, **totals})
         progress.step(step + 1, {"loss": totals["loss"], "reward_accuracy": totals["reward_accuracy"]})
     return engine, pl.DataFrame(rows).with_columns(pl.col("step").cast(pl.Int32), pl.exclude("step").cast(pl.Float64))
@@ -139,7 +139,7 @@ def handle(request: PreferenceTrainRequest) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)
     engine, table = (_rm_train if request.kind == "rm" else _dpo_train)(request, tokenizer)
     train_seconds = time.time() - t0
-    if ranks.rank() == 0:
+    if data_parallel.rank() == 0:
         table.write_parquet(request.metrics_path)
     save_checkpoint(engine, tokenizer, request.tmp_dir)
     return {"train_seconds": train_seconds, "deepspeed_version": deepspeed.__version__, "zero_stage": request.engine.zero_stage}

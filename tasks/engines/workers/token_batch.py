@@ -68,10 +68,10 @@ def chunks(indices: list[int], size: int) -> list[list[int]]:
 def batched(fn, prompts: list[list[int]], responses: list[list[int]], pad_id: int, micro_batch_size: int) -> list:
     """fn(input_ids, attention_mask, response_mask, prompt_lens, response_lens) over micro-batches of the sequences,
     without gradients; the per-sequence results concatenated in order. With several trainer ranks the micro-batches
-    are shared among them and every rank gets all the results (tasks/engines/workers/ranks.py)."""
+    are shared among them and every rank gets all the results (tasks/engines/workers/data_parallel.py)."""
     import torch
 
-    from tasks.engines.workers.ranks import map_in_order
+    from tasks.engines.workers.data_parallel import map_in_order
 
     def one(idx: list[int]) -> list:
         p, r = [prompts[i] for i in idx], [responses[i] for i in idx]

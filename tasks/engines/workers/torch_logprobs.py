@@ -11,7 +11,7 @@ import time
 
 from schemas.requests import LogprobsRequest
 from tasks.engines.launch import worker_main
-from tasks.engines.workers import ranks
+from tasks.engines.workers import data_parallel
 
 
 def _score(model, prompts, responses, pad_id, micro, with_entropy):
@@ -88,7 +88,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
             values = _values(critic, prompts, responses, pad_id, micro)
         forward += time.time() - t1
     lst = pl.List(pl.Float32)
-    if ranks.rank() != 0:  # every rank holds all the rows; one writes them
+    if data_parallel.rank() != 0:  # every rank holds all the rows; one writes them
         return {}
     samples.select("prompt_id", "sample_idx").with_columns(
         pl.Series("old_logprobs", old, dtype=lst),

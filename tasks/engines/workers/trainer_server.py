@@ -18,10 +18,10 @@ def make_answer(settings: dict):
     import torch  # noqa: F401
 
     from schemas.requests import LogprobsRequest, UpdateRequest, from_wire
-    from tasks.engines.workers import deepspeed_train, ranks, torch_logprobs
+    from tasks.engines.workers import data_parallel, deepspeed_train, torch_logprobs
     from tasks.engines.workers.engine_cache import EngineCache
 
-    ranks.init_process_group()  # every rank joins before rank 0 opens the socket
+    data_parallel.init_process_group()  # every rank joins before rank 0 opens the socket
     cache = EngineCache()
     handlers = {LogprobsRequest: torch_logprobs.handle, UpdateRequest: deepspeed_train.handle}
 
@@ -31,7 +31,7 @@ def make_answer(settings: dict):
             raise ValueError(f"the trainer does not take a {type(request).__name__}")
         hits = dict(cache.hits)
         t0 = time.time()
-        print(f"[trainer rank {ranks.rank()}/{ranks.world()}] {type(request).__name__} {msg.get('label', '')}", flush=True)
+        print(f"[trainer rank {data_parallel.rank()}/{data_parallel.world()}] {type(request).__name__} {msg.get('label', '')}", flush=True)
         resp = handlers[type(request)](request, cache)
         reused = {f"reused_{k}": cache.hits[k] - hits[k] for k in hits}
         print(f"[trainer] done in {time.time() - t0:.2f}s {reused}", flush=True)

@@ -10,7 +10,7 @@ import time
 from schemas.requests import EngineSettings, Schedule
 from storage.crash import crash_point
 from tasks.engines.launch import PROGRESS_PREFIX  # clients show these lines of a worker's log in the terminal
-from tasks.engines.workers import ranks
+from tasks.engines.workers import data_parallel
 
 
 def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: str | None = None):
@@ -20,7 +20,7 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     import deepspeed
     import torch
 
-    ranks.init_process_group()
+    data_parallel.init_process_group()
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999))
@@ -48,9 +48,9 @@ def check_saved_world(resume_state: str, zero_stage: int) -> None:
     from tasks.engines.workers.engine_cache import read_state
 
     saved = read_state(os.path.dirname(resume_state)).get("world_size", 1)
-    if zero_stage > 0 and saved != ranks.world():
+    if zero_stage > 0 and saved != data_parallel.world():
         raise ValueError(f"{resume_state} holds ZeRO-{zero_stage} optimizer state of {saved} trainer rank(s), and this trainer has "
-                         f"{ranks.world()}: set engines.train_ranks={saved} (or convert it with DeepSpeed's ds_to_universal)")
+                         f"{data_parallel.world()}: set engines.train_ranks={saved} (or convert it with DeepSpeed's ds_to_universal)")
 
 
 def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "") -> str:
@@ -61,15 +61,15 @@ def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "") -> st
     from tasks.engines.workers.sync_probe import write_probe
 
     consolidated = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_stage() == 3 else None
-    if ranks.rank() == 0:
+    if data_parallel.rank() == 0:
         engine.module.save_pretrained(out_dir, safe_serialization=True, state_dict=consolidated)
         tokenizer.save_pretrained(out_dir)
     # The sampler checks its weight sync against these logprobs; under ZeRO-3 a forward needs every rank.
-    write_probe(engine.module, tokenizer, out_dir, write=ranks.rank() == 0)
+    write_probe(engine.module, tokenizer, out_dir, write=data_parallel.rank() == 0)
     crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
     engine.save_checkpoint(os.path.join(out_dir, "ds_state"), tag="state")
-    state_id = write_state_id(out_dir, ranks.world()) if ranks.rank() == 0 else None
-    return ranks.broadcast(state_id)
+    state_id = write_state_id(out_dir, data_parallel.world()) if data_parallel.rank() == 0 else None
+    return data_parallel.broadcast(state_id)
 
 
 def cosine_lr(schedule: Schedule, base_lr: float, step: int) -> float:
@@ -80,7 +80,7 @@ def cosine_lr(schedule: Schedule, base_lr: float, step: int) -> float:
 
 def accumulation_steps(schedule: Schedule, micro_batch_size: int) -> int:
     """One rank's micro-steps per optimizer step."""
-    return ranks.accumulation_steps(schedule.batch_size, ranks.world(), micro_batch_size)
+    return data_parallel.accumulation_steps(schedule.batch_size, data_parallel.world(), micro_batch_size)
 
 
 def supervised_steps(schedule: Schedule, optimizer, base_lr: float, n: int, seed: int, micro_batch_size: int):
@@ -95,7 +95,7 @@ def supervised_steps(schedule: Schedule, optimizer, base_lr: float, n: int, seed
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = torch.randint(n, (bs,), generator=gen).tolist()
-        yield step, lr, batch, ranks.rank_micro_batches(batch, gas, ranks.world(), ranks.rank(), chunk)
+        yield step, lr, batch, data_parallel.rank_micro_batches(batch, gas, data_parallel.world(), data_parallel.rank(), chunk)
 
 
 class Progress:

@@ -4,7 +4,7 @@ one-process behaviour they must reproduce."""
 import pytest
 
 from tasks.engines.launch import WorkerError, hostfile_slots, rank_envs
-from tasks.engines.workers.ranks import accumulation_steps, rank_micro_batches
+from tasks.engines.workers.data_parallel import accumulation_steps, rank_micro_batches
 from tasks.stages.rollouts import shard_bounds
 
 
