@@ -120,14 +120,21 @@ def failed_rank(procs: list[subprocess.Popen]) -> int | None:
     return (signalled or failed or [None])[0]
 
 
-def failure_line(name: str, procs: list[subprocess.Popen], log: Path, what: str = "failed", rank: int | None = None) -> str:
-    """One line for a failed worker or server: the rank (`rank`, or the one failed_rank finds), its signal or last error
-    line, its log."""
-    r = rank if rank is not None else failed_rank(procs) or 0
+def failure_line(name: str, procs: list[subprocess.Popen], log: Path, r: int, what: str = "failed") -> str:
+    """One line for a failed worker or server: rank r (when there are several), its signal or last error line, its log."""
     code = procs[r].poll() if procs else None
     which = f" (rank {r} of {len(procs)})" if len(procs) > 1 else ""
     cause = f"killed by signal {-code}" if code is not None and code < 0 else last_error_line(rank_log(log, r))
     return f"{name} {what}{which}: {cause} [log: {rank_log(log, r)}]"
+
+
+def end_group(procs: list[subprocess.Popen]) -> int | None:
+    """After a failure: give the rest of the group a moment to fail too (so the rank found is the cause, not a peer that
+    lost its connection), find that rank, then kill every process left."""
+    time.sleep(0.5)
+    rank = failed_rank(procs)
+    kill_all(procs)
+    return rank
 
 
 def kill_all(procs: list[subprocess.Popen]) -> None:
@@ -162,7 +169,7 @@ def run_worker(module: str, request, scratch: Path, log: Path, env: dict | None 
                         [{**(env or {}), **e} for e in rank_envs(ranks, devices, hostfile)], hostfile)
     failed = follow_progress(log, procs)
     if failed is not None or not resp_path.exists():
-        raise WorkerError(failure_line(f"{name} worker", procs, log, rank=failed or 0))
+        raise WorkerError(failure_line(f"{name} worker", procs, log, failed or 0))
     return json.loads(resp_path.read_text())
 
 
@@ -173,11 +180,7 @@ def follow_progress(log: Path, procs: list[subprocess.Popen], poll: float = 1.0)
     with open(log, "rb") as f:
         f.seek(0, os.SEEK_END)
         while True:
-            failed = failed_rank(procs)
-            if failed is not None:
-                time.sleep(0.5)  # let the rest of the group fail too, so the cause is the one reported
-                failed = failed_rank(procs)
-                kill_all(procs)
+            failed = end_group(procs) if failed_rank(procs) is not None else None
             done = failed is not None or all(p.poll() is not None for p in procs)
             for line in f.read().decode(errors="replace").splitlines():
                 if line.startswith(PROGRESS_PREFIX):

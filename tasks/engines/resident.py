@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from schemas.requests import from_wire, to_wire
-from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, failure_line, kill_all, rank_envs, start_ranks
+from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, end_group, failure_line, rank_envs, start_ranks
 
 
 class ResidentProcess:
@@ -38,16 +38,11 @@ class ResidentProcess:
 
     def _died(self, what: str) -> WorkerError:
         """The group after one of its processes died or failed: all of them ended, the error names the rank that caused it."""
-        time.sleep(0.5)  # let the rest of the group fail too, so the cause is the one reported
-        line = failure_line(self.name, self.procs, self.log, what)
-        self._end_group()
-        return WorkerError(line)
-
-    def _end_group(self) -> None:
         if self.conn is not None:
             self.conn.close()
-        kill_all(self.procs)
+        line = failure_line(self.name, self.procs, self.log, end_group(self.procs) or 0, what)
         self.procs, self.conn = [], None
+        return WorkerError(line)
 
     def spawn(self, settings) -> None:
         """Start the server's processes without waiting for them. Call it from a thread that lives as long as they
@@ -101,7 +96,7 @@ class ResidentProcess:
         except (EOFError, OSError):
             raise self._died("server died") from None
         if "error" in resp:
-            if len(self.procs) > 1:  # the group ends on a failure (its ranks may be in different places); the next call restarts it
+            if self.ranks > 1:  # the group ends on a failure (its ranks may be in different places); the next call restarts it
                 raise self._died("failed")
             raise WorkerError(f"{self.name} failed: {resp['error']} [log: {self.log}]")
         return resp

@@ -24,6 +24,5 @@ class ResidentEngine(ResidentProcess):
 
 
 def resident_engine(key: str, log: Path, replica: int = 0, devices: list[int] | None = None) -> ResidentEngine:
-    """This process's vLLM replica number `replica` for `key` (a run id); replica r > 0 logs to `<log>-engine<r>.log`."""
-    log = log if replica == 0 else log.with_name(f"{log.stem}-engine{replica}{log.suffix}")
+    """This process's vLLM replica number `replica` for `key` (a run id), logging to `log`."""
     return resident(VLLM_SERVER, f"{key}#{replica}", lambda: ResidentEngine(log, devices))

@@ -51,7 +51,7 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
     r = ctx.cfg.rollout
     settings = VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed)
     shards = shard_bounds(prompts.height, r.engines)
-    devices = ctx.cfg.engines.rollout_devices
+    devices, tp = ctx.cfg.engines.rollout_devices, r.tensor_parallel_size
     calls = []
     for k, (start, end) in enumerate(shards):
         inp = scratch_file(ctx, f"{log_name}.prompts{k}.parquet")
@@ -59,15 +59,14 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
         outs = [scratch_file(ctx, f"{log_name}.out{i}-{k}.parquet") for i in range(len(jobs))]
         request = GenerateRequest(model_path, tuple(GenerationJob(str(inp), str(o), **{**j, "seed": j["seed"] + start})
                                                     for j, o in zip(jobs, outs)))
-        tp = r.tensor_parallel_size
-        engine = resident_engine(ctx.layout.run_id, ctx.layout.log_path("vllm"), k, devices[k * tp:(k + 1) * tp] if devices else None)
+        log = ctx.layout.log_path("vllm" if k == 0 else f"vllm-engine{k}")
+        engine = resident_engine(ctx.layout.run_id, log, k, devices[k * tp:(k + 1) * tp] if devices else None)
         if engine.conn is None:
             engine.spawn(settings)  # here, not in the pool's thread (see ResidentProcess.spawn); the replicas start at once
         calls.append((engine, request, inp, outs))
     with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own process: they generate at the same time
-        resps = list(pool.map(lambda c: c[0].generate(c[1], settings), calls))
-    gaps = [x["sync_logprob_gap"] for x in resps if x["sync_logprob_gap"] is not None]
-    gap, limit = (max(gaps) if gaps else None), r.max_sync_logprob_gap
+        resp = merge_engine_responses(list(pool.map(lambda c: c[0].generate(c[1], settings), calls)))
+    gap, limit = resp["sync_logprob_gap"], r.max_sync_logprob_gap
     if gap is not None and not gap <= limit:
         raise WorkerError(f"the sampler's weights do not match the trainer's: mean logprob gap {gap:.3g} on the "
                           f"probe sequences of {model_path} (rollout.max_sync_logprob_gap = {limit:g})")
@@ -79,7 +78,7 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
         for o in outs:
             o.unlink()
         inp.unlink()
-    return frames, merge_engine_responses(resps)
+    return frames, resp
 
 
 def merge_engine_responses(resps: list[dict]) -> dict:
