@@ -247,10 +247,14 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
 
 @pytest.fixture(scope="module")
 def one_iteration(tiny_sft):
-    """A one-iteration GRPO run on one trainer rank and one vLLM engine: the reference the scale-out runs are forked from."""
+    """A complete GRPO run (one trainer rank, one vLLM engine) whose iteration 1 the scale-out tests fork: the run that
+    test_sigkill_inside_each_stage_then_resume finishes, so no second base run is paid for; made here when that test
+    did not run."""
     workspace, cfg = tiny_sft
-    rlpipe("run", str(cfg), "--run-id", "scale-base", "--set", "rl.iterations=1", "--set", "rl.eval_every=100", cwd=workspace)
-    return workspace, RunLayout(workspace / "runs", "scale-base")
+    layout = RunLayout(workspace / "runs", "crashy")
+    if not layout.summary_path.exists():
+        rlpipe("run", str(cfg), "--run-id", "crashy", cwd=workspace)
+    return workspace, layout
 
 
 def max_weight_gap(a_dir, b_dir) -> float:
@@ -293,7 +297,8 @@ def test_zero3_over_two_ranks_resumes_after_one_rank_is_killed(one_iteration):
     env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT), "PREFECT_LOGGING_LEVEL": "WARNING",
            CRASH_ENV: "optimize:1:rank1"}
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "rerun", base.run_id, "--iteration", "1", "--stage", "optimize",
-                           "--set", "engines.train_ranks=2", "--set", "optim.zero_stage=3", "--fork", "zero3", "--root", root],
+                           "--set", "engines.train_ranks=2", "--set", "optim.zero_stage=3", "--fork", "zero3", "--root", root,
+                           "--set", "rl.iterations=1"],  # so that `resume` finishes iteration 1 and stops
                           cwd=workspace, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and "rank 1 of 2" in proc.stderr, proc.stderr[-2000:]
     fork = RunLayout(workspace / "runs", "zero3")
