@@ -17,6 +17,9 @@ os.environ.setdefault("PREFECT_HOME", str(Path.cwd() / ".prefect"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The temporary API must start while vLLM or DeepSpeed may hold both cores: Prefect's 20 s default is short.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+from flows.local_prefect import local_flow_settings, use_local_api_settings  # noqa: E402  (imports no Prefect)
+
+use_local_api_settings()  # the temporary API's in-memory database, before Prefect starts it
 
 from flows.deployments import DEMO_CONFIG  # noqa: E402  (imports prefect: after its settings above)
 
@@ -112,7 +115,8 @@ def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = type
         from flows.sft import sft_flow
 
         _stop_on_signals()
-        result = sft_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="sft", reconfigure=reconfigure))
+        with local_flow_settings():
+            result = sft_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="sft", reconfigure=reconfigure))
         console.print(f"sft checkpoint: {result['checkpoint']} (exported to {result['exported_to']})")
 
     _guard(run)
@@ -137,7 +141,13 @@ def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None
     from flows.deployments import prepare_checked_run
 
     _stop_on_signals()
-    _print_summary(flow_fn(run_id, prepare_checked_run(config, overrides, run_id, algo, flow, reconfigure)))
+    root = prepare_checked_run(config, overrides, run_id, algo, flow, reconfigure)
+    if flow == "rl":  # the engines load while Prefect starts its temporary API
+        from tasks.stages.start_engines import start_engines
+
+        start_engines(root, run_id)
+    with local_flow_settings():
+        _print_summary(flow_fn(run_id, root))
 
 
 @app.command("rm-train")
@@ -168,7 +178,8 @@ def demo(
     from flows.demo import run_demo
 
     _stop_on_signals()
-    summary = _guard(run_demo, DEMO_CONFIG, overrides or [], run_id, console)
+    with local_flow_settings():
+        summary = _guard(run_demo, DEMO_CONFIG, overrides or [], run_id, console)
     _print_summary(summary)
 
 
@@ -232,10 +243,13 @@ def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
         from flows.rl import rl_run
         from storage.lock import acquire_run_lock
         from tasks.stages.common import load_run
+        from tasks.stages.start_engines import start_engines
 
         _stop_on_signals()
         acquire_run_lock(load_run(root, run_id).layout, "resume")  # a missing run fails here, before a flow starts
-        _print_summary(rl_run(run_id, root))
+        start_engines(root, run_id)  # the engines load while Prefect starts its temporary API
+        with local_flow_settings():
+            _print_summary(rl_run(run_id, root))
 
     _guard(go)
 

@@ -20,6 +20,7 @@ from tasks.stages.prompts import prompts_task
 from tasks.stages.rollouts import release_engines_task, rollouts_task
 from tasks.stages.scores import scores_task
 from tasks.stages.sft import sft_data_task
+from tasks.stages.start_engines import start_engines
 from tasks.stages.summary import summary_task
 
 
@@ -48,6 +49,7 @@ def rl_iteration(run_id: str, iteration: int, storage_root: str = "runs") -> dic
 @flow(name="rl", flow_run_name="{run_id}")
 def rl_run(run_id: str, storage_root: str = "runs") -> dict:
     """Eval the starting model, run every iteration (eval every N and at the end), write summary.json."""
+    start_engines(storage_root, run_id)  # vLLM and the trainer load side by side (a no-op if the command started them)
     plan = plan_task(storage_root, run_id)
     n, every = plan["iterations"], plan["eval_every"]
     dataset_task(storage_root, run_id)

@@ -28,6 +28,9 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     # Keys that say where and how engines run, not what they compute: no stage fingerprint includes them.
     PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset()
+    # Keys added after runs existed: a fingerprint includes them only when they differ from their default, so a run
+    # that never set one keeps the fingerprints it was written with.
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset()
 
 
 def _as_list(value: Any) -> Any:
@@ -194,6 +197,8 @@ class RolloutConfig(Section):
     group_size: int = Field(8, ge=1, le=4096)
     prompts_per_round: int = Field(64, ge=1, le=1_000_000)
     max_tokens: int = Field(8, ge=1, le=1_048_576)
+    min_tokens: int = Field(0, ge=0, le=1_048_576, description="Tokens every response has before EOS or a stop token "
+                            "may end it (vLLM's min_tokens); 0: none.")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     kv_cache_gib: float = Field(1.0, gt=0, le=4096)  # vLLM-CPU's KV cache (GiB); on a GPU, gpu_memory_utilization sizes it
@@ -209,6 +214,13 @@ class RolloutConfig(Section):
     engines: int = Field(1, ge=1, le=1024, description="vLLM replicas, each its own resident process; prompts are shared among them.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM replica (vLLM's tensor parallelism).")
     PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset({"engines", "tensor_parallel_size"})
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"min_tokens"})
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "RolloutConfig":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"rollout.min_tokens={self.min_tokens} exceeds rollout.max_tokens={self.max_tokens}")
+        return self
 
 
 class BatchConfig(Section):
@@ -446,7 +458,10 @@ class RunConfig(Section):
 
 
 def _dump(section):
-    return section.model_dump(mode="json", exclude=set(section.PLACEMENT_KEYS)) if section is not None else None
+    if section is None:
+        return None
+    at_default = {k for k in section.HASHED_WHEN_SET if getattr(section, k) == type(section).model_fields[k].default}
+    return section.model_dump(mode="json", exclude=set(section.PLACEMENT_KEYS) | at_default)
 
 
 def _one_line(err: ValidationError) -> str:

@@ -45,6 +45,7 @@ class GenerationJob:
     seed: int
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)

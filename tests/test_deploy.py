@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 import yaml
 
+from flows.local_prefect import LOCAL_API_ENV
 from storage import RunLayout
 from tests.conftest import ROOT, tiny_config
 
@@ -69,10 +70,20 @@ def flow_run_message(api: str, name: str) -> str:
     return runs[0]["state"]["message"]
 
 
+def heartbeat_count(api: str) -> int:
+    """How many flow-run heartbeat events the server holds (local commands turn heartbeats off; deployed runs keep them)."""
+    body = json.dumps({"filter": {"event": {"name": ["prefect.flow-run.heartbeat"]}}, "limit": 50}).encode()
+    request = urllib.request.Request(f"{api}/events/filter", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return len(json.loads(resp.read())["events"])
+
+
 def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
     cfg = tiny_config(tmp_path)
     api = f"http://127.0.0.1:{free_port()}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api, "PYTHONPATH": str(ROOT),
+    # A real server keeps Prefect's defaults (this process may have set the local commands' settings).
+    inherited = {k: v for k, v in os.environ.items() if k not in LOCAL_API_ENV}
+    env = {**inherited, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api, "PYTHONPATH": str(ROOT),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_LOGGING_LEVEL": "WARNING"}
     host, port = api.removeprefix("http://").removesuffix("/api").split(":")
     started = []
@@ -111,6 +122,7 @@ def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
         bad = deployment_run(env, tmp_path, "rlpipe-rl/rl", cfg, "deployed-bad", ["rollout.group_sizee=4"])
         assert bad.returncode == 1 and "Failed" in bad.stdout
         assert "rollout.group_sizee: unknown key" in flow_run_message(api, "deployed-bad")
+        assert heartbeat_count(api) >= 1
     finally:
         for proc in reversed(started):
             stop(proc)

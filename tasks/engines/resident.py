@@ -102,7 +102,8 @@ class ResidentProcess:
         return resp
 
     def close(self) -> None:
-        if self.conn is not None:
+        connected = self.conn is not None
+        if connected:
             try:
                 self.conn.send({"shutdown": True})
                 self.conn.recv()
@@ -111,6 +112,8 @@ class ResidentProcess:
             self.conn.close()
             self.conn = None
         for proc in self.procs:
+            if not connected:  # spawned early and never asked anything: no shutdown message reaches it
+                proc.kill()
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

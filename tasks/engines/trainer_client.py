@@ -19,8 +19,11 @@ def call_trainer(ctx: RunContext, request: LogprobsRequest | UpdateRequest, log_
     if not e.resident_trainer:
         return run_worker(ONE_SHOT_MODULES[type(request)], request, ctx.layout.scratch_dir, ctx.layout.log_path(log_name),
                           ranks=e.train_ranks, devices=e.trainer_devices, hostfile=e.hostfile)
-    log = ctx.layout.log_path("trainer")
-    server = resident(TRAINER_SERVER, ctx.layout.run_id,
-                      lambda: ResidentProcess(TRAINER_SERVER, log, ranks=e.train_ranks, devices=e.trainer_devices,
-                                                      hostfile=e.hostfile))
-    return server.call(request, label=log_name)
+    return resident_trainer(ctx).call(request, label=log_name)
+
+
+def resident_trainer(ctx: RunContext) -> ResidentProcess:
+    """This process's resident trainer for the run (started by its first request, or earlier by `spawn`)."""
+    e, log = ctx.cfg.engines, ctx.layout.log_path("trainer")
+    return resident(TRAINER_SERVER, ctx.layout.run_id,
+                    lambda: ResidentProcess(TRAINER_SERVER, log, ranks=e.train_ranks, devices=e.trainer_devices, hostfile=e.hostfile))

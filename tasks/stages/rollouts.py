@@ -26,7 +26,7 @@ def sampling_job(ctx: RunContext, n: int, temperature: float, seed: int, top_p: 
     by `generate`)."""
     r = ctx.cfg.rollout
     return {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": r.max_tokens, "seed": seed,
-            "stop": tuple(r.stop), "stop_token_ids": tuple(r.stop_token_ids)}
+            "stop": tuple(r.stop), "stop_token_ids": tuple(r.stop_token_ids), "min_tokens": r.min_tokens}
 
 
 def shard_bounds(rows: int, shards: int) -> list[tuple[int, int]]:
@@ -48,25 +48,19 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
     With `rollout.engines` replicas the prompts are cut into contiguous shards, one per replica, generated
     concurrently; prompt i of the whole file keeps the per-request seed `job seed + i` whichever replica samples
     it, so the table does not depend on the number of replicas."""
-    r = ctx.cfg.rollout
-    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed)
-    shards = shard_bounds(prompts.height, r.engines)
-    devices, tp = ctx.cfg.engines.rollout_devices, r.tensor_parallel_size
+    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, ctx.cfg.rollout, ctx.cfg.seed)
+    engines = start_rollout_engines(ctx, model_path)
     calls = []
-    for k, (start, end) in enumerate(shards):
+    for k, (start, end) in enumerate(shard_bounds(prompts.height, len(engines))):
         inp = scratch_file(ctx, f"{log_name}.prompts{k}.parquet")
         prompts.slice(start, end - start).select("prompt_id", "prompt_token_ids").write_parquet(inp)
         outs = [scratch_file(ctx, f"{log_name}.out{i}-{k}.parquet") for i in range(len(jobs))]
         request = GenerateRequest(model_path, tuple(GenerationJob(str(inp), str(o), **{**j, "seed": j["seed"] + start})
                                                     for j, o in zip(jobs, outs)))
-        log = ctx.layout.log_path("vllm" if k == 0 else f"vllm-engine{k}")
-        engine = resident_engine(ctx.layout.run_id, log, k, devices[k * tp:(k + 1) * tp] if devices else None)
-        if engine.conn is None:
-            engine.spawn(settings)  # here, not in the pool's thread (see ResidentProcess.spawn); the replicas start at once
-        calls.append((engine, request, inp, outs))
+        calls.append((engines[k], request, inp, outs))
     with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own process: they generate at the same time
         resp = merge_engine_responses(list(pool.map(lambda c: c[0].generate(c[1], settings), calls)))
-    gap, limit = resp["sync_logprob_gap"], r.max_sync_logprob_gap
+    gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
     if gap is not None and not gap <= limit:
         raise WorkerError(f"the sampler's weights do not match the trainer's: mean logprob gap {gap:.3g} on the "
                           f"probe sequences of {model_path} (rollout.max_sync_logprob_gap = {limit:g})")
@@ -79,6 +73,23 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
             o.unlink()
         inp.unlink()
     return frames, resp
+
+
+def start_rollout_engines(ctx: RunContext, model_path: str) -> list:
+    """The run's `rollout.engines` vLLM replicas, each spawned (without waiting) unless it runs already, starting from
+    `model_path` (a replica syncs in place to whatever weights a request names). Call it from the thread that lives as
+    long as they should (see ResidentProcess.spawn): the replicas then start at once."""
+    r = ctx.cfg.rollout
+    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed)
+    devices, tp = ctx.cfg.engines.rollout_devices, r.tensor_parallel_size
+    engines = []
+    for k in range(r.engines):
+        log = ctx.layout.log_path("vllm" if k == 0 else f"vllm-engine{k}")
+        engine = resident_engine(ctx.layout.run_id, log, k, devices[k * tp:(k + 1) * tp] if devices else None)
+        if engine.conn is None:
+            engine.spawn(settings)
+        engines.append(engine)
+    return engines
 
 
 def merge_engine_responses(resps: list[dict]) -> dict:
