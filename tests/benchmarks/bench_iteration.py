@@ -6,8 +6,9 @@ The demo config (GRPO, 64 groups × 8 samples, 8 optimizer steps) from the demo'
 iteration as Prefect flow runs, twice: with the resident trainer (rlpipe's default) and with a worker process per
 logprobs and optimize stage that loads everything from disk (`engines.resident_trainer=false`, the restart
 figure). The vLLM engine is resident in both. Iteration 1 pays the one-off starts (Prefect's API, vLLM,
-DeepSpeed's op build) and is not counted; the figure is over the iterations after it. It also times a flow run of
-no-op tasks, Prefect's own floor per iteration (printed beside the fraction).
+DeepSpeed's op build) and is not counted; the figure is over the iterations after it. The `prefect_floor` row is
+Prefect's own floor per iteration, a flow run of no-op tasks (tests/benchmarks/prefect_floor.py), with rlpipe's local
+settings against Prefect's defaults.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import time
 from pathlib import Path
 
 import polars as pl
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+
+from tests.benchmarks import prefect_floor
 
 DEMO_CONFIG = "infra/configs/demo.yaml"
 ITERATIONS = 5  # 1 warm-up + 4 measured
@@ -64,27 +65,6 @@ def iteration_profile(resident: bool) -> pl.DataFrame:
     return pl.DataFrame(rows)
 
 
-@task(name="no-op", cache_policy=NO_CACHE)
-def _no_op(i: int) -> int:
-    return i
-
-
-@flow(name="no-op-iteration")
-def _no_op_iteration(tasks: int) -> None:
-    for i in range(tasks):
-        _no_op(i)
-
-
-def prefect_floor(tasks: int = 8, runs: int = 4) -> float:
-    """Mean wall seconds of a flow run of `tasks` no-op tasks (as many as a one-round iteration has): what
-    Prefect alone costs per iteration on this API, the part of the overhead no stage code can remove."""
-    _no_op_iteration(tasks)  # the first run pays the client's start
-    t0 = time.perf_counter()
-    for _ in range(runs):
-        _no_op_iteration(tasks)
-    return (time.perf_counter() - t0) / runs
-
-
 def overhead_fraction(profile: pl.DataFrame) -> float:
     engine = profile.select(pl.sum_horizontal(*ENGINE_SECONDS).sum()).item()
     return 1.0 - engine / profile["wall"].sum()
@@ -97,10 +77,13 @@ def run() -> list[dict]:
         print(f"iteration profile, {mode} trainer (seconds):")
         print(profile.mean().drop("iteration").transpose(include_header=True, column_names=["mean"]))
     resident, restarts = (overhead_fraction(profiles[m]) for m in ("resident", "one-shot"))
-    floor, wall = prefect_floor(), profiles["resident"]["wall"].mean()
-    print(f"Prefect's own cost: {floor:.2f}s per flow run of 8 no-op tasks = {floor / wall:.2f} of a resident "
-          f"iteration ({wall:.2f}s); overhead fraction {resident:.2f}")
+    defaults, floor = prefect_floor.measure(defaults=True), prefect_floor.measure(defaults=False)
+    wall = profiles["resident"]["wall"].mean()
+    print(f"Prefect's own cost: {floor:.3f}s per flow run of 8 no-op tasks (Prefect's defaults: {defaults:.3f}s) = "
+          f"{floor / wall:.3f} of a resident iteration ({wall:.2f}s); overhead fraction {resident:.2f}")
     # The ratio of this benchmark is the overhead fraction itself (lower is better), not an advantage.
     return [{"benchmark": "iteration_overhead", "baseline": "one-shot trainer workers (restart per stage)",
              "baseline_value": restarts, "rlpipe_value": resident, "unit": "fraction of iteration wall",
-             "ratio": resident}]
+             "ratio": resident},
+            {"benchmark": "prefect_floor", "baseline": "Prefect's defaults (database file, heartbeats)", "baseline_value": defaults,
+             "rlpipe_value": floor, "unit": "seconds per flow run of 8 no-op tasks", "ratio": defaults / floor}]

@@ -14,21 +14,23 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-import flows.cli  # noqa: F401  (first: Prefect's home and start-up timeout, as the rlpipe command sets them)
+import flows.cli  # noqa: F401  (first: Prefect's home, start-up timeout and local API database, as the rlpipe command sets them)
+from flows.local_prefect import local_flow_settings
 from schemas.tables import BENCH_RESULTS
 from storage.stage_io import write_bytes_atomic
-from tests.benchmarks import bench_advantages, bench_iteration, bench_rollout, bench_trl
+from tests.benchmarks import bench_advantages, bench_iteration, bench_long, bench_rollout, bench_trl
 
 RESULTS = Path("runs/bench/results.parquet")
 SUITES = {"rollout": bench_rollout.run, "advantages": bench_advantages.run, "iteration": bench_iteration.run,
-          "e2e_vs_trl": bench_trl.run}
+          "e2e_vs_trl": bench_trl.run, "e2e_long": bench_long.run}
 
 
 def main(prefixes: list[str]) -> None:
     rows = []
     for name, suite in SUITES.items():
         if not prefixes or any(name.startswith(p) for p in prefixes):
-            rows += suite()
+            with local_flow_settings():  # as the rlpipe command runs its flows
+                rows += suite()
     table = BENCH_RESULTS.validate(pl.DataFrame(rows, schema=BENCH_RESULTS.polars))
     if prefixes and RESULTS.exists():  # a partial run replaces its own rows and keeps the others
         kept = pl.read_parquet(RESULTS).join(table.select("benchmark"), on="benchmark", how="anti")

@@ -1,0 +1,52 @@
+"""End to end against TRL where generation dominates (`make bench ARGS=e2e_long`): infra/configs/bench_long.yaml, the
+long_addition prompts with the ~20M-parameter bench Llama and responses forced past 128 tokens (rollout.min_tokens;
+TRL: min_new_tokens), 16 prompts × 8 a round, 1 epoch × 2 minibatches, k3 KL in the loss, with the settings
+tests/benchmarks/trl_match.py matches. The model comes straight from its recipe: it has not learned the task, and
+both sides start from the same weights, so this measures throughput, not learning.
+
+Rows: e2e_long_vs_trl (samples/s; also generated tokens/s), startup_seconds (each side's one-off cost: the first
+round's wall minus the median of the later rounds'; ratio rlpipe's / TRL's) and iteration_overhead_long (the
+fraction of rlpipe's iterations after the first spent outside generation and forward/backward passes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.benchmarks import result_row
+from tests.benchmarks.trl_match import rlpipe_training, trl_training
+
+CONFIG = "infra/configs/bench_long.yaml"
+ITERATIONS = 6
+BASELINE = "TRL 1.16.0 GRPOTrainer (CPU)"
+
+
+def ensure_bench_model() -> None:
+    from schemas.config import load_config
+    from tasks.data.example_tasks import ensure_task_files
+    from tasks.data.model_recipe import init_model
+
+    cfg = load_config(CONFIG)
+    ensure_task_files(cfg.task)
+    init_model(cfg.model.recipe, cfg.model.base_path)
+
+
+def run() -> list[dict]:
+    from schemas.config import load_config
+
+    ensure_bench_model()
+    root = Path(load_config(CONFIG).storage_root)
+    rl = rlpipe_training(CONFIG, [], "rlpipe", ITERATIONS)
+    trl = trl_training(CONFIG, [], root / "trl-model", ITERATIONS)
+    for name, side in (("rlpipe", rl), ("TRL", trl)):
+        print(f"e2e_long {name}: {side.samples} samples, {side.tokens} generated tokens ({side.tokens / side.samples:.1f} a "
+              f"response) in {side.wall:.1f}s = {side.samples / side.wall:.2f} samples/s, {side.tokens / side.wall:.0f} tokens/s; "
+              f"start-up {side.startup:.1f}s; round ends {[round(t, 1) for t in side.round_ends]}")
+    print("e2e_long: the model has not learned the task (random weights from its recipe); both sides start from it.")
+    return [result_row("e2e_long_vs_trl", BASELINE, trl.samples / trl.wall, rl.samples / rl.wall, "samples/s"),
+            result_row("e2e_long_tokens_vs_trl", BASELINE, trl.tokens / trl.wall, rl.tokens / rl.wall, "generated tokens/s"),
+            # These two rows' ratio is rlpipe's own figure against its target (lower is better), not an advantage.
+            {"benchmark": "startup_seconds", "baseline": BASELINE, "baseline_value": trl.startup, "rlpipe_value": rl.startup,
+             "unit": "seconds (ratio: rlpipe's / TRL's)", "ratio": rl.startup / trl.startup},
+            {"benchmark": "iteration_overhead_long", "baseline": "target", "baseline_value": 0.15, "rlpipe_value": rl.overhead,
+             "unit": "fraction of iteration wall", "ratio": rl.overhead}]

@@ -1,0 +1,140 @@
+"""rlpipe's GRPO and TRL's GRPOTrainer (trl==1.16.0, CPU, HF generate) on the same config, for the end-to-end suites.
+
+Matched settings, all read from the rlpipe config: the task's train prompts, G, prompts per round, max_tokens and
+min_tokens, temperature 1, lr with linear warmup then constant, AdamW (0.9, 0.999) without weight decay, grad clip 1,
+clip ε, k3 KL to the starting model with β in the loss, the loss aggregation (`--algo grpo`'s seq-mean-token-mean is
+TRL's "grpo", token-mean its "dapo"), group-normalised advantages, epochs × minibatches optimizer steps per round, and the config's reward functions
+(rlpipe's built-ins, same weights and kwargs) on both sides. Every group is trained (rlpipe's dynamic filtering off,
+as TRL has none). Both sides are timed over their whole training, start-up included (rlpipe: Prefect's API, vLLM and
+the DeepSpeed trainer; TRL: loading the policy and the reference), and per round, so that start-up can be read as
+the first round's excess over the later rounds' median.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+
+from tests.benchmarks.bench_iteration import ENGINE_SECONDS
+
+
+@dataclass
+class Training:
+    """One side's training: wall seconds from the start, samples and generated tokens trained, the final model, and
+    the wall clock (from the start) at the end of each round."""
+
+    wall: float
+    samples: int
+    tokens: int
+    model: str
+    round_ends: list[float] = field(default_factory=list)
+    engine_seconds: list[float] = field(default_factory=list)  # rlpipe: per round, generation and forward/backward passes
+
+    @property
+    def startup(self) -> float:
+        """The one-off cost: the first round's wall minus the median of the later rounds'."""
+        rounds = [b - a for a, b in zip(self.round_ends, self.round_ends[1:])]
+        return self.round_ends[0] - statistics.median(rounds)
+
+    @property
+    def overhead(self) -> float:
+        """The fraction of the rounds after the first spent outside generation and forward/backward passes."""
+        rounds = [b - a for a, b in zip(self.round_ends, self.round_ends[1:])]
+        return 1.0 - sum(self.engine_seconds[1:]) / sum(rounds)
+
+
+def rlpipe_training(config: str, overrides: list[str], run_id: str, iterations: int) -> Training:
+    """`rlpipe --algo grpo` on `config`, iteration by iteration as the rlpipe command runs them (one flow run each)."""
+    from flows.deployments import prepare_checked_run
+    from flows.rl import rl_iteration
+    from schemas.config import load_config
+    from storage import RunLayout, read_stage
+    from tasks.engines.resident import close_all
+    from tasks.stages.start_engines import start_engines
+
+    root = load_config(config, overrides).storage_root
+    shutil.rmtree(Path(root) / run_id, ignore_errors=True)
+    t0 = time.perf_counter()
+    root = prepare_checked_run(config, [*overrides, f"rl.iterations={iterations}"], run_id, "grpo")
+    ends = []
+    try:
+        start_engines(root, run_id)  # as `rlpipe run` does
+        for k in range(1, iterations + 1):
+            rl_iteration(run_id, k, root)
+            ends.append(time.perf_counter() - t0)
+    finally:
+        close_all()
+    layout = RunLayout(Path(root), run_id)
+    samples = sum(int(read_stage(layout, "train_metrics", k)["samples"][0]) for k in range(1, iterations + 1))
+    tokens = sum(int(read_stage(layout, "rollouts", k)["length"].sum()) for k in range(1, iterations + 1))
+    engine = [sum(read_stage(layout, "train_metrics", k)[c][0] for c in ENGINE_SECONDS) for k in range(1, iterations + 1)]
+    return Training(ends[-1], samples, tokens, str(layout.checkpoint_dir(iterations)), ends, engine)
+
+
+def trl_training(config: str, overrides: list[str], out: Path, iterations: int) -> Training:
+    """TRL's GRPOTrainer with the config's settings (see the module docstring), from the config's model.path."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from schemas.config import load_config
+    from tasks.data.example_tasks import ensure_task_files
+    from tasks.rewards import BUILTIN_REWARDS
+
+    cfg = load_config(config, overrides, "grpo")
+    train = pl.read_parquet(ensure_task_files(cfg.task)["train"])
+    r, o, kl = cfg.rollout, cfg.optim, cfg.kl
+    assert cfg.advantage.estimator == "grpo" and kl.placement == "loss" and kl.estimator == "k3" and not o.weight_decay
+    loss_type = {"seq-mean-token-mean": "grpo", "token-mean": "dapo"}[cfg.loss.aggregation]
+    shutil.rmtree(out, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    eos, generated = tokenizer.eos_token_id, {"tokens": 0}
+
+    def reward_func(name, fn_cfg):
+        fn = BUILTIN_REWARDS.get(name)
+
+        def score(prompts, completions, completion_ids, answer, **_):
+            if name == next(iter(cfg.reward.functions)):  # once per generation batch
+                generated["tokens"] += sum(len(ids) for ids in completion_ids)
+            # rlpipe's arguments: "stop" only when it emitted EOS; the response's length and the limit
+            return [fn(response=c, ground_truth=a, finish_reason="stop" if eos in ids else "length", length=len(ids),
+                       max_tokens=r.max_tokens, **fn_cfg.kwargs) for c, a, ids in zip(completions, answer, completion_ids)]
+
+        score.__name__ = name
+        return score
+
+    class RoundClock(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_step_end(self, args, state, control, **_):
+            if state.global_step % (o.minibatches * o.ppo_epochs) == 0:
+                self.ends.append(time.perf_counter() - t0)
+
+    samples_per_round = r.prompts_per_round * r.group_size
+    args = GRPOConfig(
+        output_dir=str(out.parent / f"{out.name}-trainer"), use_cpu=True, seed=cfg.seed, report_to="none", save_strategy="no",
+        logging_steps=o.minibatches * o.ppo_epochs, learning_rate=o.lr, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=o.warmup_steps, weight_decay=0.0, max_grad_norm=o.grad_clip, per_device_train_batch_size=samples_per_round // o.minibatches,
+        gradient_accumulation_steps=1, steps_per_generation=o.minibatches, num_iterations=o.ppo_epochs, num_generations=r.group_size,
+        max_completion_length=r.max_tokens, generation_kwargs={"min_new_tokens": r.min_tokens} if r.min_tokens else None,
+        temperature=r.temperature, top_p=r.top_p, top_k=0, beta=kl.beta, epsilon=cfg.loss.clip_eps_low, epsilon_high=cfg.loss.clip_eps_high,
+        loss_type=loss_type, scale_rewards="group", max_steps=iterations * o.minibatches * o.ppo_epochs,
+        reward_weights=[f.weight for f in cfg.reward.functions.values()], remove_unused_columns=False, bf16=False,
+        dataloader_num_workers=0,
+    )
+    dataset = Dataset.from_dict({"prompt": train["prompt"].to_list(), "answer": train["answer"].to_list()})
+    clock = RoundClock()
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=[reward_func(n, f) for n, f in cfg.reward.functions.items()],
+                          args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    wall = time.perf_counter() - t0
+    trainer.save_model(str(out))
+    tokenizer.save_pretrained(out)
+    return Training(wall, iterations * samples_per_round, generated["tokens"], str(out), clock.ends)
