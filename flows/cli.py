@@ -53,7 +53,7 @@ def _stop_on_signals() -> None:
     the same signal may already have stopped (minutes of retries). Stopping hard is safe: every stage writes
     atomically with its manifest last, and the same command resumes from the last complete stage. A reaper process
     (tasks/engines/reaper.py) kills whatever this command started even when it is SIGKILLed."""
-    from tasks.engines.reaper import start_reaper
+    from tasks.engines.reaper import start_reaper, sweep
 
     start_reaper()
 
@@ -68,6 +68,7 @@ def _stop_on_signals() -> None:
                 child.kill()
             except psutil.Error:
                 pass
+        sweep(os.getpid())  # what the reaper (killed above) would do: marked grandchildren, and the servers' sockets
         os._exit(128 + signum)
 
     signal.signal(signal.SIGINT, stop)

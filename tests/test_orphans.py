@@ -1,6 +1,6 @@
 """No process outlives its `rlpipe run`: after a SIGKILL of the command alone (not its process group), and after a
-SIGTERM, no process it started survives (vLLM's server, EngineCore and workers, the trainer, reward workers, Prefect's
-temporary API server) and no socket is left; SIGTERM exits promptly with one line."""
+SIGTERM, no process it started survives (vLLM's server, with its EngineCore and workers where it runs them as processes,
+the trainer, reward workers, Prefect's temporary API server) and no socket is left; SIGTERM exits promptly with one line."""
 
 import glob
 import os
@@ -35,14 +35,16 @@ def start_run(workspace, cfg, run_id: str) -> subprocess.Popen:
 
 
 def engines_running(proc: subprocess.Popen, timeout: float = 300) -> list[psutil.Process]:
-    """Wait until vLLM's EngineCore runs under the command; return every process it started so far."""
+    """Wait until the vLLM server under the command has started its engine (it opens its socket after that; on CPU
+    the engine runs inside the server's process); return every process the command started so far."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, proc.stderr.read()[-2000:]
-        children = psutil.Process(proc.pid).children(recursive=True)
-        if any("EngineCore" in " ".join(c.cmdline() + [c.name()]) for c in _alive(children)):
+        if glob.glob(os.path.join(tempfile.gettempdir(), f"vllm_generate-{proc.pid}-*.sock")):
+            children = psutil.Process(proc.pid).children(recursive=True)
+            assert any("vllm_generate" in " ".join(c.cmdline()) for c in _alive(children))
             return children
-        time.sleep(1)
+        time.sleep(0.2)
     raise AssertionError("the vLLM engine did not start")
 
 
