@@ -143,7 +143,7 @@ def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None
 
     _stop_on_signals()
     root = prepare_checked_run(config, overrides, run_id, algo, flow, reconfigure)
-    if flow == "rl":  # the engines load while Prefect starts its temporary API
+    if flow == "rl":  # vLLM loads while Prefect starts its temporary API
         from tasks.stages.start_engines import start_engines
 
         start_engines(root, run_id)
@@ -248,7 +248,7 @@ def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
 
         _stop_on_signals()
         acquire_run_lock(load_run(root, run_id).layout, "resume")  # a missing run fails here, before a flow starts
-        start_engines(root, run_id)  # the engines load while Prefect starts its temporary API
+        start_engines(root, run_id)  # vLLM loads while Prefect starts its temporary API
         with local_flow_settings():
             _print_summary(rl_run(run_id, root))
 
