@@ -13,10 +13,8 @@ settings against Prefect's defaults.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import polars as pl
@@ -39,28 +37,16 @@ def ensure_demo_model() -> None:
 
 def iteration_profile(resident: bool) -> pl.DataFrame:
     """Per measured iteration: wall seconds (the flow run, measured here) and engine seconds (from train_metrics)."""
-    from flows.deployments import prepare_checked_run
-    from flows.rl import rl_iteration
-    from storage import RunLayout, read_stage
-    from tasks.engines.resident import close_all
+    from storage import read_stage
+    from tests.benchmarks.trl_match import run_iterations
 
     run_id = "resident" if resident else "one-shot"
-    shutil.rmtree(ROOT / run_id, ignore_errors=True)
-    root = prepare_checked_run(DEMO_CONFIG, [f"storage_root={ROOT}", f"rl.iterations={ITERATIONS}",
-                                             f"engines.resident_trainer={str(resident).lower()}"], run_id)
-    walls = {}
-    try:
-        for k in range(1, ITERATIONS + 1):
-            t0 = time.perf_counter()
-            rl_iteration(run_id, k, root)
-            walls[k] = time.perf_counter() - t0
-    finally:
-        close_all()
-    layout = RunLayout(Path(root), run_id)
+    layout, ends = run_iterations(DEMO_CONFIG, [f"storage_root={ROOT}", f"engines.resident_trainer={str(resident).lower()}"],
+                                  run_id, ITERATIONS)
     rows = []
     for k in range(2, ITERATIONS + 1):
         m = read_stage(layout, "train_metrics", k).row(0, named=True)
-        rows.append({"iteration": k, "wall": walls[k], **{c: m[c] for c in ENGINE_SECONDS},
+        rows.append({"iteration": k, "wall": ends[k - 1] - ends[k - 2], **{c: m[c] for c in ENGINE_SECONDS},
                      **{c: m[c] for c in m if c.startswith("seconds_") and c not in ENGINE_SECONDS}})
     return pl.DataFrame(rows)
 

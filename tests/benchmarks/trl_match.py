@@ -48,32 +48,39 @@ class Training:
         return 1.0 - sum(self.engine_seconds[1:]) / sum(rounds)
 
 
-def rlpipe_training(config: str, overrides: list[str], run_id: str, iterations: int) -> Training:
-    """`rlpipe --algo grpo` on `config`, iteration by iteration as the rlpipe command runs them (one flow run each)."""
+def run_iterations(config: str, overrides: list[str], run_id: str, iterations: int, algo: str | None = None):
+    """(layout, ends): a fresh run of `config` iterated as the rlpipe command runs it (engines started early, one flow
+    run per iteration), and the wall clock from its start (preflight included) at the end of each iteration."""
     from flows.deployments import prepare_checked_run
     from flows.rl import rl_iteration
     from schemas.config import load_config
-    from storage import RunLayout, read_stage
+    from storage import RunLayout
     from tasks.engines.resident import close_all
     from tasks.stages.start_engines import start_engines
 
-    root = load_config(config, overrides).storage_root
-    shutil.rmtree(Path(root) / run_id, ignore_errors=True)
+    shutil.rmtree(Path(load_config(config, overrides, algo).storage_root) / run_id, ignore_errors=True)
     t0 = time.perf_counter()
-    root = prepare_checked_run(config, [*overrides, f"rl.iterations={iterations}"], run_id, "grpo")
+    root = prepare_checked_run(config, [*overrides, f"rl.iterations={iterations}"], run_id, algo)
     ends = []
     try:
-        start_engines(root, run_id)  # as `rlpipe run` does
+        start_engines(root, run_id)
         for k in range(1, iterations + 1):
             rl_iteration(run_id, k, root)
             ends.append(time.perf_counter() - t0)
     finally:
         close_all()
-    layout = RunLayout(Path(root), run_id)
-    samples = sum(int(read_stage(layout, "train_metrics", k)["samples"][0]) for k in range(1, iterations + 1))
+    return RunLayout(Path(root), run_id), ends
+
+
+def rlpipe_training(config: str, overrides: list[str], run_id: str, iterations: int) -> Training:
+    """`rlpipe --algo grpo` on `config`, iteration by iteration as the rlpipe command runs them (one flow run each)."""
+    from storage import read_stage
+
+    layout, ends = run_iterations(config, overrides, run_id, iterations, "grpo")
+    metrics = [read_stage(layout, "train_metrics", k).row(0, named=True) for k in range(1, iterations + 1)]
     tokens = sum(int(read_stage(layout, "rollouts", k)["length"].sum()) for k in range(1, iterations + 1))
-    engine = [sum(read_stage(layout, "train_metrics", k)[c][0] for c in ENGINE_SECONDS) for k in range(1, iterations + 1)]
-    return Training(ends[-1], samples, tokens, str(layout.checkpoint_dir(iterations)), ends, engine)
+    return Training(ends[-1], sum(int(m["samples"]) for m in metrics), tokens, str(layout.checkpoint_dir(iterations)), ends,
+                    [sum(m[c] for c in ENGINE_SECONDS) for m in metrics])
 
 
 def trl_training(config: str, overrides: list[str], out: Path, iterations: int) -> Training:
