@@ -19,7 +19,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 from flows.local_prefect import local_flow_settings, use_local_api_settings  # noqa: E402  (imports no Prefect)
 
-use_local_api_settings()  # the temporary API's in-memory database, before Prefect starts it
+use_local_api_settings()  # the temporary API's settings and database, before Prefect starts it
 
 from flows.deployments import DEMO_CONFIG  # noqa: E402  (imports prefect: after its settings above)
 
@@ -142,11 +142,7 @@ def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None
     from flows.deployments import prepare_checked_run
 
     _stop_on_signals()
-    root = prepare_checked_run(config, overrides, run_id, algo, flow, reconfigure)
-    if flow == "rl":  # vLLM loads while Prefect starts its temporary API
-        from tasks.stages.start_engines import start_engines
-
-        start_engines(root, run_id)
+    root = prepare_checked_run(config, overrides, run_id, algo, flow, reconfigure)  # an RL run's engines start loading here
     with local_flow_settings():
         _print_summary(flow_fn(run_id, root))
 
@@ -248,7 +244,7 @@ def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
 
         _stop_on_signals()
         acquire_run_lock(load_run(root, run_id).layout, "resume")  # a missing run fails here, before a flow starts
-        start_engines(root, run_id)  # vLLM loads while Prefect starts its temporary API
+        start_engines(root, run_id)  # the engines load while Prefect starts its temporary API
         with local_flow_settings():
             _print_summary(rl_run(run_id, root))
 

@@ -3,15 +3,18 @@
 Some settings differ there from Prefect's defaults, all for the orchestration floor paid on every iteration (one
 flow run each; README "Benchmarks"). Deployed runs (PREFECT_API_URL set, a worker starts them) keep the defaults.
 
-- The temporary API keeps its state in an in-memory SQLite database. Prefect serves an in-memory database through
-  one pooled connection, so the API's writers take turns. On the default database file each request and each
-  server service has its own connection, and creating a flow run, which reads and then writes in one deferred
-  transaction, failed at once with "database is locked" whenever the task-run recorder had committed the previous
-  flow run's task-run events in between: SQLite cannot turn a read snapshot that another writer has moved past into
-  a write, so its busy timeout never applies. The server answered 503 and the client retried after about 2 s.
 - The API's task-run recorder and event persister are off: they write every task's state events (three per task)
-  into tables that only a UI or an automation reads, and nothing can read them once the command ends and its
-  in-memory state with it. Their writes were the ones still in flight when the next flow run was created.
+  into tables that only a UI or an automation reads, and nothing reads them once the command ends. Their writes
+  were what made creating a flow run fail with "database is locked": creating one reads and then writes in one
+  deferred transaction, and whenever the recorder had committed the previous flow run's events in between, SQLite
+  could not turn the read snapshot into a write, so its busy timeout never applied. The server answered 503 and the
+  client retried after about 2 s.
+- Each command's API gets its own database file, a copy of one made once per machine and Prefect version
+  (`api_database_template`, under ~/.cache/rlpipe): a fresh database runs Prefect's ~200 schema migrations first,
+  about 9 s of every start (an in-memory database paid them on every command), and a shared one grows with every
+  flow run ever made and is written by every command at once. The copy is removed when the command ends (by the
+  reaper if it is killed).
+- Block types are not registered at the API's start (nothing rlpipe runs uses blocks).
 - No flow-run heartbeats (`local_flow_settings`). They feed a server's detection of runs whose process died,
   which only a deployment uses; with them on, every flow run ends by joining the heartbeat thread, which sleeps in
   1 s steps (0.85 s per flow run measured). That delay was also what had kept the recorder's writes out of the
@@ -22,16 +25,71 @@ The run's own record is its Parquet stages, manifests and logs, as for every run
 
 from __future__ import annotations
 
+import atexit
+import fcntl
 import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
 from contextlib import contextmanager
+from importlib.metadata import version
+from pathlib import Path
 from typing import Iterator
 
-# For the temporary API's process (it is started with this process's environment).
+DATABASE_URL = "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+# For the temporary API's process (it is started with this process's environment); the database URL is set per command.
 LOCAL_API_ENV = {
-    "PREFECT_SERVER_DATABASE_CONNECTION_URL": "sqlite+aiosqlite:///:memory:",
+    DATABASE_URL: None,
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED": "false",
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
+    "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
 }
+DATABASE_OWNER = "RLPIPE_PREFECT_DATABASE_OWNER"  # the pid whose copy DATABASE_URL names (children make their own)
+API_DATABASE_PREFIX = "rlpipe-prefect-api"  # the copies in the temp dir: {prefix}-{owner pid}-{token}.db (tasks/engines/reaper.py)
+
+
+def sqlite_url(path: Path | str) -> str:
+    return f"sqlite+aiosqlite:///{path}"
+
+
+def api_database_template() -> Path:
+    """A database with Prefect's schema, made once per machine and Prefect version (`prefect server database upgrade`,
+    ~10 s) under a lock, so that concurrent first commands make it once."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlpipe"
+    template = cache / f"prefect-api-{version('prefect')}.db"
+    if template.exists():
+        return template
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{template.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        if template.exists():  # made by the command we waited for
+            return template
+        with tempfile.TemporaryDirectory(dir=cache) as work:
+            draft = Path(work) / template.name
+            env = {**os.environ, DATABASE_URL: sqlite_url(draft), "PREFECT_HOME": work}
+            env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
+            proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "server", "database", "upgrade", "-y"],
+                                  env=env, capture_output=True, text=True)
+            if proc.returncode != 0 or not draft.exists():
+                raise RuntimeError(f"could not make Prefect's API database: {(proc.stderr or proc.stdout).strip()[-500:]}")
+            os.replace(draft, template)
+    return template
+
+
+def api_database_dir() -> str:
+    """Where the copies go: shared memory where the machine has it (the API writes on every state change; it lives
+    as long as the command), else the temp dir."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _remove_database(path: str) -> None:
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        try:
+            os.unlink(path + suffix)
+        except OSError:
+            pass
 
 
 def is_local() -> bool:
@@ -40,11 +98,20 @@ def is_local() -> bool:
 
 def use_local_api_settings() -> None:
     """Call before Prefect starts its temporary API, which reads these from the environment it passes on to the API's
-    process. A value the user set (the legacy PREFECT_API_DATABASE_CONNECTION_URL included) is kept."""
-    if not is_local() or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL"):
+    process. A value the user set (a database URL, the legacy PREFECT_API_DATABASE_CONNECTION_URL included) is kept;
+    a database copy made by a parent rlpipe process is not shared (two APIs would write one file)."""
+    if not is_local():
         return
     for key, value in LOCAL_API_ENV.items():
-        os.environ.setdefault(key, value)
+        if value is not None:
+            os.environ.setdefault(key, value)
+    inherited = os.environ.get(DATABASE_OWNER, str(os.getpid())) != str(os.getpid())  # a parent command's copy
+    if (os.environ.get(DATABASE_URL) and not inherited) or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL"):
+        return  # the user's database, or this process's copy
+    copy = os.path.join(api_database_dir(), f"{API_DATABASE_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}.db")
+    shutil.copyfile(api_database_template(), copy)
+    atexit.register(_remove_database, copy)  # registered before Prefect's own stop of the API, so it runs after it
+    os.environ.update({DATABASE_URL: sqlite_url(copy), DATABASE_OWNER: str(os.getpid())})
 
 
 @contextmanager

@@ -51,3 +51,38 @@ def test_rank_environments_and_hostfiles(tmp_path, monkeypatch):
     hostfile.write_text("node-a\n")
     with pytest.raises(WorkerError, match="not 'HOST slots=N'"):
         hostfile_slots(str(hostfile))
+
+
+def test_a_stale_build_lock_left_by_a_killed_process_does_not_hang_the_trainer(tmp_path):
+    """torch's JIT build lock for DeepSpeed's CPU collectives op, left behind by a process killed while loading it,
+    made every later trainer wait forever. A copy of the built op in its own extensions folder, an old lock in it:
+    the load removes it and succeeds; a fresh lock (another process building) is waited for, not removed."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tasks.engines.launch import worker_env
+
+    probe = ("from torch.utils.cpp_extension import _get_build_directory as d; "
+             "print(d('deepspeed_shm_comm', verbose=False))")
+    built = Path(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip())
+    if not (built / "deepspeed_shm_comm.so").exists():
+        pytest.skip("DeepSpeed's CPU collectives op is not built on this machine yet (the first trainer builds it)")
+    env = worker_env({"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")})
+    build_dir = Path(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip())
+    shutil.rmtree(build_dir)
+    shutil.copytree(built, build_dir)  # modification times kept: ninja finds it up to date
+    load = [sys.executable, "-c", "from tasks.engines.workers.data_parallel import load_comm_op; load_comm_op(); print('loaded')"]
+    lock = build_dir / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    out = subprocess.run(load, env=env, capture_output=True, text=True, timeout=120)
+    assert "loaded" in out.stdout and "stale build lock" in out.stdout, out.stderr[-2000:]
+    assert not lock.exists()
+    lock.touch()  # held by a live build
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run(load, env=env, capture_output=True, text=True, timeout=8)
+    assert lock.exists()

@@ -4,7 +4,7 @@ The command marks its environment with `RLPIPE_OWNER=<its pid>`, which every pro
 servers and their own children (vLLM's EngineCore and workers), reward workers and multiprocessing's resource
 trackers, Prefect's temporary API server. A reaper process, started first and in its own session (so a signal to
 the command's process group leaves it standing), waits for the command to end, by exit or by any signal, then
-kills every process that carries the mark and removes the command's Unix sockets. A parent-death signal
+kills every process that carries the mark and removes the command's Unix sockets and API database copy. A parent-death signal
 (PR_SET_PDEATHSIG) wakes it at once; it also polls.
 
     python -m tasks.engines.reaper OWNER_PID
@@ -54,9 +54,13 @@ def sweep(owner: int) -> int:
             except psutil.Error:
                 pass
         psutil.wait_procs(procs, timeout=5)
-    for sock in glob.glob(os.path.join(tempfile.gettempdir(), f"*-{owner}-*.sock")):
+    # The servers' sockets; the temporary Prefect API's database (flows/local_prefect.py: API_DATABASE_PREFIX, api_database_dir)
+    paths = glob.glob(os.path.join(tempfile.gettempdir(), f"*-{owner}-*.sock"))
+    for folder in {"/dev/shm", tempfile.gettempdir()}:
+        paths += glob.glob(os.path.join(folder, f"rlpipe-prefect-api-{owner}-*.db*"))
+    for path in paths:
         try:
-            os.unlink(sock)
+            os.unlink(path)
         except OSError:
             pass
     return killed

@@ -1,26 +1,28 @@
-"""Start an RL run's vLLM replicas before its first stage asks for them.
+"""Start an RL run's resident engines before its first stage asks for them.
 
-vLLM otherwise starts when the first eval or rollout needs it, after the command's own start (Prefect's temporary
-API). Spawned here, without waiting, its import and load overlap whatever the command does meanwhile; the stages then
-connect to the process already starting (tasks/engines/resident.py). Nothing here decides a result: a replica starts
-from the run's starting weights and syncs in place to the weights each request names.
-
-The DeepSpeed trainer is not started early: a trainer killed while it loads DeepSpeed's compiled op (a command
-stopped in its first seconds) leaves torch's build lock in ~/.cache/torch_extensions, and every later trainer on the
-machine waits on it forever.
+Each engine otherwise starts when a stage first needs it: vLLM at the first eval or rollout, the DeepSpeed trainer at
+the first logprobs stage, one after the other, and the command's own start (its data checks, Prefect's temporary API)
+before both. Spawned here, without waiting, their imports and loads overlap each other and whatever the command does
+meanwhile; the stages then connect to the processes already starting (tasks/engines/resident.py). Nothing here
+decides a result: a vLLM replica starts from the run's starting weights and syncs in place to the weights each
+request names, and the trainer loads nothing until its first request. (A trainer killed while it loads DeepSpeed's
+compiled op no longer blocks later ones: tasks/engines/workers/data_parallel.py, load_comm_op.)
 """
 
 from __future__ import annotations
 
+from tasks.engines.trainer_client import resident_trainer
 from tasks.stages.common import load_run
 from tasks.stages.rollouts import start_rollout_engines
 from tasks.stages.weights import starting_weights
 
 
 def start_engines(storage_root: str, run_id: str) -> None:
-    """Spawn the run's vLLM replicas, unless the run is complete. Call it from the thread that runs the flow (see
-    ResidentProcess.spawn)."""
+    """Spawn the run's vLLM replicas and its resident trainer (if it uses one), unless the run is complete. Call it from
+    the thread that runs the flow (see ResidentProcess.spawn)."""
     ctx = load_run(storage_root, run_id)
     if ctx.layout.summary_path.exists():
         return
     start_rollout_engines(ctx, starting_weights(ctx).path)
+    if ctx.cfg.engines.resident_trainer:
+        resident_trainer(ctx).spawn(None)

@@ -56,14 +56,12 @@ def run_iterations(config: str, overrides: list[str], run_id: str, iterations: i
     from schemas.config import load_config
     from storage import RunLayout
     from tasks.engines.resident import close_all
-    from tasks.stages.start_engines import start_engines
 
     shutil.rmtree(Path(load_config(config, overrides, algo).storage_root) / run_id, ignore_errors=True)
     t0 = time.perf_counter()
-    root = prepare_checked_run(config, [*overrides, f"rl.iterations={iterations}"], run_id, algo)
     ends = []
     try:
-        start_engines(root, run_id)
+        root = prepare_checked_run(config, [*overrides, f"rl.iterations={iterations}"], run_id, algo)  # engines spawned in it
         for k in range(1, iterations + 1):
             rl_iteration(run_id, k, root)
             ends.append(time.perf_counter() - t0)

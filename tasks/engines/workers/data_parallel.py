@@ -14,11 +14,17 @@ No Prefect import: this runs in the worker processes.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import socket
+import time
 from datetime import timedelta
+from pathlib import Path
 
+# A torch build lock older than this, found while no rlpipe process is loading the op, was left by a killed process
+# (building the op from scratch takes about 30 s on 2 cores).
+STALE_BUILD_LOCK_S = 120
 # The control group (request broadcast) waits between iterations while rollouts run, possibly for hours.
 CONTROL_TIMEOUT = timedelta(days=7)
 _CONTROL = {"group": None}
@@ -38,6 +44,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def load_comm_op() -> None:
+    """Load DeepSpeed's shared-memory collectives op (CPU), as init_distributed would, without hanging on a stale lock.
+
+    torch takes `<build dir>/lock` around every JIT load, even of an op already built, and a process killed while
+    holding it (a command stopped in its first seconds) leaves the file behind: every later load on the machine then
+    waits for it forever. Here the load runs under an flock of our own, which the kernel releases when its holder
+    dies; a torch lock found by its holder is either being held by another program or stale, and is removed once it
+    is older than STALE_BUILD_LOCK_S. The op is then cached in this process (OpBuilder._loaded_ops)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    build_dir = Path(_get_build_directory(builder.name, verbose=False))
+    with open(build_dir.parent / f"{build_dir.name}.rlpipe-lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        torch_lock = build_dir / "lock"
+        while torch_lock.exists():
+            try:
+                if time.time() - torch_lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+                    torch_lock.unlink()
+                    print(f"removed a stale build lock left by a killed process: {torch_lock}", flush=True)
+                    break
+            except FileNotFoundError:
+                break
+            time.sleep(0.5)
+        builder.load(verbose=False)
+
+
 def init_process_group() -> None:
     """Join the trainer's process group (NCCL on GPU, gloo on CPU); a worker started alone is rank 0 of 1. Safe to
     call again."""
@@ -48,6 +85,7 @@ def init_process_group() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    load_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False,
                                verbose=False, timeout=CONTROL_TIMEOUT)
     if world() > 1:
