@@ -118,22 +118,16 @@ def dpo_deployment(config: str = DEMO_CONFIG, run_id: str = "dpo", overrides: li
 
 def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None, flow: str = "rl",
                         reconfigure: bool = False) -> str:
-    """Save the run's config (under its writer lock) and check everything that can be checked before the flow starts
-    (tasks/stages/preflight.py); the storage root. An RL run's engines are spawned as soon as the model folders are
-    checked: they load while the data is checked and Prefect's API starts (a failed check ends them at once)."""
-    from tasks.engines.resident import close_all
-    from tasks.stages.preflight import check_data, check_models
+    """Save the run's config (under its writer lock) and check everything that can be checked before an engine starts
+    (the model folder, the data, the reward functions: tasks/stages/preflight.py); the storage root. Then an RL run's
+    engines are spawned: they load while Prefect's API starts and the first stages run."""
+    from tasks.stages.preflight import preflight
     from tasks.stages.start_engines import start_engines
 
     cfg, _ = prepare_run(config, overrides, run_id, algo, reconfigure, command=flow)
-    check_models(cfg.storage_root, run_id, flow)
+    preflight(cfg.storage_root, run_id, flow)
     if flow == "rl":
         start_engines(cfg.storage_root, run_id)
-    try:
-        check_data(cfg.storage_root, run_id, flow)
-    except BaseException:
-        close_all()
-        raise
     return cfg.storage_root
 
 

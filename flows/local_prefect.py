@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import multiprocessing
 import os
 import secrets
 import shutil
@@ -100,8 +101,8 @@ def use_local_api_settings() -> None:
     """Call before Prefect starts its temporary API, which reads these from the environment it passes on to the API's
     process. A value the user set (a database URL, the legacy PREFECT_API_DATABASE_CONNECTION_URL included) is kept;
     a database copy made by a parent rlpipe process is not shared (two APIs would write one file)."""
-    if not is_local():
-        return
+    if not is_local() or multiprocessing.parent_process() is not None:
+        return  # a spawned worker (reward functions) re-imports the command's module but starts no API
     for key, value in LOCAL_API_ENV.items():
         if value is not None:
             os.environ.setdefault(key, value)

@@ -39,30 +39,17 @@ def dataset_columns(ctx) -> set[str]:
 
 
 def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", "rm"]) -> None:
-    check_models(storage_root, run_id, flow)
-    check_data(storage_root, run_id, flow)
-
-
-def check_models(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", "rm"]) -> None:
-    """The model folders the run starts from (what an engine needs to start)."""
-    cfg = load_run(storage_root, run_id).cfg
-    if flow == "sft":
-        model_fingerprint(cfg.model.base_path)
-        return
-    model_fingerprint(cfg.model.path)
-    if cfg.reward.kind == "model":
-        model_fingerprint(cfg.reward.model_path)
-
-
-def check_data(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", "rm"]) -> None:
-    """The data (the `dataset` and `sft_data` stages run here), the reward functions against its columns, the context."""
     ctx = load_run(storage_root, run_id)
     cfg = ctx.cfg
     if cfg.task is not None:
         ensure_task_files(cfg.task)
     if flow == "sft":
+        model_fingerprint(cfg.model.base_path)
         sft_data_task.fn(storage_root, run_id)
         return
+    model_fingerprint(cfg.model.path)
+    if cfg.reward.kind == "model":
+        model_fingerprint(cfg.reward.model_path)
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None
     if needs_prompts:
         dataset = dataset_task.fn(storage_root, run_id)
