@@ -68,7 +68,7 @@ def test_a_stale_build_lock_left_by_a_killed_process_does_not_hang_the_trainer(t
 
     probe = ("from torch.utils.cpp_extension import _get_build_directory as d; "
              "print(d('deepspeed_shm_comm', verbose=False))")
-    built = Path(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip())
+    built = Path(subprocess.run([sys.executable, "-c", probe], env=worker_env(), capture_output=True, text=True, check=True).stdout.strip())
     if not (built / "deepspeed_shm_comm.so").exists():
         pytest.skip("DeepSpeed's CPU collectives op is not built on this machine yet (the first trainer builds it)")
     env = worker_env({"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")})

@@ -146,9 +146,14 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
 
 
 def worker_env(extra: dict | None = None) -> dict:
-    """The environment of a worker process: ours, with the repository importable."""
+    """The environment of a worker process: ours, with the repository importable, and torch's compiled extensions
+    (DeepSpeed's CPU collectives op) kept in this Python environment unless the user chose a folder: in the shared
+    default (~/.cache/torch_extensions/<python>_<device>/) the op's build file names the installing environment's
+    sources, so two environments on one machine (a second clone) rebuilt it for each other, ~30-60 s every switch."""
     root = Path(__file__).resolve().parents[2]
-    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra or {})}
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions")
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TORCH_EXTENSIONS_DIR": extensions,
+            **(extra or {})}
 
 
 def run_worker(module: str, request, scratch: Path, log: Path, env: dict | None = None, ranks: int = 1,

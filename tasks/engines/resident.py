@@ -67,7 +67,7 @@ class ResidentProcess:
                 raise self._died("server failed to start")
             if time.time() >= next_note:  # a start takes tens of seconds (vLLM loads and warms up): say so
                 self._progress(f"starting {self.name}: {time.time() - started:.0f}s so far [log: {self.log}]")
-                next_note += 10
+                next_note += 10 * (1 + int((time.time() - next_note) // 10))  # spawned early: one line, not a catch-up burst
             time.sleep(0.2)
         if time.time() - started >= 10:
             self._progress(f"{self.name} started in {time.time() - started:.0f}s")
