@@ -101,8 +101,10 @@ def use_local_api_settings() -> None:
     """Call before Prefect starts its temporary API, which reads these from the environment it passes on to the API's
     process. A value the user set (a database URL, the legacy PREFECT_API_DATABASE_CONNECTION_URL included) is kept;
     a database copy made by a parent rlpipe process is not shared (two APIs would write one file)."""
-    if not is_local() or multiprocessing.parent_process() is not None:
-        return  # a spawned worker (reward functions) re-imports the command's module but starts no API
+    # A spawned worker (reward functions) re-imports the command's module but starts no API. (Its name is set before
+    # that import; multiprocessing.parent_process() only after it.)
+    if not is_local() or multiprocessing.current_process().name != "MainProcess":
+        return
     for key, value in LOCAL_API_ENV.items():
         if value is not None:
             os.environ.setdefault(key, value)
