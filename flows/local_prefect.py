@@ -13,7 +13,7 @@ flow run each; README "Benchmarks"). Deployed runs (PREFECT_API_URL set, a worke
   (`api_database_template`, under ~/.cache/rlpipe): a fresh database runs Prefect's ~200 schema migrations first,
   about 9 s of every start (an in-memory database paid them on every command), and a shared one grows with every
   flow run ever made and is written by every command at once. The copy is removed when the command ends (by the
-  reaper if it is killed).
+  reaper if it is killed). It lives in shared memory (/dev/shm) where the machine has it.
 - Block types are not registered at the API's start (nothing rlpipe runs uses blocks).
 - No flow-run heartbeats (`local_flow_settings`). They feed a server's detection of runs whose process died,
   which only a deployment uses; with them on, every flow run ends by joining the heartbeat thread, which sleeps in
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import glob
 import multiprocessing
 import os
 import secrets
@@ -39,6 +40,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Iterator
 
+from tasks.engines.reaper import api_database_path, remove_files
+
 DATABASE_URL = "PREFECT_SERVER_DATABASE_CONNECTION_URL"
 # For the temporary API's process (it is started with this process's environment); the database URL is set per command.
 LOCAL_API_ENV = {
@@ -48,7 +51,6 @@ LOCAL_API_ENV = {
     "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
 }
 DATABASE_OWNER = "RLPIPE_PREFECT_DATABASE_OWNER"  # the pid whose copy DATABASE_URL names (children make their own)
-API_DATABASE_PREFIX = "rlpipe-prefect-api"  # the copies in the temp dir: {prefix}-{owner pid}-{token}.db (tasks/engines/reaper.py)
 
 
 def sqlite_url(path: Path | str) -> str:
@@ -79,20 +81,6 @@ def api_database_template() -> Path:
     return template
 
 
-def api_database_dir() -> str:
-    """Where the copies go: shared memory where the machine has it (the API writes on every state change; it lives
-    as long as the command), else the temp dir."""
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def _remove_database(path: str) -> None:
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        try:
-            os.unlink(path + suffix)
-        except OSError:
-            pass
-
-
 def is_local() -> bool:
     return not os.environ.get("PREFECT_API_URL")
 
@@ -111,9 +99,10 @@ def use_local_api_settings() -> None:
     inherited = os.environ.get(DATABASE_OWNER, str(os.getpid())) != str(os.getpid())  # a parent command's copy
     if (os.environ.get(DATABASE_URL) and not inherited) or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL"):
         return  # the user's database, or this process's copy
-    copy = os.path.join(api_database_dir(), f"{API_DATABASE_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}.db")
+    copy = api_database_path(os.getpid(), secrets.token_hex(4))  # in shared memory: the API writes on every state change
     shutil.copyfile(api_database_template(), copy)
-    atexit.register(_remove_database, copy)  # registered before Prefect's own stop of the API, so it runs after it
+    # Registered before Prefect's own stop of the API, so it runs after it; the reaper removes it if this is killed.
+    atexit.register(lambda: remove_files(glob.glob(copy + "*")))
     os.environ.update({DATABASE_URL: sqlite_url(copy), DATABASE_OWNER: str(os.getpid())})
 
 

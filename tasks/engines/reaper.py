@@ -4,8 +4,8 @@ The command marks its environment with `RLPIPE_OWNER=<its pid>`, which every pro
 servers and their own children (vLLM's EngineCore and workers), reward workers and multiprocessing's resource
 trackers, Prefect's temporary API server. A reaper process, started first and in its own session (so a signal to
 the command's process group leaves it standing), waits for the command to end, by exit or by any signal, then
-kills every process that carries the mark and removes the command's Unix sockets and API database copy. A parent-death signal
-(PR_SET_PDEATHSIG) wakes it at once; it also polls.
+kills every process that carries the mark and removes the command's Unix sockets and API database copy. A
+parent-death signal (PR_SET_PDEATHSIG) wakes it at once; it also polls.
 
     python -m tasks.engines.reaper OWNER_PID
 """
@@ -20,6 +20,32 @@ import tempfile
 import time
 
 OWNER_ENV = "RLPIPE_OWNER"
+API_DATABASE_PREFIX = "rlpipe-prefect-api"  # a command's copy of the temporary API's database (flows/local_prefect.py)
+
+
+def shared_memory_dir() -> str:
+    """Where a command keeps files written often and needed only while it runs: shared memory where the machine
+    has it, else the temp dir."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def api_database_path(owner: int, token: str) -> str:
+    return os.path.join(shared_memory_dir(), f"{API_DATABASE_PREFIX}-{owner}-{token}.db")
+
+
+def owned_files(owner: int) -> list[str]:
+    """The files a command leaves while it runs: its servers' Unix sockets, its API database copy (with SQLite's -wal
+    and -shm)."""
+    return (glob.glob(os.path.join(tempfile.gettempdir(), f"*-{owner}-*.sock"))
+            + glob.glob(api_database_path(owner, "*") + "*"))
+
+
+def remove_files(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def marked(owner: int) -> list:
@@ -39,7 +65,7 @@ def marked(owner: int) -> list:
 
 
 def sweep(owner: int) -> int:
-    """Kill the owner's processes until none is left (a dying server may still start one); remove its sockets."""
+    """Kill the owner's processes until none is left (a dying server may still start one); remove its files."""
     import psutil
 
     killed = 0
@@ -54,15 +80,7 @@ def sweep(owner: int) -> int:
             except psutil.Error:
                 pass
         psutil.wait_procs(procs, timeout=5)
-    # The servers' sockets; the temporary Prefect API's database (flows/local_prefect.py: API_DATABASE_PREFIX, api_database_dir)
-    paths = glob.glob(os.path.join(tempfile.gettempdir(), f"*-{owner}-*.sock"))
-    for folder in {"/dev/shm", tempfile.gettempdir()}:
-        paths += glob.glob(os.path.join(folder, f"rlpipe-prefect-api-{owner}-*.db*"))
-    for path in paths:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    remove_files(owned_files(owner))
     return killed
 
 

@@ -1,12 +1,12 @@
 """Start an RL run's resident engines before its first stage asks for them.
 
 Each engine otherwise starts when a stage first needs it: vLLM at the first eval or rollout, the DeepSpeed trainer at
-the first logprobs stage, one after the other, and the command's own start (its data checks, Prefect's temporary API)
-before both. Spawned here, without waiting, their imports and loads overlap each other and whatever the command does
-meanwhile; the stages then connect to the processes already starting (tasks/engines/resident.py). Nothing here
-decides a result: a vLLM replica starts from the run's starting weights and syncs in place to the weights each
-request names, and the trainer loads nothing until its first request. (A trainer killed while it loads DeepSpeed's
-compiled op no longer blocks later ones: tasks/engines/workers/data_parallel.py, load_comm_op.)
+the first logprobs stage, one after the other, and the command's own start (Prefect's temporary API) before both.
+Spawned here, without waiting, their imports and loads overlap each other and whatever the command does meanwhile;
+the stages then connect to the processes already starting (tasks/engines/resident.py). Nothing here decides a result:
+a vLLM replica starts from the run's starting weights and syncs in place to the weights each request names, and the
+trainer loads nothing until its first request. (A trainer killed while it loads DeepSpeed's compiled op no longer
+blocks later ones: tasks/engines/workers/data_parallel.py, load_comm_op.)
 """
 
 from __future__ import annotations
