@@ -116,8 +116,9 @@ def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = type
         from flows.sft import sft_flow
 
         _stop_on_signals()
+        root = prepare_checked_run(config, overrides, run_id, flow="sft", reconfigure=reconfigure)  # the API starts meanwhile
         with local_flow_settings():
-            result = sft_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="sft", reconfigure=reconfigure))
+            result = sft_flow(run_id, root)
         console.print(f"sft checkpoint: {result['checkpoint']} (exported to {result['exported_to']})")
 
     _guard(run)

@@ -119,15 +119,27 @@ def dpo_deployment(config: str = DEMO_CONFIG, run_id: str = "dpo", overrides: li
 def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None, flow: str = "rl",
                         reconfigure: bool = False) -> str:
     """Save the run's config (under its writer lock) and check everything that can be checked before an engine starts
-    (the model folder, the data, the reward functions: tasks/stages/preflight.py); the storage root. Then an RL run's
-    engines are spawned: they load while Prefect's API starts and the first stages run."""
+    (the model folder, the data, the reward functions: tasks/stages/preflight.py); the storage root.
+
+    The seconds of those checks are not idle: a local command's Prefect API starts meanwhile, and an RL run's engine
+    processes import their libraries, spawned held (they start no engine and write no log until the checks pass, and
+    are ended if one fails). Then the engines load while the first stages run."""
+    from flows.local_prefect import start_local_api, wait_for_local_api
     from tasks.stages.preflight import preflight
-    from tasks.stages.start_engines import start_engines
+    from tasks.stages.start_engines import start_engines, stop_held_engines
 
     cfg, _ = prepare_run(config, overrides, run_id, algo, reconfigure, command=flow)
-    preflight(cfg.storage_root, run_id, flow)
+    if flow == "rl":
+        start_engines(cfg.storage_root, run_id, held=True)
+    start_local_api()
+    try:
+        preflight(cfg.storage_root, run_id, flow)
+    except BaseException:
+        stop_held_engines()
+        raise
     if flow == "rl":
         start_engines(cfg.storage_root, run_id)
+    wait_for_local_api()
     return cfg.storage_root
 
 

@@ -20,6 +20,9 @@ flow run each; README "Benchmarks"). Deployed runs (PREFECT_API_URL set, a worke
   1 s steps (0.85 s per flow run measured). That delay was also what had kept the recorder's writes out of the
   next flow run's way.
 - Log lines stay in the terminal and the engines' log files instead of also being shipped to the API.
+- The API starts in the background while the command checks its input (`start_local_api`), not at its first flow
+  run: about 10 s of a command's start. Prefect's "Starting/Stopping temporary server" lines are left out, so that
+  bad input is still one line.
 The run's own record is its Parquet stages, manifests and logs, as for every run.
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import glob
+import logging
 import multiprocessing
 import os
 import secrets
@@ -35,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
@@ -122,3 +127,46 @@ def local_flow_settings() -> Iterator[None]:
     off = {PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None, PREFECT_LOGGING_TO_API_ENABLED: False}
     with temporary_settings(updates=off), SyncClientContext.get_or_create():
         yield
+
+
+class _QuietTemporaryServer(logging.Filter):
+    """Drops Prefect's lines about starting and stopping its temporary API: a command starts it before it knows whether
+    its input is good, and its error must stay one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Starting temporary server", "Stopping temporary server"))
+
+
+_QUIET = _QuietTemporaryServer()
+_API_START: list[threading.Thread] = []  # the one background start of this process's temporary API, once begun
+
+
+def start_local_api() -> None:
+    """Start Prefect's temporary API in a background thread (this process's import of Prefect's server code, ~3 s,
+    and the API's process), so that it comes up while the command does its checks; `wait_for_local_api` before the
+    first flow run. Nothing with a configured server; once per process (a running API is left as it is).
+
+    The thread imports while the checks import the tokenizer's libraries and the reward files. Python serialises
+    imports of one module across threads; the two sets share only a few self-contained packages (jinja2, psutil),
+    so neither can wait on the other in a cycle. Bad input therefore fails as fast as without it."""
+    if not is_local() or _API_START:
+        return
+    logging.getLogger("prefect").addFilter(_QUIET)
+
+    def start() -> None:
+        try:
+            from prefect.server.api.server import SubprocessASGIServer
+
+            SubprocessASGIServer().start()
+        except Exception:  # left to the first flow run's client, which starts it again and reports the failure
+            pass
+
+    _API_START.append(threading.Thread(target=start, name="rlpipe-prefect-api-start", daemon=True))
+    _API_START[0].start()
+
+
+def wait_for_local_api() -> None:
+    """Until the background start has ended: a client made while it runs would find the API marked running, not yet
+    answering."""
+    for thread in _API_START:
+        thread.join()

@@ -2,7 +2,10 @@
 one line naming the problem and exit 1 from `rlpipe run` (or `sft`), before any engine starts. The CLI runs in this
 process (typer's runner): what is checked is its exit code and its output."""
 
+import glob
 import json
+import os
+import tempfile
 
 import polars as pl
 import pytest
@@ -118,6 +121,7 @@ def test_bad_input_is_one_line_before_any_engine(tmp_path, models, overrides, ne
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert fill(needle) in " ".join(lines), result.output
     assert not list((tmp_path / "runs").glob("*/logs/*.log"))  # no engine was started
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"*-{os.getpid()}-*.out"))  # the held engine processes ended (resident.py)
 
 
 def test_sft_conversations_must_end_with_the_assistant(tmp_path, models):

@@ -97,16 +97,18 @@ def rank_log(log: Path, rank: int) -> Path:
     return log if rank == 0 else log.with_name(f"{log.stem}-rank{rank}{log.suffix}")
 
 
-def start_ranks(cmd: list[str], log: Path, envs: list[dict], hostfile: str | None = None) -> list[subprocess.Popen]:
+def start_ranks(cmd: list[str], log: Path, envs: list[dict], hostfile: str | None = None, outputs: list[Path] | None = None,
+                stdin=None) -> list[subprocess.Popen]:
     """Start `cmd` once per rank environment on this machine, or, with a hostfile, once as DeepSpeed's multi-node
-    launcher (which starts and watches every rank, and ends them all when one fails)."""
+    launcher (which starts and watches every rank, and ends them all when one fails). Each rank's output goes to its
+    log, or to `outputs[rank]` when given."""
     if hostfile:
         cmd, env = multi_node_launch(cmd, hostfile, len(envs), envs[0])
         envs = [env]
     procs = []
     for r, env in enumerate(envs):
-        with open(rank_log(log, r), "ab") as out:
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=worker_env(env), cwd=os.getcwd(),
+        with open(outputs[r] if outputs else rank_log(log, r), "ab") as out:
+            procs.append(subprocess.Popen(cmd, stdin=stdin, stdout=out, stderr=subprocess.STDOUT, env=worker_env(env), cwd=os.getcwd(),
                                           preexec_fn=die_with_parent))
     return procs
 

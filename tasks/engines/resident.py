@@ -12,6 +12,7 @@ import atexit
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Callable
 
 from schemas.requests import from_wire, to_wire
-from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, end_group, failure_line, rank_envs, start_ranks
+from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, end_group, failure_line, rank_envs, rank_log, start_ranks
+
+HELD = "--held"  # a server's last argument instead of its settings: spawned held (ResidentProcess.spawn)
 
 
 class ResidentProcess:
@@ -35,28 +38,69 @@ class ResidentProcess:
         self.name = module.rsplit(".", 1)[-1]
         self.procs: list[subprocess.Popen] = []
         self.conn = None
+        self.held_outputs: list[Path] = []  # while spawned held: each rank's output before it is released
+        self.released = False
 
     def _died(self, what: str) -> WorkerError:
         """The group after one of its processes died or failed: all of them ended, the error names the rank that caused it."""
         if self.conn is not None:
             self.conn.close()
-        line = failure_line(self.name, self.procs, self.log, end_group(self.procs) or 0, what)
+        rank = end_group(self.procs) or 0
+        self._end_held()
+        line = failure_line(self.name, self.procs, self.log, rank, what)
         self.procs, self.conn = [], None
         return WorkerError(line)
 
-    def spawn(self, settings) -> None:
+    def spawn(self, settings, held: bool = False) -> None:
         """Start the server's processes without waiting for them. Call it from a thread that lives as long as they
-        should: PR_SET_PDEATHSIG fires when the *thread* that started a child exits (a pool thread would kill it)."""
+        should: PR_SET_PDEATHSIG fires when the *thread* that started a child exits (a pool thread would kill it).
+
+        `held`: the processes only import their libraries (vLLM's alone is ~10 s), writing to a file of their own,
+        then wait for their settings; a second `spawn` (or the first request) hands them over, and only then do they
+        open their log and start the engine. A command spawns them held before it checks its input, so those seconds
+        overlap the checks; on bad input `close` ends them, and no engine ever started. (Not with a hostfile: DeepSpeed's
+        launcher starts those ranks when they are released.)"""
         if self.procs:
+            if self.held_outputs and not self.released and not held:
+                self._release(settings)
             return
-        self.log.parent.mkdir(parents=True, exist_ok=True)
+        if held and self.hostfile:
+            return
         # In the temp dir, not the run folder: a Unix socket's path is limited to about 107 bytes.
         self.sock = os.path.join(tempfile.gettempdir(), f"{self.name}-{os.getpid()}-{secrets.token_hex(4)}.sock")
         self.key = secrets.token_bytes(16)
-        args = json.dumps(to_wire(settings) if settings is not None else None)
         envs = [{**self.env, "RLPIPE_AUTHKEY": self.key.hex(), **e} for e in rank_envs(self.ranks, self.devices, self.hostfile)]
-        self.procs = start_ranks([sys.executable, "-m", self.module, "--serve", self.sock, args], self.log, envs, self.hostfile)
+        cmd = [sys.executable, "-m", self.module, "--serve", self.sock]
+        self.released = False
+        if held:
+            self.held_outputs = [Path(f"{self.sock.removesuffix('.sock')}.rank{r}.out") for r in range(self.ranks)]
+            self.procs = start_ranks([*cmd, HELD], self.log, envs, outputs=self.held_outputs, stdin=subprocess.PIPE)
+        else:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            self.procs = start_ranks([*cmd, json.dumps(_settings_wire(settings))], self.log, envs, self.hostfile)
         self.spawned = time.time()
+
+    def _release(self, settings) -> None:
+        """Hand held processes their settings and their log (each copies what it printed while held into it first)."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        for r, (proc, held) in enumerate(zip(self.procs, self.held_outputs)):
+            go = {"settings": _settings_wire(settings), "log": str(rank_log(self.log, r)), "held_output": str(held)}
+            try:
+                proc.stdin.write((json.dumps(go) + "\n").encode())
+                proc.stdin.close()
+            except OSError:  # it died while held: the wait for its socket finds that and reads its log
+                pass
+        self.released, self.spawned = True, time.time()  # the start's deadline and progress count from here
+
+    def _end_held(self) -> None:
+        """After the processes ended: a held one's output goes to its log if it was released (it died before it could
+        move it there itself), else away with it (bad input: no engine started, no log)."""
+        for r, held in enumerate(self.held_outputs):
+            if held.exists() and self.released:
+                with open(rank_log(self.log, r), "ab") as log, open(held, "rb") as out:
+                    shutil.copyfileobj(out, log)
+            held.unlink(missing_ok=True)
+        self.held_outputs = []
 
     def _start(self, settings) -> None:
         self.spawn(settings)
@@ -118,7 +162,12 @@ class ResidentProcess:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        self._end_held()
         self.procs = []
+
+
+def _settings_wire(settings):
+    return to_wire(settings) if settings is not None else None
 
 
 _PROCESSES: dict[tuple[str, str], ResidentProcess] = {}
@@ -136,18 +185,48 @@ def close_all() -> None:
         _PROCESSES.popitem()[1].close()
 
 
+def close_held() -> None:
+    """End the servers spawned held and never released (the command's input failed its checks)."""
+    for key, proc in list(_PROCESSES.items()):
+        if proc.held_outputs and not proc.released:
+            _PROCESSES.pop(key).close()
+
+
 atexit.register(close_all)
 
 
-def serve_main(make_answer: Callable[[object], Callable[[dict], dict]]) -> None:
+def _wait_until_released(warm: Callable[[], None] | None):
+    """A held server (ResidentProcess.spawn): import what the engine needs, then wait for the settings and the log.
+    Ends quietly when the command ends without releasing it (bad input)."""
+    if warm is not None:
+        warm()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    line = sys.stdin.readline()
+    if not line:
+        sys.exit(0)
+    go = json.loads(line)
+    with open(go["log"], "ab") as log:
+        with open(go["held_output"], "rb") as held:
+            shutil.copyfileobj(held, log)
+        os.unlink(go["held_output"])
+        log.flush()
+        for fd in (1, 2):  # what the engine prints from now on (its own child processes too) goes to the log
+            os.dup2(log.fileno(), fd)
+    return go["settings"]
+
+
+def serve_main(make_answer: Callable[[object], Callable[[dict], dict]], warm: Callable[[], None] | None = None) -> None:
     """Server side: build the answering function from the settings (engine start-up happens here, before the
     socket exists, so the client's wait covers it), then answer messages until `shutdown` or the parent dies.
+    `warm` is what a held server does before its settings come: the imports.
     A failed request is reported to the client as one line; a single-process server keeps serving.
 
     With several ranks (WORLD_SIZE > 1) rank 0 owns the socket and broadcasts each message to the others, which
     answer it too (they hold their share of the engines) and drop their answer. A failure on any rank ends that
     process, and the client ends the group."""
-    socket_path, wire = sys.argv[2], json.loads(sys.argv[3])
+    socket_path = sys.argv[2]
+    wire = _wait_until_released(warm) if sys.argv[3] == HELD else json.loads(sys.argv[3])
     answer = make_answer(from_wire(wire) if wire is not None else None)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

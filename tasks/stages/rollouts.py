@@ -75,19 +75,20 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
     return frames, resp
 
 
-def start_rollout_engines(ctx: RunContext, model_path: str) -> list:
+def start_rollout_engines(ctx: RunContext, model_path: str | None) -> list:
     """The run's `rollout.engines` vLLM replicas, each spawned (without waiting) unless it runs already, starting from
-    `model_path` (a replica syncs in place to whatever weights a request names). Call it from the thread that lives as
+    `model_path` (a replica syncs in place to whatever weights a request names); with None, spawned held (importing
+    vLLM until a later call gives them their weights: ResidentProcess.spawn). Call it from the thread that lives as
     long as they should (see ResidentProcess.spawn): the replicas then start at once."""
     r = ctx.cfg.rollout
-    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed)
+    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed) if model_path else None
     devices, tp = ctx.cfg.engines.rollout_devices, r.tensor_parallel_size
     engines = []
     for k in range(r.engines):
         log = ctx.layout.log_path("vllm" if k == 0 else f"vllm-engine{k}")
         engine = resident_engine(ctx.layout.run_id, log, k, devices[k * tp:(k + 1) * tp] if devices else None)
         if engine.conn is None:
-            engine.spawn(settings)
+            engine.spawn(settings, held=settings is None)
         engines.append(engine)
     return engines
 

@@ -40,7 +40,16 @@ def make_answer(settings: dict):
     return answer
 
 
+def warm() -> None:
+    """What a trainer spawned held does before it is released (tasks/engines/resident.py): torch's, DeepSpeed's and
+    transformers' imports."""
+    import deepspeed  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    from tasks.engines.workers import deepspeed_train, torch_logprobs  # noqa: F401
+
+
 if __name__ == "__main__":
     from tasks.engines.resident import serve_main
 
-    serve_main(make_answer)
+    serve_main(make_answer, warm)

@@ -165,7 +165,14 @@ def make_answer(settings: VLLMSettings):
     return answer
 
 
+def warm() -> None:
+    """What a server spawned held does before its settings come (tasks/engines/resident.py): vLLM's imports, ~10 s of
+    its start on CPU. No engine setting is read at import (vLLM reads its environment variables when the engine starts)."""
+    import polars  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+
 if __name__ == "__main__":
     from tasks.engines.resident import serve_main
 
-    serve_main(make_answer)
+    serve_main(make_answer, warm)

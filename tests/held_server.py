@@ -1,0 +1,29 @@
+"""A resident server for the tests of a held start (tests/test_held_start.py): its warm-up prints a line (and fails with
+HELD_TEST_FAIL set); its answer echoes the settings it was released with and where its output now goes."""
+
+from __future__ import annotations
+
+import os
+
+
+def warm() -> None:
+    print("warming up", flush=True)
+    if os.environ.get("HELD_TEST_FAIL"):
+        raise RuntimeError("warm-up failed on purpose")
+
+
+def make_answer(settings):
+    from schemas.requests import to_wire
+
+    print("engine started", flush=True)
+
+    def answer(msg: dict) -> dict:
+        return {"settings": to_wire(settings), "stdout": os.readlink("/proc/self/fd/1"), "stderr": os.readlink("/proc/self/fd/2")}
+
+    return answer
+
+
+if __name__ == "__main__":
+    from tasks.engines.resident import serve_main
+
+    serve_main(make_answer, warm)
