@@ -125,8 +125,9 @@ def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, a
     processes import their libraries, spawned held (they start no engine and write no log until the checks pass, and
     are ended if one fails). Then the engines load while the first stages run."""
     from flows.local_prefect import start_local_api, wait_for_local_api
+    from tasks.engines.resident import close_held
     from tasks.stages.preflight import preflight
-    from tasks.stages.start_engines import start_engines, stop_held_engines
+    from tasks.stages.start_engines import start_engines
 
     cfg, _ = prepare_run(config, overrides, run_id, algo, reconfigure, command=flow)
     if flow == "rl":
@@ -135,7 +136,7 @@ def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, a
     try:
         preflight(cfg.storage_root, run_id, flow)
     except BaseException:
-        stop_held_engines()
+        close_held()  # no engine started, no log written
         raise
     if flow == "rl":
         start_engines(cfg.storage_root, run_id)

@@ -61,7 +61,7 @@ class ResidentProcess:
         overlap the checks; on bad input `close` ends them, and no engine ever started. (Not with a hostfile: DeepSpeed's
         launcher starts those ranks when they are released.)"""
         if self.procs:
-            if self.held_outputs and not self.released and not held:
+            if self.waiting_for_release and not held:
                 self._release(settings)
             return
         if held and self.hostfile:
@@ -80,6 +80,10 @@ class ResidentProcess:
             self.procs = start_ranks([*cmd, json.dumps(_settings_wire(settings))], self.log, envs, self.hostfile)
         self.spawned = time.time()
 
+    @property
+    def waiting_for_release(self) -> bool:
+        return bool(self.held_outputs) and not self.released
+
     def _release(self, settings) -> None:
         """Hand held processes their settings and their log (each copies what it printed while held into it first)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -97,8 +101,7 @@ class ResidentProcess:
         move it there itself), else away with it (bad input: no engine started, no log)."""
         for r, held in enumerate(self.held_outputs):
             if held.exists() and self.released:
-                with open(rank_log(self.log, r), "ab") as log, open(held, "rb") as out:
-                    shutil.copyfileobj(out, log)
+                move_output(held, rank_log(self.log, r))
             held.unlink(missing_ok=True)
         self.held_outputs = []
 
@@ -166,6 +169,13 @@ class ResidentProcess:
         self.procs = []
 
 
+def move_output(held: Path | str, log: Path | str) -> None:
+    """Append what a held server printed to its log, and remove the held file."""
+    with open(log, "ab") as out, open(held, "rb") as f:
+        shutil.copyfileobj(f, out)
+    os.unlink(held)
+
+
 def _settings_wire(settings):
     return to_wire(settings) if settings is not None else None
 
@@ -188,7 +198,7 @@ def close_all() -> None:
 def close_held() -> None:
     """End the servers spawned held and never released (the command's input failed its checks)."""
     for key, proc in list(_PROCESSES.items()):
-        if proc.held_outputs and not proc.released:
+        if proc.waiting_for_release:
             _PROCESSES.pop(key).close()
 
 
@@ -206,13 +216,11 @@ def _wait_until_released(warm: Callable[[], None] | None):
     if not line:
         sys.exit(0)
     go = json.loads(line)
-    with open(go["log"], "ab") as log:
-        with open(go["held_output"], "rb") as held:
-            shutil.copyfileobj(held, log)
-        os.unlink(go["held_output"])
-        log.flush()
-        for fd in (1, 2):  # what the engine prints from now on (its own child processes too) goes to the log
-            os.dup2(log.fileno(), fd)
+    move_output(go["held_output"], go["log"])
+    log = os.open(go["log"], os.O_WRONLY | os.O_APPEND)
+    for fd in (1, 2):  # what the engine prints from now on (its own child processes too) goes to the log
+        os.dup2(log, fd)
+    os.close(log)
     return go["settings"]
 
 

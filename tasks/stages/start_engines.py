@@ -11,7 +11,6 @@ blocks later ones: tasks/engines/workers/data_parallel.py, load_comm_op.)
 
 from __future__ import annotations
 
-from tasks.engines.resident import close_held
 from tasks.engines.trainer_client import resident_trainer
 from tasks.stages.common import load_run
 from tasks.stages.rollouts import start_rollout_engines
@@ -24,7 +23,8 @@ def start_engines(storage_root: str, run_id: str, held: bool = False) -> None:
 
     `held`: before the run's input is checked, the processes only import their libraries and start nothing (the
     checks must fail before any engine starts, and vLLM's settings name the model the checks have not yet found);
-    a second call without it, after the checks, lets them go on. `stop_held_engines` ends them when a check fails."""
+    a second call without it, after the checks, lets them go on (tasks.engines.resident.close_held ends them when
+    a check fails)."""
     ctx = load_run(storage_root, run_id)
     if ctx.layout.summary_path.exists():
         return
@@ -32,7 +32,3 @@ def start_engines(storage_root: str, run_id: str, held: bool = False) -> None:
     if ctx.cfg.engines.resident_trainer:
         resident_trainer(ctx).spawn(None, held=held)
 
-
-def stop_held_engines() -> None:
-    """End the engines `start_engines(held=True)` spawned (the run's input failed its checks): they leave no log."""
-    close_held()
