@@ -2,6 +2,11 @@
 what a function receives, the pool's timeouts and errors, and every way a reference can be wrong (one line each)."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -115,6 +120,30 @@ def test_reward_pool_times_out_a_hanging_function_and_records_a_raising_one():
     assert all(v == 0.0 and e == "KeyError: 'no such field'" for v, e in got["raises"])
     again = score_samples(specs[2:], samples[:1], 0.5, 2)  # the pool is still usable afterwards
     assert again["echo_length"] == [(2.0, None)]
+
+
+def test_reward_workers_start_early_and_do_not_run_the_parent_main_module(tmp_path):
+    """The command's main module (the CLI and Prefect) runs once, in the command, not again in each spawned worker;
+    workers started ahead by start_workers are the ones that score."""
+    marker, script = tmp_path / "ran", tmp_path / "command.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        with open({str(marker)!r}, "a") as f:
+            f.write(str(os.getpid()) + "\\n")
+        if __name__ == "__main__":
+            from tasks.rewards import pool
+            from tasks.rewards.loader import FunctionSpec
+            specs = [FunctionSpec("echo_length", module="tests.reward_fixtures", function="echo_length")]
+            pool.start_workers(specs, 2)
+            started = set(pool._POOL._processes)
+            got = pool.score_samples(specs, [{{"response": "abc"}}] * 8, 5.0, 2)
+            assert got["echo_length"] == [(3.0, None)] * 8, got
+            assert len(started) == 2 and set(pool._POOL._processes) == started, (started, pool._POOL._processes)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(marker.read_text().split()) == 1, f"the main module ran in {marker.read_text().split()}"  # the command only
 
 
 def test_score_frame_in_the_pool_matches_inline_scoring():

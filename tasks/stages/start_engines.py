@@ -3,7 +3,8 @@
 Each engine otherwise starts when a stage first needs it: vLLM at the first eval or rollout, the DeepSpeed trainer at
 the first logprobs stage, one after the other, and the command's own start (Prefect's temporary API) before both.
 Spawned here, without waiting, their imports and loads overlap each other and whatever the command does meanwhile;
-the stages then connect to the processes already starting (tasks/engines/resident.py). Nothing here decides a result:
+the stages then connect to the processes already starting (tasks/engines/resident.py). The reward pool's workers are
+spawned with them (tasks/rewards/pool.py, start_workers) rather than at the first scores. Nothing here decides a result:
 a vLLM replica starts from the run's starting weights and syncs in place to the weights each request names, and the
 trainer loads nothing until its first request. (A trainer killed while it loads DeepSpeed's compiled op no longer
 blocks later ones: tasks/engines/workers/data_parallel.py, load_comm_op.)
@@ -12,14 +13,16 @@ blocks later ones: tasks/engines/workers/data_parallel.py, load_comm_op.)
 from __future__ import annotations
 
 from tasks.engines.trainer_client import resident_trainer
+from tasks.rewards.loader import specs_from_config
+from tasks.rewards.pool import start_workers
 from tasks.stages.common import load_run
 from tasks.stages.rollouts import start_rollout_engines
 from tasks.stages.weights import starting_weights
 
 
 def start_engines(storage_root: str, run_id: str, held: bool = False) -> None:
-    """Spawn the run's vLLM replicas and its resident trainer (if it uses one), unless the run is complete. Call it from
-    the thread that runs the flow (see ResidentProcess.spawn).
+    """Spawn the run's vLLM replicas, its resident trainer (if it uses one) and its reward workers, unless the run is
+    complete. Call it from the thread that runs the flow (see ResidentProcess.spawn).
 
     `held`: before the run's input is checked, the processes only import their libraries and start nothing (the
     checks must fail before any engine starts, and vLLM's settings name the model the checks have not yet found);
@@ -31,4 +34,6 @@ def start_engines(storage_root: str, run_id: str, held: bool = False) -> None:
     start_rollout_engines(ctx, None if held else starting_weights(ctx).path)
     if ctx.cfg.engines.resident_trainer:
         resident_trainer(ctx).spawn(None, held=held)
+    if not held:  # the functions passed the checks
+        start_workers(list(specs_from_config(ctx.cfg.reward).values()), ctx.cfg.reward.workers)
 
