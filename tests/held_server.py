@@ -1,8 +1,10 @@
-"""A resident server for the tests of a held start (tests/test_held_start.py): its warm-up prints a line (and fails with
-HELD_TEST_FAIL set); its answer echoes the settings it was released with and where its output now goes."""
+"""A resident server for the tests of a held start and of the shutdown (tests/test_held_start.py): its warm-up prints a
+line (and fails with HELD_TEST_FAIL set); its answer echoes the settings it was released with and where its output now
+goes, and prints a line; the interpreter's teardown would print one more."""
 
 from __future__ import annotations
 
+import atexit
 import os
 
 
@@ -16,8 +18,10 @@ def make_answer(settings):
     from schemas.requests import to_wire
 
     print("engine started", flush=True)
+    atexit.register(lambda: print("interpreter teardown", flush=True))
 
     def answer(msg: dict) -> dict:
+        print("answered")
         return {"settings": to_wire(settings), "stdout": os.readlink("/proc/self/fd/1"), "stderr": os.readlink("/proc/self/fd/2")}
 
     return answer

@@ -1,7 +1,8 @@
 """A server spawned held (tasks/engines/resident.py, ResidentProcess.spawn): it warms up before its settings exist,
 writes nothing into the run's logs until it is released, then starts with the settings it was handed and writes its
 held output and everything after it into its log; ended unreleased (the command's input was bad) it leaves no log
-and no file; a warm-up that fails is reported after the release with its own error line."""
+and no file; a warm-up that fails is reported after the release with its own error line. Told to shut down, a server
+exits at once, its output in its log and its socket removed, without the interpreter's teardown."""
 
 import glob
 import os
@@ -67,3 +68,15 @@ def test_a_warm_up_that_failed_is_reported_after_the_release_with_its_error(tmp_
     with pytest.raises(WorkerError, match="held_server server failed to start: RuntimeError: warm-up failed on purpose"):
         server.call(REQUEST, SETTINGS)
     assert "warming up" in log.read_text() and not held_outputs()
+
+
+def test_a_server_told_to_shut_down_exits_at_once_with_its_output_logged_and_its_socket_removed(tmp_path):
+    log = tmp_path / "server.log"
+    server = ResidentProcess("tests.held_server", log)
+    server.spawn(SETTINGS)
+    server.call(REQUEST)
+    proc, sock = server.procs[0], server.sock
+    server.close()
+    assert proc.returncode == 0 and not os.path.exists(sock)
+    text = log.read_text()
+    assert "answered" in text and "interpreter teardown" not in text
