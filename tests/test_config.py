@@ -55,3 +55,15 @@ def test_a_key_added_later_enters_the_fingerprint_only_when_set():
     assert build_config({"rollout": {"min_tokens": 4}}).section_hash("rollout") != expected
     with pytest.raises(ConfigError, match="rollout.min_tokens=9 exceeds rollout.max_tokens=8"):
         build_config({"rollout": {"min_tokens": 9, "max_tokens": 8}})
+
+
+def test_a_saved_config_is_parsed_once_per_content():
+    from tasks.stages.common import saved_config
+
+    text = dump_config(load_config("infra/configs/demo.yaml")).encode()
+    first = saved_config(text)
+    assert saved_config(text) is first  # every stage of every iteration loads it: one parse
+    changed = saved_config(text.replace(b"iterations: 30", b"iterations: 7"))  # rewritten (--reconfigure)
+    assert changed.rl.iterations == 7 and first.rl.iterations == 30
+    with pytest.raises(ConfigError, match="rl.iterations"):
+        saved_config(text.replace(b"iterations: 30", b"iterations: -1"))
