@@ -188,6 +188,18 @@ class PreferenceTrainRequest:
 
 
 @dataclass(frozen=True)
+class TrainerWarmStart:
+    """What a resident trainer loads as it starts, while the rest of the run starts too: the model the first update
+    starts from (the run's starting weights), as the frozen reference the logprobs stage reads, and its DeepSpeed
+    engine with a fresh optimizer, which the first update takes only if it asks for exactly that
+    (tasks/engines/workers/engine_cache.py)."""
+
+    model_path: str
+    dtype: str
+    engine: EngineSettings
+
+
+@dataclass(frozen=True)
 class ScoreRequest:
     """Forward passes without training: a reward model's score of each sequence (rm_score), or a causal LM's
     sequence logprobs of each pair's two responses (seq_logprobs)."""
@@ -201,7 +213,7 @@ class ScoreRequest:
 
 KINDS = {cls.__name__: cls for cls in (VLLMSettings, GenerationJob, GenerateRequest, EngineSettings, Schedule, SFTRequest,
                                        LossSettings, CriticRequest, PtxRequest, UpdateRequest, LogprobsRequest,
-                                       PreferenceTrainRequest, ScoreRequest)}
+                                       PreferenceTrainRequest, TrainerWarmStart, ScoreRequest)}
 
 
 def to_wire(request) -> dict:

@@ -143,10 +143,11 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
     # checked against the trainer's probe logprobs.
     assert metrics[0]["weight_sync_seconds"] == 0 and metrics[1]["weight_sync_seconds"] > 0
     assert all(m["weight_sync_logprob_gap"] < 1e-3 for m in metrics)
-    # The resident trainer reused its engines at iteration 2 (both policy and critic for PPO).
-    assert metrics[0]["trainer_engines_reused"] == 0 and metrics[1]["trainer_engines_reused"] == (2 if algo == "ppo" else 1)
+    # The resident trainer's first update took the policy engine it built ahead from the starting model (PPO's critic
+    # is built at that update), and iteration 2 reused the engines kept since iteration 1 (policy and critic for PPO).
+    assert metrics[0]["trainer_engines_reused"] == 1 and metrics[1]["trainer_engines_reused"] == (2 if algo == "ppo" else 1)
     if algo == "ppo":
-        check_resident_update_equals_one_shot(workspace, layout)
+        check_resident_updates_equal_one_shot(workspace, layout)
         assert (layout.checkpoint_dir(1) / "critic" / "model.safetensors").exists()
         values = read_table(layout, "logprobs", 2)["values"]
         assert values.null_count() == 0 and values.list.len().sum() > 0
@@ -160,18 +161,21 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
         check_fork_and_diff(workspace, layout)
 
 
-def check_resident_update_equals_one_shot(workspace, layout: RunLayout):
-    """Iteration 2's update ran on the engines kept in memory since iteration 1. Redo it in a fork by a one-shot
-    worker that loads checkpoint 1 and its optimizer state from disk: policy and critic weights are identical."""
+def check_resident_updates_equal_one_shot(workspace, layout: RunLayout):
+    """Iteration 1's update ran on the policy engine the resident trainer built ahead from the starting model, iteration
+    2's on the engines kept in memory since iteration 1. Redo each in a fork by a one-shot worker that loads everything
+    from disk (the starting model; checkpoint 1 and its optimizer state): policy and critic weights are identical."""
     from safetensors.torch import load_file
 
-    rlpipe("rerun", layout.run_id, "--iteration", "2", "--stage", "optimize", "--set", "engines.resident_trainer=false",
-           "--fork", "one-shot", "--root", str(workspace / "runs"), cwd=workspace)
-    fork = RunLayout(workspace / "runs", "one-shot")
-    for sub in ("model.safetensors", "critic/model.safetensors"):
-        resident, one_shot = load_file(layout.checkpoint_dir(2) / sub), load_file(fork.checkpoint_dir(2) / sub)
-        assert resident.keys() == one_shot.keys() and all(resident[k].equal(one_shot[k]) for k in resident), sub
-        assert not all(resident[k].equal(v) for k, v in load_file(layout.checkpoint_dir(1) / sub).items())  # it did train
+    for it in (1, 2):
+        rlpipe("rerun", layout.run_id, "--iteration", str(it), "--stage", "optimize", "--set", "engines.resident_trainer=false",
+               "--fork", f"one-shot-{it}", "--root", str(workspace / "runs"), cwd=workspace)
+        fork = RunLayout(workspace / "runs", f"one-shot-{it}")
+        for sub in ("model.safetensors", "critic/model.safetensors"):
+            resident, one_shot = load_file(layout.checkpoint_dir(it) / sub), load_file(fork.checkpoint_dir(it) / sub)
+            assert resident.keys() == one_shot.keys() and all(resident[k].equal(one_shot[k]) for k in resident), (it, sub)
+    for sub in ("model.safetensors", "critic/model.safetensors"):  # iteration 2 did train
+        assert not all(load_file(layout.checkpoint_dir(2) / sub)[k].equal(v) for k, v in load_file(layout.checkpoint_dir(1) / sub).items())
 
 
 def check_fork_and_diff(workspace, layout: RunLayout):

@@ -1,6 +1,7 @@
 """The resident trainer's reuse rule (tasks/engines/workers/engine_cache.py): an engine is reused only for the exact
-checkpoint it wrote, resumed with its own optimizer state and the same settings. The engines here are plain
-objects: the rule is pure bookkeeping over files (the e2e PPO test checks a reused engine against a fresh one)."""
+checkpoint it wrote, resumed with its own optimizer state and the same settings; one built ahead from a model folder
+only for that unchanged folder with a fresh optimizer. The engines here are plain objects: the rule is pure
+bookkeeping over files (the e2e PPO test checks reused engines against fresh ones, at iterations 1 and 2)."""
 
 import dataclasses
 import os
@@ -71,3 +72,32 @@ def test_frozen_models_load_once_per_weights_and_evict_the_oldest(tmp_path):
     assert len(cache._frozen) == EngineCache.MAX_FROZEN
     cache.frozen(ref, lambda: load(ref))  # evicted by the two newer ones: loaded again
     assert loads == [ref, ref, *folders[1:], ref]
+
+
+def test_an_engine_built_ahead_is_reused_only_for_its_unchanged_folder_with_a_fresh_optimizer(tmp_path):
+    start = tmp_path / "sft"
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"x")
+    cache, engine = EngineCache(), SimpleNamespace(module="module of sft")
+
+    def built_ahead():
+        cache.keep_loaded_engine("policy", str(start), engine, "fresh optimizer", SETTINGS)
+
+    built_ahead()
+    assert cache.engine_module("policy", str(start)) is None  # logprobs read the starting model as a frozen one
+    assert cache.take_engine("policy", str(start), str(start / "ds_state"), SETTINGS) is None  # optimizer state asked for
+    built_ahead()
+    assert cache.take_engine("policy", str(tmp_path / "other"), None, SETTINGS) is None
+    built_ahead()
+    assert cache.take_engine("policy", str(start), None, dataclasses.replace(SETTINGS, zero_stage=2)) is None
+    built_ahead()
+    os.utime(start / "model.safetensors", (1, 1))  # new weights in the folder since
+    assert cache.take_engine("policy", str(start), None, SETTINGS) is None
+    built_ahead()
+    write_state_id(str(start))  # the folder was rewritten by a trainer since
+    assert cache.take_engine("policy", str(start), None, SETTINGS) is None
+    assert cache.hits["engine"] == 0
+    built_ahead()
+    assert cache.take_engine("policy", str(start), None, SETTINGS) == (engine, "fresh optimizer")
+    assert cache.take_engine("policy", str(start), None, SETTINGS) is None  # taken out while it trains
+    assert cache.hits["engine"] == 1

@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from schemas.requests import LogprobsRequest, UpdateRequest
+from schemas.requests import EngineSettings, LogprobsRequest, TrainerWarmStart, UpdateRequest
+from storage import read_manifest
 from tasks.engines.launch import run_worker
 from tasks.engines.resident import ResidentProcess, resident
 from tasks.engines.workers import LOGPROBS_WORKER, TRAIN_WORKER, TRAINER_SERVER
@@ -27,3 +28,13 @@ def resident_trainer(ctx: RunContext) -> ResidentProcess:
     e, log = ctx.cfg.engines, ctx.layout.log_path("trainer")
     return resident(TRAINER_SERVER, ctx.layout.run_id,
                     lambda: ResidentProcess(TRAINER_SERVER, log, ranks=e.train_ranks, devices=e.trainer_devices, hostfile=e.hostfile))
+
+
+def trainer_warm_start(ctx: RunContext) -> TrainerWarmStart | None:
+    """What the resident trainer may load before its first request: the run's starting weights, when the next update
+    starts from them (no update is complete yet), with the policy's engine settings. A resumed run's trainer loads on
+    demand instead: an engine built ahead and never taken would only hold memory."""
+    if read_manifest(ctx.layout, "train_metrics", 1, verify=False) is not None:
+        return None
+    cfg = ctx.cfg
+    return TrainerWarmStart(cfg.model.path, cfg.model.dtype, EngineSettings.for_policy(cfg.optim, cfg.model))

@@ -6,13 +6,14 @@ Spawned here, without waiting, their imports and loads overlap each other and wh
 the stages then connect to the processes already starting (tasks/engines/resident.py). The reward pool's workers are
 spawned with them (tasks/rewards/pool.py, start_workers) rather than at the first scores. Nothing here decides a result:
 a vLLM replica starts from the run's starting weights and syncs in place to the weights each request names, and the
-trainer loads nothing until its first request. (A trainer killed while it loads DeepSpeed's compiled op no longer
-blocks later ones: tasks/engines/workers/data_parallel.py, load_comm_op.)
+trainer loads ahead only what its first requests would load (trainer_warm_start), under the engine cache's reuse rule.
+(A trainer killed while it loads DeepSpeed's compiled op no longer blocks later ones: tasks/engines/workers/
+data_parallel.py, load_comm_op.)
 """
 
 from __future__ import annotations
 
-from tasks.engines.trainer_client import resident_trainer
+from tasks.engines.trainer_client import resident_trainer, trainer_warm_start
 from tasks.rewards.loader import specs_from_config
 from tasks.rewards.pool import start_workers
 from tasks.stages.common import load_run
@@ -33,7 +34,7 @@ def start_engines(storage_root: str, run_id: str, held: bool = False) -> None:
         return
     start_rollout_engines(ctx, None if held else starting_weights(ctx).path)
     if ctx.cfg.engines.resident_trainer:
-        resident_trainer(ctx).spawn(None, held=held)
+        resident_trainer(ctx).spawn(None if held else trainer_warm_start(ctx), held=held)
     if not held:  # the functions passed the checks
         start_workers(list(specs_from_config(ctx.cfg.reward).values()), ctx.cfg.reward.workers)
 

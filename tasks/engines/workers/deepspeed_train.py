@@ -26,7 +26,7 @@ from tasks.engines.workers.training import (
 )
 
 
-def _load_policy(path: str):
+def load_policy(path: str):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -194,8 +194,9 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     minibatches = min(request.minibatches, n)
     gas = data_parallel.accumulation_steps(math.ceil(n / minibatches), data_parallel.world(), micro)
     engine, optimizer = _kept_or_new_engine(cache, "policy", request.model_path, request.resume_state, request.engine, gas,
-                                            lambda: _load_policy(request.model_path))
+                                            lambda: load_policy(request.model_path))
     critic = _critic_engine(request.critic, request.engine, gas, data, cache) if request.critic else None
+    torch.manual_seed(request.seed)  # after the engines: the same random state whether they were loaded or kept
     ptx = _Ptx(request, tokenizer) if request.ptx else None
     gen = torch.Generator().manual_seed(request.seed)
     grad_norms, steps, t0 = [], 0, time.time()
@@ -282,7 +283,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)
     if isinstance(request, SFTRequest):
-        engine, table = _sft(request, _load_policy(request.model_path), tokenizer)
+        engine, table = _sft(request, load_policy(request.model_path), tokenizer)
         if data_parallel.rank() == 0:
             table.write_parquet(request.metrics_path)
         metrics, train_seconds = {}, time.time() - t0

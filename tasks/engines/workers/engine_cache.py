@@ -4,9 +4,10 @@ Every checkpoint a trainer writes carries `trainer_state.json` with a fresh rand
 the engine that wrote it tagged with that id. A later request that resumes from a checkpoint reuses the engine
 only if the checkpoint's id is the engine's, the request resumes its optimizer state from that same
 checkpoint, and the engine settings are the same: then the engine's weights and optimizer moments are exactly
-what a fresh load would give. Any other request (another checkpoint, a rewind, a resumed run after a crash, a
-failed update) loads from disk. An engine is taken out of the cache while it trains, so a failure halfway
-leaves nothing stale behind.
+what a fresh load would give. An engine built ahead from a model folder (a warm start) is reused only by a request
+for that folder, unchanged since (its id and its weight files' time), with a fresh optimizer and the same settings.
+Any other request (another checkpoint, a rewind, a resumed run after a crash, a failed update) loads from disk.
+An engine is taken out of the cache while it trains, so a failure halfway leaves nothing stale behind.
 """
 
 from __future__ import annotations
@@ -42,10 +43,16 @@ def write_state_id(checkpoint: str, world_size: int = 1) -> str:
 
 @dataclass
 class _Slot:
-    state_id: str
+    state_id: str | None  # the id of the checkpoint the engine wrote
     settings: str
     engine: object
     optimizer: object
+    loaded_from: tuple | None = None  # or (folder, its identity) it was built from, with a fresh optimizer
+
+    def holds(self, checkpoint: str, resume_state: str | None) -> bool:
+        if self.loaded_from is not None:
+            return resume_state is None and self.loaded_from == (checkpoint, _identity(checkpoint))
+        return resume_state == os.path.join(checkpoint, "ds_state") and self.state_id == read_state_id(checkpoint)
 
 
 class EngineCache:
@@ -61,8 +68,7 @@ class EngineCache:
     def take_engine(self, role: str, checkpoint: str, resume_state: str | None, settings):
         """(engine, optimizer) whose state is exactly `checkpoint` + `resume_state`, or None."""
         slot = self._slots.pop(role, None)  # while it trains it matches no checkpoint
-        if (slot is None or resume_state != os.path.join(checkpoint, "ds_state")
-                or slot.state_id != read_state_id(checkpoint) or slot.settings != _key(settings)):
+        if slot is None or slot.settings != _key(settings) or not slot.holds(checkpoint, resume_state):
             return None
         self.hits["engine"] += 1
         return slot.engine, slot.optimizer
@@ -70,17 +76,22 @@ class EngineCache:
     def keep_engine(self, role: str, state_id: str, engine, optimizer, settings) -> None:
         self._slots[role] = _Slot(state_id, _key(settings), engine, optimizer)
 
+    def keep_loaded_engine(self, role: str, folder: str, engine, optimizer, settings) -> None:
+        """An engine built from the model in `folder` with a fresh optimizer, before any request asked for it."""
+        self._slots[role] = _Slot(None, _key(settings), engine, optimizer, loaded_from=(folder, _identity(folder)))
+
     def engine_module(self, role: str, checkpoint: str):
-        """The module of the kept engine whose state `checkpoint` holds (for a forward pass), or None."""
+        """The module of the kept engine whose state `checkpoint` holds (for a forward pass), or None. Not an engine
+        built ahead: the model it starts from is read as a frozen model, as without one."""
         slot = self._slots.get(role)
-        if slot is None or slot.state_id != read_state_id(checkpoint):
+        if slot is None or slot.loaded_from is not None or slot.state_id != read_state_id(checkpoint):
             return None
         self.hits["engine"] += 1
         return slot.engine.module
 
     def frozen(self, path: str, load):
         """A model that is never trained here, loaded once: keyed by its folder, state id and weight files' mtime."""
-        key = (path, read_state_id(path), _weights_mtime(path))
+        key = (path, *_identity(path))
         if key in self._frozen:
             self.hits["frozen"] += 1
             return self._frozen[key]
@@ -88,6 +99,10 @@ class EngineCache:
             self._frozen.pop(next(iter(self._frozen)))
         self._frozen[key] = model = load()
         return model
+
+
+def _identity(folder: str) -> tuple:
+    return read_state_id(folder), _weights_mtime(folder)
 
 
 def _key(settings) -> str:

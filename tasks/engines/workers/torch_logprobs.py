@@ -32,12 +32,19 @@ def _values(critic, prompts, responses, pad_id, micro):
     return batched(lambda ids, attn, mask, plen, rlen: unalign(token_values(critic, ids, attn), plen, rlen), prompts, responses, pad_id, micro)
 
 
+def load_lm(path: str, dtype: str):
+    """A causal LM for forward passes only (the reference, the starting policy)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+
+
 def handle(request: LogprobsRequest, cache=None) -> dict:
     """One request. With `cache` (the resident trainer's EngineCache), the policy and critic come from the engines
     that wrote their checkpoints and the reference is loaded once, so no weights are read from disk in steady state."""
     import polars as pl
     import torch
-    from transformers import AutoModelForCausalLM
 
     from tasks.engines.workers.critic import load_critic
     from tasks.engines.workers.token_batch import eval_mode
@@ -49,11 +56,6 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
     micro = request.micro_batch_size
     policy_path, ref_path = request.policy_path, request.ref_path
 
-    dtype = request.dtype
-
-    def load_lm(path):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-
     def model_at(role, path, load, frozen):  # role: the trainer engine that may hold it (None for the reference)
         kept = cache.engine_module(role, path) if cache and role else None
         if kept is not None:
@@ -63,7 +65,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
     t0 = time.time()
     forward = 0.0
     # The starting policy is the reference: kept frozen. Later policies come from the trainer's engine.
-    policy = model_at("policy", policy_path, lambda: load_lm(policy_path), frozen=policy_path == ref_path)
+    policy = model_at("policy", policy_path, lambda: load_lm(policy_path, request.dtype), frozen=policy_path == ref_path)
     pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
     t1 = time.time()
     with eval_mode(policy):
@@ -73,7 +75,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         ref = old  # iteration 1: the policy is the reference, no second pass needed
     else:
         del policy
-        ref_model = model_at(None, ref_path, lambda: load_lm(ref_path), frozen=True)
+        ref_model = model_at(None, ref_path, lambda: load_lm(ref_path, request.dtype), frozen=True)
         t1 = time.time()
         with eval_mode(ref_model):
             ref, _ = _score(ref_model, prompts, responses, pad_id, micro, False)
@@ -81,8 +83,8 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
     values = None
     if request.critic_path:
         critic_path, fresh = request.critic_path, request.critic_fresh
-        critic = (load_critic(critic_path, True, dtype) if fresh
-                  else model_at("critic", critic_path, lambda: load_critic(critic_path, False, dtype), frozen=False))
+        critic = (load_critic(critic_path, True, request.dtype) if fresh
+                  else model_at("critic", critic_path, lambda: load_critic(critic_path, False, request.dtype), frozen=False))
         t1 = time.time()
         with eval_mode(critic):
             values = _values(critic, prompts, responses, pad_id, micro)
