@@ -48,6 +48,20 @@ def test_a_chat_prompt_takes_the_template_with_the_generation_prompt_and_the_sys
     assert f.response_ids("three")[-1] == chatml.convert_tokens_to_ids("<|im_end|>")
 
 
+@pytest.mark.parametrize("tokenizer, config", [("char", PromptConfig(template="Q:{prompt}A:")), ("chatml", PromptConfig(system_prompt="be brief."))])
+def test_prompts_tokenized_in_one_call_equal_one_by_one(request, tokenizer, config):
+    from tasks.data.datasets import formatted_prompts
+
+    tok = CHAR if tokenizer == "char" else request.getfixturevalue("chatml")
+    f = PromptFormatter(tok, config)
+    prompts = ["1+2=", "", "12+345=", "0 0"] if tokenizer == "char" else ["what is one plus two?", [{"role": "user", "content": "hi"}]]
+    rows = pl.DataFrame({"_file": ["f"] * len(prompts), "_row": list(range(len(prompts)))})
+    got = formatted_prompts(f, prompts, rows, "data.train_files")
+    # The reference: the tokenizer called on each text alone (a chat text holds its specials, a template's gets BOS).
+    assert [p.token_ids for p in got] == [tok(p.text, add_special_tokens=not f.chat)["input_ids"] for p in got]
+    assert got == [f(p) for p in prompts] and len({len(p.token_ids) for p in got}) > 1
+
+
 def test_chat_messages_without_a_chat_template_are_refused(chatml):
     with pytest.raises(FormattingError, match="needs a chat template"):
         PromptFormatter(CHAR, PromptConfig())([{"role": "user", "content": "1+1="}])

@@ -160,13 +160,15 @@ def files_fingerprint(patterns: list[str], what: str) -> str:
 
 
 def formatted_prompts(formatter, values: list, rows: pl.DataFrame, what: str, error: type[UserError] = DatasetError) -> list:
-    """Every prompt through the formatter (tasks/data/formatting.py); a prompt it cannot format is named by file and row."""
-    from tasks.data.formatting import FormattingError
+    """Every prompt through the formatter (tasks/data/formatting.py), tokenized in one call; a prompt it cannot format
+    is named by file and row."""
+    from tasks.data.formatting import FormattedPrompt, FormattingError
 
-    out = []
+    rendered = []
     for i, value in enumerate(values):
         try:
-            out.append(formatter(value))
+            rendered.append(formatter.text(value))
         except FormattingError as exc:
             raise error(f"{what}: {rows['_file'][i]} row {rows['_row'][i]}: {exc}") from None
-    return out
+    ids = formatter.token_ids([text for text, _ in rendered])
+    return [FormattedPrompt(text, token_ids, messages) for (text, messages), token_ids in zip(rendered, ids)]

