@@ -1,7 +1,7 @@
 """End to end against TRL where generation dominates (`make bench ARGS=e2e_long`): infra/configs/bench_long.yaml, the
 long_addition prompts with the ~20M-parameter bench Llama and responses forced past 128 tokens (rollout.min_tokens;
 TRL: min_new_tokens), 16 prompts × 8 a round, 1 epoch × 2 minibatches, k3 KL in the loss, with the settings
-tests/benchmarks/trl_match.py matches. The model comes straight from its recipe: it has not learned the task, and
+tests/benchmarks/trl_match.py matches, each side in a fresh process timed from its spawn. The model comes straight from its recipe: it has not learned the task, and
 both sides start from the same weights, so this measures throughput, not learning.
 
 Rows: e2e_long_vs_trl (samples/s; also generated tokens/s), startup_seconds (each side's one-off cost: the first
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.benchmarks import result_row
-from tests.benchmarks.trl_match import rlpipe_training, trl_training
+from tests.benchmarks.trl_match import in_fresh_process
 
 CONFIG = "infra/configs/bench_long.yaml"
 ITERATIONS = 6
@@ -36,8 +36,8 @@ def run() -> list[dict]:
 
     ensure_bench_model()
     root = Path(load_config(CONFIG).storage_root)
-    rl = rlpipe_training(CONFIG, [], "rlpipe", ITERATIONS)
-    trl = trl_training(CONFIG, [], root / "trl-model", ITERATIONS)
+    rl = in_fresh_process("rlpipe", CONFIG, [], "rlpipe", ITERATIONS)
+    trl = in_fresh_process("trl", CONFIG, [], str(root / "trl-model"), ITERATIONS)
     for name, side in (("rlpipe", rl), ("TRL", trl)):
         print(f"e2e_long {name}: {side.samples} samples, {side.tokens} generated tokens ({side.tokens / side.samples:.1f} a "
               f"response) in {side.wall:.1f}s = {side.samples / side.wall:.2f} samples/s, {side.tokens / side.wall:.0f} tokens/s; "

@@ -1,6 +1,6 @@
 """End to end against TRL at demo scale: TRL's GRPOTrainer and `rlpipe --algo grpo` on the demo config from the demo
 SFT model (a 1M-parameter model, 3-token answers), 10 rounds of 64 prompts × 8 with 2 epochs × 4 minibatches, with
-the settings tests/benchmarks/trl_match.py matches. Accuracy: greedy, on the 256 held-out prompts, by the same HF
+the settings tests/benchmarks/trl_match.py matches, each side in a fresh process timed from its spawn. Accuracy: greedy, on the 256 held-out prompts, by the same HF
 generate and the same judge for both final models.
 """
 
@@ -12,7 +12,7 @@ import polars as pl
 
 from tests.benchmarks import result_row
 from tests.benchmarks.bench_iteration import DEMO_CONFIG, ensure_demo_model
-from tests.benchmarks.trl_match import rlpipe_training, trl_training
+from tests.benchmarks.trl_match import in_fresh_process
 
 ITERATIONS = 10  # × 8 optimizer steps
 WORK = Path("runs/bench/trl")
@@ -47,8 +47,8 @@ def run() -> list[dict]:
     ensure_demo_model()
     cfg = load_config(DEMO_CONFIG, OVERRIDES, "grpo")
     held_out = pl.read_parquet(ensure_task_files(cfg.task)["eval"])
-    rl = rlpipe_training(DEMO_CONFIG, OVERRIDES, "rlpipe", ITERATIONS)
-    trl = trl_training(DEMO_CONFIG, OVERRIDES, WORK / "trl-model", ITERATIONS)
+    rl = in_fresh_process("rlpipe", DEMO_CONFIG, OVERRIDES, "rlpipe", ITERATIONS)
+    trl = in_fresh_process("trl", DEMO_CONFIG, OVERRIDES, str(WORK / "trl-model"), ITERATIONS)
     accuracy = {name: greedy_accuracy(path, held_out, cfg.rollout.max_tokens) for name, path in
                 (("sft", cfg.model.path), ("rlpipe", rl.model), ("trl", trl.model))}
     steps = ITERATIONS * cfg.optim.minibatches * cfg.optim.ppo_epochs

@@ -5,15 +5,24 @@ min_tokens, temperature 1, lr with linear warmup then constant, AdamW (0.9, 0.99
 clip ε, k3 KL to the starting model with β in the loss, the loss aggregation (`--algo grpo`'s seq-mean-token-mean is
 TRL's "grpo", token-mean its "dapo"), group-normalised advantages, epochs × minibatches optimizer steps per round, and the config's reward functions
 (rlpipe's built-ins, same weights and kwargs) on both sides. Every group is trained (rlpipe's dynamic filtering off,
-as TRL has none). Both sides are timed over their whole training, start-up included (rlpipe: Prefect's API, vLLM and
-the DeepSpeed trainer; TRL: loading the policy and the reference), and per round, so that start-up can be read as
-the first round's excess over the later rounds' median.
+as TRL has none).
+
+Each side runs in a new Python process, as a user starts it (`in_fresh_process`: the rlpipe command's iterations; a
+script that imports TRL), timed from the moment it is spawned to the end of each round, so that start-up is the same
+thing on both sides: the interpreter, the imports and every load (rlpipe: its command's imports and checks, Prefect's
+temporary API, vLLM and the DeepSpeed trainer; TRL: torch, transformers, datasets and TRL, the policy and the
+reference). Start-up is read as the first round's excess over the later rounds' median. Neither side's exit after its
+last round is counted (it is printed).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,15 +34,19 @@ from tests.benchmarks.bench_iteration import ENGINE_SECONDS
 
 @dataclass
 class Training:
-    """One side's training: wall seconds from the start, samples and generated tokens trained, the final model, and
-    the wall clock (from the start) at the end of each round."""
+    """One side's training: samples and generated tokens trained, the final model, and the clock at the end of each
+    round (in the process that trained, time.time(); from `in_fresh_process`, seconds since the process was spawned)."""
 
-    wall: float
     samples: int
     tokens: int
     model: str
     round_ends: list[float] = field(default_factory=list)
     engine_seconds: list[float] = field(default_factory=list)  # rlpipe: per round, generation and forward/backward passes
+
+    @property
+    def wall(self) -> float:
+        """Seconds from the start (the spawn) to the end of the last round."""
+        return self.round_ends[-1]
 
     @property
     def startup(self) -> float:
@@ -49,22 +62,23 @@ class Training:
 
 
 def run_iterations(config: str, overrides: list[str], run_id: str, iterations: int, algo: str | None = None):
-    """(layout, ends): a fresh run of `config` iterated as the rlpipe command runs it (engines started early, one flow
-    run per iteration), and the wall clock from its start (preflight included) at the end of each iteration."""
+    """(layout, ends): a fresh run of `config` iterated as the rlpipe command runs it (its checks with the engines and
+    Prefect's API starting meanwhile, then one flow run per iteration), and time.time() at the end of each iteration."""
     from flows.deployments import prepare_checked_run
+    from flows.local_prefect import local_flow_settings
     from flows.rl import rl_iteration
     from schemas.config import load_config
     from storage import RunLayout
     from tasks.engines.resident import close_all
 
     shutil.rmtree(Path(load_config(config, overrides, algo).storage_root) / run_id, ignore_errors=True)
-    t0 = time.perf_counter()
     ends = []
     try:
         root = prepare_checked_run(config, [*overrides, f"rl.iterations={iterations}"], run_id, algo)  # engines spawned in it
-        for k in range(1, iterations + 1):
-            rl_iteration(run_id, k, root)
-            ends.append(time.perf_counter() - t0)
+        with local_flow_settings():  # entered after the checks, as the command does
+            for k in range(1, iterations + 1):
+                rl_iteration(run_id, k, root)
+                ends.append(time.time())
     finally:
         close_all()
     return RunLayout(Path(root), run_id), ends
@@ -77,7 +91,7 @@ def rlpipe_training(config: str, overrides: list[str], run_id: str, iterations: 
     layout, ends = run_iterations(config, overrides, run_id, iterations, "grpo")
     metrics = [read_stage(layout, "train_metrics", k).row(0, named=True) for k in range(1, iterations + 1)]
     tokens = sum(int(read_stage(layout, "rollouts", k)["length"].sum()) for k in range(1, iterations + 1))
-    return Training(ends[-1], sum(int(m["samples"]) for m in metrics), tokens, str(layout.checkpoint_dir(iterations)), ends,
+    return Training(sum(int(m["samples"]) for m in metrics), tokens, str(layout.checkpoint_dir(iterations)), ends,
                     [sum(m[c] for c in ENGINE_SECONDS) for m in metrics])
 
 
@@ -119,7 +133,7 @@ def trl_training(config: str, overrides: list[str], out: Path, iterations: int) 
 
         def on_step_end(self, args, state, control, **_):
             if state.global_step % (o.minibatches * o.ppo_epochs) == 0:
-                self.ends.append(time.perf_counter() - t0)
+                self.ends.append(time.time())
 
     samples_per_round = r.prompts_per_round * r.group_size
     args = GRPOConfig(
@@ -135,11 +149,40 @@ def trl_training(config: str, overrides: list[str], out: Path, iterations: int) 
     )
     dataset = Dataset.from_dict({"prompt": train["prompt"].to_list(), "answer": train["answer"].to_list()})
     clock = RoundClock()
-    t0 = time.perf_counter()
     trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=[reward_func(n, f) for n, f in cfg.reward.functions.items()],
                           args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
     trainer.train()
-    wall = time.perf_counter() - t0
     trainer.save_model(str(out))
     tokenizer.save_pretrained(out)
-    return Training(wall, iterations * samples_per_round, generated["tokens"], str(out), clock.ends)
+    return Training(iterations * samples_per_round, generated["tokens"], str(out), clock.ends)
+
+
+def in_fresh_process(side: str, config: str, overrides: list[str], name: str, iterations: int) -> Training:
+    """`side` ("rlpipe", or "trl") trained in a new Python process (this module run as a script), its round ends in
+    seconds from the moment it was spawned. `name`: rlpipe's run id, or TRL's output folder."""
+    result = Path("runs/bench") / f"{side}-{Path(name).name}.result.json"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.unlink(missing_ok=True)
+    spawned = time.time()
+    subprocess.run([sys.executable, "-m", "tests.benchmarks.trl_match", side, json.dumps([config, overrides, name, iterations]),
+                    str(result)], check=True)
+    exited = time.time() - spawned
+    training = Training(**json.loads(result.read_text()))
+    training.round_ends = [t - spawned for t in training.round_ends]
+    print(f"{side}: last round ended {training.wall:.1f}s after its process was spawned, the process exited at {exited:.1f}s")
+    return training
+
+
+def main(side: str, args: str, result: str) -> None:
+    config, overrides, name, iterations = json.loads(args)
+    if side == "rlpipe":
+        import flows.cli  # noqa: F401  (first, as in the rlpipe command: Prefect's settings and its API's database)
+
+        training = rlpipe_training(config, overrides, name, iterations)
+    else:
+        training = trl_training(config, overrides, Path(name), iterations)
+    Path(result).write_text(json.dumps(dataclasses.asdict(training)))
+
+
+if __name__ == "__main__":  # in_fresh_process
+    main(*sys.argv[1:])
