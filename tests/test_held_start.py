@@ -80,3 +80,15 @@ def test_a_server_told_to_shut_down_exits_at_once_with_its_output_logged_and_its
     assert proc.returncode == 0 and not os.path.exists(sock)
     text = log.read_text()
     assert "answered" in text and "interpreter teardown" not in text
+
+
+def test_a_server_never_connected_is_killed_at_close_and_its_socket_removed(tmp_path):
+    server = ResidentProcess("tests.held_server", tmp_path / "server.log")
+    server.spawn(SETTINGS)  # started, never asked anything: it gets no shutdown message
+    deadline = time.time() + 60
+    while not os.path.exists(server.sock):
+        assert time.time() < deadline and server.procs[0].poll() is None
+        time.sleep(0.05)
+    proc, sock = server.procs[0], server.sock
+    server.close()
+    assert proc.returncode is not None and not os.path.exists(sock)

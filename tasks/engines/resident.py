@@ -173,6 +173,9 @@ class ResidentProcess:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+        if self.procs:  # a server killed after it opened its socket left the file behind (one that ended removed it)
+            Path(self.sock).unlink(missing_ok=True)
         self._end_held()
         self.procs = []
 
