@@ -150,17 +150,9 @@ def start_workers(specs: list[FunctionSpec], workers: int) -> None:
     A worker that fails here is found, and explained, by the first `score_samples`."""
     if workers == 0 or not specs:
         return
-    pool = _pool(workers)
+    pool, wire = _pool(workers), json.dumps([asdict(s) for s in specs])
     for _ in range(workers):  # every submit finds no idle worker yet, so each spawns one
-        pool.submit(_load_functions, specs)
-
-
-def _load_functions(specs: list[FunctionSpec]) -> None:
-    for spec in specs:
-        try:
-            load_function(spec)
-        except UserError:  # scored as errors by score_chunk, with the message
-            pass
+        pool.submit(worker_start_check, wire)
 
 
 def _close() -> None:
@@ -182,8 +174,8 @@ class RewardPoolError(UserError, RuntimeError):
 
 
 def worker_start_check(specs_json: str) -> None:
-    """What a reward worker does before its first sample: import this module and load every function. Run in a
-    child by `why_workers_die`."""
+    """What a reward worker does before its first sample: import this module and load every function. Run by each
+    worker that `start_workers` spawns, and in a child by `why_workers_die`."""
     for spec in json.loads(specs_json):
         load_function(FunctionSpec(**spec))
 

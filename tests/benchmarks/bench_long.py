@@ -1,8 +1,9 @@
 """End to end against TRL where generation dominates (`make bench ARGS=e2e_long`): infra/configs/bench_long.yaml, the
 long_addition prompts with the ~20M-parameter bench Llama and responses forced past 128 tokens (rollout.min_tokens;
 TRL: min_new_tokens), 16 prompts × 8 a round, 1 epoch × 2 minibatches, k3 KL in the loss, with the settings
-tests/benchmarks/trl_match.py matches, each side in a fresh process timed from its spawn. The model comes straight from its recipe: it has not learned the task, and
-both sides start from the same weights, so this measures throughput, not learning.
+tests/benchmarks/trl_match.py matches, each side in a fresh process timed from its spawn. The model comes straight
+from its recipe: it has not learned the task, and both sides start from the same weights, so this measures
+throughput, not learning.
 
 Rows: e2e_long_vs_trl (samples/s; also generated tokens/s), startup_seconds (each side's one-off cost: the first
 round's wall minus the median of the later rounds'; ratio rlpipe's / TRL's) and iteration_overhead_long (the
