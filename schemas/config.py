@@ -151,7 +151,7 @@ class RewardFunctionConfig(Section):
             raise ValueError("give path or module, not both")
         if self.function and not (self.path or self.module):
             raise ValueError("function needs a path or a module")
-        taken = sorted(set(self.kwargs) & set(REWARD_ARGUMENTS))
+        taken = sorted(set(self.kwargs) & set(RESERVED_ARGUMENTS))
         if taken:
             raise ValueError(f"kwargs may not set {taken[0]!r}: rlpipe passes it")
         return self
@@ -319,6 +319,10 @@ class EvalConfig(Section):
     pass_k: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
     max_prompts: int | None = Field(None, ge=1, description="Evaluate at most this many held-out prompts (the first ones).")
+    interim_prompts: int | None = Field(None, ge=1, description="Evals during training (every rl.eval_every iterations, "
+                                        "but the last) use only the first N held-out prompts, the same ones each time: "
+                                        "cheaper progress checks. The starting model and the final checkpoint are "
+                                        "evaluated on every held-out prompt (up to max_prompts). None: all, every time.")
     # A response is correct when score_<judge> ≥ judge_threshold; judge is a reward function of the run, `reward`
     # (the weighted total) or `model` (the reward model's score).
     judge: str = "accuracy"

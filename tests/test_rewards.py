@@ -224,3 +224,53 @@ def test_every_builtin_is_registered_once_and_loads():
     with pytest.raises(ValueError, match="registered twice"):
         BUILTIN_REWARDS.register("accuracy")(lambda **_: 0.0)
     assert math.isnan(float("nan"))
+
+
+VERL_AND_TRL_REWARDS = '''
+import re
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's signature, unchanged."""
+    found = re.findall(r"-?\\d+", solution_str)
+    return float(bool(found) and found[-1] == ground_truth) + (0.5 if data_source is None and extra_info is None else 0.0)
+
+def trl_accuracy(completions, ground_truth, **kwargs):
+    """TRL's batched signature, unchanged: conversational completions are lists of messages."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    assert len(kwargs["prompts"]) == len(texts) and len(kwargs["completion_ids"]) == len(texts)
+    return [float(t.strip() == g) for t, g in zip(texts, ground_truth)]
+
+def trl_sees(prompts, completions, completion_ids, **kwargs):
+    return [float(p[-1]["role"] == "user" and c == [{"role": "assistant", "content": c[0]["content"]}] and ids == [5, 6])
+            for p, c, ids in zip(prompts, completions, completion_ids)]
+'''
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_verl_and_trl_reward_functions_run_unchanged_from_a_file(tmp_path, workers):
+    path = tmp_path / "their_rewards.py"
+    path.write_text(VERL_AND_TRL_REWARDS)
+    cfg = reward({"verl": {"path": str(path), "function": "compute_score"}, "trl": {"path": str(path), "function": "trl_accuracy"},
+                  "sees": {"path": str(path), "function": "trl_sees", "weight": 0.0}}, workers=workers)
+    preflight(cfg, set())  # neither "cannot fill parameter 'solution_str'" nor "... 'completions'"
+    frame = rollouts(["the sum is 12", "12", "13"]).with_columns(pl.Series("token_ids", [[5, 6]] * 3, dtype=pl.List(pl.Int32)))
+    chat = prompts("12").with_columns(pl.Series("messages", [[{"role": "user", "content": "6+6?"}]]))
+    df = score_frame(frame, chat, cfg, 8)
+    assert df["score_verl"].to_list() == [1.5, 1.5, 0.5]  # no data_source / extra_info columns: both None
+    assert df["score_trl"].to_list() == [0.0, 1.0, 0.0] and df["error"].null_count() == 3
+    assert df["score_sees"].to_list() == [1.0, 1.0, 1.0]
+    # With verl's own columns, the function gets them; text prompts reach TRL functions as text.
+    extra = {"answer": "12", "data_source": "gsm8k", "extra_info": {"split": "test"}}
+    df = score_frame(frame, prompts("12", extra), cfg, 8)
+    assert df["score_verl"].to_list() == [1.0, 1.0, 0.0] and df["score_trl"].to_list() == [0.0, 1.0, 0.0]
+    assert df["score_sees"].to_list() == [0.0, 0.0, 0.0] and df["error_sees"][0].startswith("TypeError")
+
+
+def test_a_dataset_column_named_like_an_alias_is_refused(tmp_path):
+    from schemas.config import DataConfig
+    from tasks.data.datasets import DatasetError, prompt_rows
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1", "answer": "2", "completions": "x"}\n')
+    with pytest.raises(DatasetError, match="column 'completions' would shadow the reward functions' argument"):
+        prompt_rows([str(path)], DataConfig(), "data.train_files", "train")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
-from schemas.config import REWARD_ARGUMENTS, DataConfig
+from schemas.config import RESERVED_ARGUMENTS, DataConfig
 from schemas.errors import UserError
 
 MESSAGES = pl.List(pl.Struct({"role": pl.Utf8, "content": pl.Utf8}))
@@ -137,7 +137,7 @@ def prompt_rows(patterns: list[str], data: DataConfig, what: str, id_prefix: str
         ids = pl.Series([f"{id_prefix}-{i:06d}" for i in range(df.height)], dtype=pl.Utf8)
     used = {data.prompt_key.split(".")[0], data.id_key}  # the prompt and the id reach the functions as `prompt...`, `prompt_id`
     others = [c for c in df.columns if not c.startswith("_") and c not in used]
-    clash = sorted(set(others) & set(REWARD_ARGUMENTS))
+    clash = sorted(set(others) & set(RESERVED_ARGUMENTS))
     if clash:
         hint = " (or set data.id_key: prompt_id to use it as the id)" if clash[0] == "prompt_id" else ""
         raise DatasetError(f"{what}: column {clash[0]!r} would shadow the reward functions' argument of that name; rename it{hint}")

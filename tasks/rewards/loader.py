@@ -17,6 +17,16 @@ The contract (README, "Write a reward function"). A per-sample function is calle
 It takes the ones it names, or all of them with **kwargs, and returns a number (bool and int count). A batched
 function (`batched: true`) gets the same names with a list per argument (the config's kwargs stay scalars) and
 returns a list of numbers, one per sample.
+
+Functions written for verl or TRL run unchanged, under their own names for the same values:
+
+    solution_str   verl: the response (`compute_score(data_source, solution_str, ground_truth, extra_info)`); verl's
+                   `data_source` and `extra_info` are dataset columns, None when the dataset has no such column
+    completion     TRL: the response, as chat messages [{"role": "assistant", "content": ...}] when the prompt was
+                   chat messages, else the text
+    completion_ids the response's token ids (as the sampler produced them)
+    completions,   TRL's batched names: a function that takes `completions` or `prompts` is called batched, with
+    prompts        the completions, and the prompts as chat messages (chat data) or as the model saw them (text)
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from schemas.config import REWARD_ARGUMENTS, RewardConfig
+from schemas.config import ALIAS_ARGUMENTS, REWARD_ARGUMENTS, TRL_BATCHED_ARGUMENTS, RewardConfig
 from schemas.errors import UserError
 from tasks.rewards.builtin import BUILTIN_REWARDS
 
@@ -124,6 +134,15 @@ def load_function(spec: FunctionSpec) -> Callable:
     return fn
 
 
+OPTIONAL_COLUMNS = ("data_source", "extra_info")  # verl's columns, None when the dataset lacks them
+
+
+def is_batched(spec: FunctionSpec, fn: Callable) -> bool:
+    """`batched: true`, or a TRL-style function (it takes `completions` or `prompts`, which only exist as lists)."""
+    params = inspect.signature(fn).parameters
+    return spec.batched or any(name in params for name in TRL_BATCHED_ARGUMENTS)
+
+
 def accepted_arguments(fn: Callable) -> frozenset[str] | None:
     """The keyword names `fn` takes, or None when it takes any (**kwargs)."""
     params = inspect.signature(fn).parameters.values()
@@ -135,11 +154,13 @@ def accepted_arguments(fn: Callable) -> frozenset[str] | None:
 def check_signature(spec: FunctionSpec, fn: Callable, columns: set[str]) -> None:
     """Refuse a function rlpipe cannot call: a required parameter it cannot fill, positional-only parameters, or a
     configured kwarg the function does not take."""
-    available = set(REWARD_ARGUMENTS) | columns | set(spec.kwargs)
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         raise RewardLoadError(f"reward function {spec.name!r} ({spec.where}): its signature cannot be read") from None
+    available = {*REWARD_ARGUMENTS, *ALIAS_ARGUMENTS, *OPTIONAL_COLUMNS, *columns, *spec.kwargs}
+    if is_batched(spec, fn):
+        available |= set(TRL_BATCHED_ARGUMENTS)
     for p in params:
         required = p.default is inspect.Parameter.empty
         if p.kind is inspect.Parameter.POSITIONAL_ONLY and required:
@@ -147,8 +168,8 @@ def check_signature(spec: FunctionSpec, fn: Callable, columns: set[str]) -> None
                                   "rlpipe passes keyword arguments")
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and required and p.name not in available:
             raise RewardLoadError(f"reward function {spec.name!r} ({spec.where}): rlpipe cannot fill parameter {p.name!r}; "
-                                  f"it may take {', '.join(REWARD_ARGUMENTS)}, the dataset's columns "
-                                  f"({', '.join(sorted(columns)) or 'none'}) and its kwargs")
+                                  f"it may take {', '.join(REWARD_ARGUMENTS + ALIAS_ARGUMENTS)}, the dataset's columns "
+                                  f"({', '.join(sorted(columns)) or 'none'}), its kwargs, and TRL's completions and prompts")
     accepted = accepted_arguments(fn)
     unused = sorted(set(spec.kwargs) - accepted) if accepted is not None else []
     if unused:

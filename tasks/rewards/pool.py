@@ -27,7 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 
 from schemas.errors import UserError
-from tasks.rewards.loader import FunctionSpec, accepted_arguments, load_function
+from tasks.rewards.loader import FunctionSpec, accepted_arguments, is_batched, load_function
 
 Result = tuple[float, "str | None"]  # (score, error)
 _POOL = None
@@ -83,6 +83,9 @@ def _score_one_by_one(fn, spec: FunctionSpec, samples: list[dict], timeout: floa
 def _score_batched(fn, spec: FunctionSpec, samples: list[dict], timeout: float | None) -> list[Result]:
     accepted = accepted_arguments(fn)
     columns = {k: [s[k] for s in samples] for k in samples[0]} if samples else {}
+    if samples:  # TRL's names: chat prompts as their messages, text prompts as the model saw them
+        columns["completions"] = columns["completion"]
+        columns["prompts"] = [s["messages"] if isinstance(s["completion"], list) else s["prompt"] for s in samples]
 
     def call():
         values = list(fn(**_arguments(accepted, columns), **spec.kwargs))
@@ -106,7 +109,7 @@ def score_chunk(specs: list[FunctionSpec], samples: list[dict], timeout: float |
         except UserError as exc:
             out[spec.name] = [(0.0, str(exc)[:200])] * len(samples)
             continue
-        score = _score_batched if spec.batched else _score_one_by_one
+        score = _score_batched if is_batched(spec, fn) else _score_one_by_one
         out[spec.name] = score(fn, spec, samples, timeout)
     return out
 

@@ -35,9 +35,18 @@ def prompt_arguments(prompts: pl.DataFrame, answer_key: str | None) -> dict[str,
     out = {}
     for pid, text, msgs, answer, extra in zip(prompts["prompt_id"].to_list(), prompts["text"].to_list(), messages, answers, extras):
         truth = nested_value(extra, answer_key) if extra is not None and answer_key else answer
-        out[pid] = {**(extra or {}), "prompt": text, "messages": msgs if msgs is not None else [{"role": "user", "content": text}],
-                    "ground_truth": truth, "prompt_id": pid}
+        out[pid] = {"data_source": None, "extra_info": None, **(extra or {}), "prompt": text,
+                    "messages": msgs if msgs is not None else [{"role": "user", "content": text}],
+                    "ground_truth": truth, "prompt_id": pid, "chat": msgs is not None}
     return out
+
+
+def sample_arguments(shared: dict, text: str, reason: str, length: int, token_ids: list | None, max_tokens: int) -> dict:
+    """The keyword arguments of one response's call: rlpipe's names, and verl's and TRL's for the same values."""
+    args = {k: v for k, v in shared.items() if k != "chat"}
+    completion = [{"role": "assistant", "content": text}] if shared["chat"] else text
+    return {**args, "response": text, "finish_reason": reason, "length": length, "max_tokens": max_tokens,
+            "solution_str": text, "completion": completion, "completion_ids": token_ids}
 
 
 def score_frame(rollouts: pl.DataFrame, prompts: pl.DataFrame, reward: RewardConfig, max_tokens: int,
@@ -51,10 +60,14 @@ def score_frame(rollouts: pl.DataFrame, prompts: pl.DataFrame, reward: RewardCon
     shared = prompt_arguments(prompts, answer_key)
     lengths = rollouts["length"].to_list() if "length" in rollouts.columns else [0] * rollouts.height
     keys = list(zip(rollouts["prompt_id"].to_list(), rollouts["text"].to_list(), rollouts["finish_reason"].to_list(), lengths))
+    ids = rollouts["token_ids"].to_list() if "token_ids" in rollouts.columns else [None] * rollouts.height
     # Each distinct sample is scored once: a group's G responses to one prompt are often the same text, and a reward
     # depends only on its arguments (math-verify on 1,024 demo responses: about 1 s, most of it repeats).
-    distinct = list(dict.fromkeys(keys))
-    samples = [{**shared[pid], "response": text, "finish_reason": reason, "length": n, "max_tokens": max_tokens}
+    first = {}
+    for key, token_ids in zip(keys, ids):
+        first.setdefault(key, token_ids)
+    distinct = list(first)
+    samples = [sample_arguments(shared[pid], text, reason, n, first[(pid, text, reason, n)], max_tokens)
                for pid, text, reason, n in distinct]
     scored = score_samples(list(specs.values()), samples, reward.timeout_s, reward.workers)
     position = {k: i for i, k in enumerate(distinct)}
