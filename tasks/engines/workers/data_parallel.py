@@ -149,6 +149,15 @@ def rank_micro_batches(indices: list[int], gas: int, world_size: int, rank_: int
     return parts if world_size > 1 else [p for p in parts if p]
 
 
+def contiguous_micro_batches(indices: list[int], gas: int, world_size: int, rank_: int) -> list[list[int]]:
+    """This rank's micro-batches of a batch whose rows that belong together are next to each other (a group's samples,
+    which share a prompt): the batch is cut into world × gas consecutive pieces of near-equal size, and rank r takes
+    pieces r·gas to (r+1)·gas − 1. Empty pieces are dummy steps with several ranks, left out alone."""
+    size = math.ceil(len(indices) / (world_size * gas))
+    parts = [indices[i * size : (i + 1) * size] for i in range(rank_ * gas, (rank_ + 1) * gas)]
+    return parts if world_size > 1 else [p for p in parts if p]
+
+
 def micro_steps(batch: list[int], parts: list[list[int]]):
     """(k, rows, scale) for each of this rank's micro-batches. Losses are sums over the whole batch divided by the
     batch's normalizer, and DeepSpeed averages gradients over the ranks, so a real step is scaled by the world size;

@@ -130,27 +130,27 @@ class _Update:
                              sequences=float(sum(1 for i in minibatch if self.loss_mask[i] and self.responses[i])),
                              max_len=float(self.request.loss.max_tokens))
 
-    def micro_step(self, engine, idx: list[int], norm, extra_loss=None, scale: float = 1.0):
+    def micro_step(self, engine, idx: list[int], norm, extra_loss=None, scale: float = 1.0) -> None:
         """Forward and backward of one micro-batch, its loss × `scale` (data_parallel.micro_steps: the world size, or 0 for a
-        dummy step, whose sums are left out); returns what the critic needs (ids, attention, mask, prompt lengths)."""
+        dummy step, whose sums are left out). The micro-batch is packed with shared prompts (token_batch.pack_shared):
+        every tensor below is on its (B, R) response grid."""
         import torch
 
         from tasks.algos.losses import policy_loss, tis_weights
-        from tasks.engines.workers.token_batch import align, pack, token_logprobs
+        from tasks.engines.workers.token_batch import align_responses, pack_shared, response_logprobs
 
         add = self.add if scale else (lambda key, value: None)
-        p = [self.prompts[i] for i in idx]
-        ids, attn, mask = pack(p, [self.responses[i] for i in idx], self.pad)
-        mask = mask * torch.tensor([float(self.loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, T)
-        plen, width = [len(x) for x in p], mask.shape[1]
-        old, ref, adv = (align([self.lists[c][i] for i in idx], plen, width) for c in ("old_logprobs", "ref_logprobs", "token_advantages"))
+        batch = pack_shared([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.pad)
+        width = batch.shape[1]
+        mask = batch.mask * torch.tensor([float(self.loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, R)
+        old, ref, adv = (align_responses([self.lists[c][i] for i in idx], width) for c in ("old_logprobs", "ref_logprobs", "token_advantages"))
         weights, cap = None, self.request.loss.tis_cap
         if cap:
-            weights = tis_weights(old, align([self.lists["sampler_logprobs"][i] for i in idx], plen, width), cap)  # (B, T)
+            weights = tis_weights(old, align_responses([self.lists["sampler_logprobs"][i] for i in idx], width), cap)  # (B, R)
             add("tis_weight_mean", (weights * mask).sum())
             add("tis_capped_fraction", ((weights >= cap).float() * mask).sum())
         t0 = time.time()
-        logp, ent = token_logprobs(engine, ids, attn, with_entropy=True)
+        logp, ent = response_logprobs(engine, batch, with_entropy=True)  # (B, R) each
         loss, sums = policy_loss(logp, old, ref, adv, mask, norm, self.settings, entropy=ent, token_weights=weights)
         total = loss * scale
         if extra_loss is not None:  # PPO-ptx, once per optimizer step, the same batch on every rank (not scaled)
@@ -168,7 +168,6 @@ class _Update:
             add(key, v)
         add("loss", loss.detach())
         add("entropy", (ent.detach() * mask).sum())
-        return ids, attn, mask, plen, width
 
     def _time(self, **seconds: float) -> None:
         for key, value in seconds.items():
@@ -188,11 +187,17 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     import polars as pl
     import torch
 
+    from tasks.engines.workers.token_batch import groups_of
+
     data = pl.read_parquet(request.data_path)
     update = _Update(request, tokenizer, data)
     n, micro = data.height, request.engine.micro_batch_size
-    minibatches = min(request.minibatches, n)
-    gas = data_parallel.accumulation_steps(math.ceil(n / minibatches), data_parallel.world(), micro)
+    # Minibatches are drawn as whole groups (the samples of one prompt), so that a micro-batch computes each prompt once
+    # (token_batch.pack_shared): dealt sample by sample, a minibatch would hold a sample or two of every group.
+    groups = groups_of(list(range(n)), update.prompts)
+    minibatches = min(request.minibatches, len(groups))
+    largest = math.ceil(len(groups) / minibatches) * max(map(len, groups))
+    gas = data_parallel.accumulation_steps(largest, data_parallel.world(), micro)
     engine, optimizer = _kept_or_new_engine(cache, "policy", request.model_path, request.resume_state, request.engine, gas,
                                             lambda: load_policy(request.model_path))
     critic = _critic_engine(request.critic, request.engine, gas, data, cache) if request.critic else None
@@ -201,17 +206,18 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     gen = torch.Generator().manual_seed(request.seed)
     grad_norms, steps, t0 = [], 0, time.time()
     for _ in range(request.ppo_epochs):
-        perm = torch.randperm(n, generator=gen).tolist()
-        for mb in [perm[i::minibatches] for i in range(minibatches)]:
+        perm = torch.randperm(len(groups), generator=gen).tolist()
+        for mb in [[row for g in perm[i::minibatches] for row in groups[g]] for i in range(minibatches)]:
             for group in optimizer.param_groups:  # linear warmup over the run's first optimizer steps
                 group["lr"] = request.engine.lr * min(1.0, (request.first_step + steps + 1) / max(1, request.warmup_steps))
-            parts, norm = data_parallel.rank_micro_batches(mb, gas, data_parallel.world(), data_parallel.rank()), update.norm(mb)
+            parts = data_parallel.contiguous_micro_batches(mb, gas, data_parallel.world(), data_parallel.rank())
+            norm = update.norm(mb)
             for k, idx, scale in data_parallel.micro_steps(mb, parts):
                 last = k == len(parts) - 1
                 engine.set_gradient_accumulation_boundary(last)
-                batch = update.micro_step(engine, idx, norm, ptx.loss if ptx is not None and last else None, scale)
+                update.micro_step(engine, idx, norm, ptx.loss if ptx is not None and last else None, scale)
                 if critic is not None:
-                    for key, v in critic.micro_step(idx, *batch, norm, last, scale).items():
+                    for key, v in critic.micro_step(update, idx, norm, last, scale).items():
                         update.add(key, v)
                 crash_point(f"{request.crash_point}:rank{data_parallel.rank()}", whole_group=False)  # one rank dies, the rest mid-step
             steps += 1
@@ -244,11 +250,18 @@ class _Critic:
         self.engine, self.optimizer, self.request = engine, optimizer, request
         self.old_values, self.returns = old_values, returns
 
-    def micro_step(self, idx, ids, attn, mask, plen, width, norm, last, scale: float = 1.0) -> dict:
+    def micro_step(self, update: _Update, idx, norm, last, scale: float = 1.0) -> dict:
+        """The value loss of the policy's micro-batch, on the padded layout (values are per position, not per prediction)."""
+        import torch
+
         from tasks.algos.losses import value_loss
         from tasks.engines.workers.critic import token_values
-        from tasks.engines.workers.token_batch import align
+        from tasks.engines.workers.token_batch import align, pack
 
+        p = [update.prompts[i] for i in idx]
+        ids, attn, mask = pack(p, [update.responses[i] for i in idx], update.pad)
+        mask = mask * torch.tensor([float(update.loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, L−1)
+        plen, width = [len(x) for x in p], mask.shape[1]
         old = align([self.old_values[i] for i in idx], plen, width)
         ret = align([self.returns[i] for i in idx], plen, width)
         values = token_values(self.engine, ids, attn)

@@ -1,12 +1,21 @@
 """Pure torch helpers shared by the logprobs and training workers: packing and per-token logprobs.
 
-Sequences are prompt + response, right-padded to L. Per-token response values live on the (N, L−1) grid of
-next-token predictions: response token j of a sample with prompt length P sits at column P − 1 + j.
+Two layouts:
+- padded (`pack`): prompt + response per row, right-padded to L; per-token values live on the (N, L−1) grid of
+  next-token predictions (response token j of a sample with prompt length P at column P − 1 + j). The critic, SFT and
+  the preference trainers use it.
+- shared prefix (`pack_shared`): the policy's logprobs. A group's G responses share one prompt, so each distinct prompt
+  is computed once: one row per prompt holds the prompt, then each of its responses, and a block mask lets a response
+  see the prompt and itself only, at the positions it would have alone. Logits are computed only where a response
+  token is predicted. Per-token values live on the (N, R) response grid: response token j of sample i at column j.
+  With G = 8 samples of 30 tokens after a 35-token prompt, a row is 275 tokens instead of 8 × 65 = 520.
 """
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +59,113 @@ def token_logprobs(model, input_ids, attention_mask, with_entropy: bool = True):
     return logp, entropy
 
 
+@dataclass(frozen=True)
+class SharedPrefixBatch:
+    """N samples packed one row per distinct prompt (G rows of length L); see the module docstring."""
+
+    input_ids: torch.Tensor  # (G, L) long
+    position_ids: torch.Tensor  # (G, L) long: each response restarts after its prompt
+    attention_mask: torch.Tensor  # (G, 1, L, L) bool: True where a query position may attend to a key position
+    keep: torch.Tensor  # (K,) long: the union over rows of the positions whose logits are needed
+    rows: torch.Tensor  # (T,) long: for each of the T response tokens, its row ...
+    kept_cols: torch.Tensor  # (T,) long: ... and the index in `keep` of the position that predicts it
+    positions: torch.Tensor  # (T,) long: that position itself (when the model computes every position's logits)
+    targets: torch.Tensor  # (T,) long: the token
+    flat: torch.Tensor  # (T,) long: its cell in the flattened (N, R) response grid
+    shape: tuple[int, int]  # (N, R)
+
+    def on_grid(self, values: torch.Tensor) -> torch.Tensor:
+        """(T,) per-token values → the (N, R) response grid, zeros elsewhere (differentiable)."""
+        n, r = self.shape
+        return torch.zeros(n * r, dtype=values.dtype).index_copy(0, self.flat, values).view(n, r)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.on_grid(torch.ones(len(self.flat)))  # (N, R)
+
+
+def pack_shared(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> SharedPrefixBatch:
+    rows: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompts):
+        rows.setdefault(tuple(p), []).append(i)
+    length = max(len(p) + sum(len(responses[i]) for i in members) for p, members in rows.items())
+    g, n, width = len(rows), len(prompts), max(1, max(len(r) for r in responses))
+    input_ids = torch.full((g, length), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((g, length), dtype=torch.long)
+    segment = torch.empty((g, length), dtype=torch.long)  # 0: the prompt; i + 1: sample i's response; < 0: padding (its own)
+    t_rows, t_pos, t_targets, t_flat = [], [], [], []
+    for row, (prompt, members) in enumerate(rows.items()):
+        plen, at = len(prompt), len(prompt)
+        input_ids[row, :plen] = torch.tensor(prompt, dtype=torch.long)
+        position_ids[row, :plen] = torch.arange(plen)
+        segment[row, :plen] = 0
+        for i in members:
+            r = responses[i]
+            input_ids[row, at : at + len(r)] = torch.tensor(r, dtype=torch.long)
+            position_ids[row, at : at + len(r)] = torch.arange(plen, plen + len(r))
+            segment[row, at : at + len(r)] = i + 1
+            # Token j is predicted at the position before it: the prompt's last for j = 0.
+            t_pos += [plen - 1] + list(range(at, at + len(r) - 1)) if r else []
+            t_rows += [row] * len(r)
+            t_targets += r
+            t_flat += [i * width + j for j in range(len(r))]
+            at += len(r)
+        segment[row, at:] = -1 - torch.arange(length - at)
+    q, k = segment.unsqueeze(2), segment.unsqueeze(1)  # (G, L, 1), (G, 1, L)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    attention = causal & ((q == k) | (k == 0))  # a response sees the prompt and itself; padding sees itself (no empty row)
+    positions = torch.tensor(t_pos, dtype=torch.long)
+    keep, kept_cols = torch.unique(positions, return_inverse=True)
+    return SharedPrefixBatch(input_ids, position_ids, attention.unsqueeze(1), keep, torch.tensor(t_rows, dtype=torch.long), kept_cols,
+                             positions, torch.tensor(t_targets, dtype=torch.long), torch.tensor(t_flat, dtype=torch.long), (n, width))
+
+
+def _takes_logits_to_keep(model) -> bool:
+    forward = getattr(model, "module", model).forward  # a DeepSpeed engine wraps the model
+    return "logits_to_keep" in inspect.signature(forward).parameters
+
+
+def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True):
+    """log π(y_j | x, y_<j) and the entropy of π(·| x, y_<j) for every response token, both (N, R) on the response grid.
+
+    The model's own forward runs (so anything it does to its logits, such as soft-capping, applies), asked for the
+    logits of the needed positions only where it supports `logits_to_keep`: the prompt positions' vocabulary-sized
+    products are skipped."""
+    kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids,
+              "use_cache": False}
+    cols = batch.positions
+    if _takes_logits_to_keep(model):
+        kwargs["logits_to_keep"], cols = batch.keep, batch.kept_cols
+    logits = model(**kwargs).logits  # (G, K, V)
+    logp_all = torch.log_softmax(logits[batch.rows, cols].float(), dim=-1)  # (T, V)
+    logp = logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)  # (T,)
+    entropy = batch.on_grid(-(logp_all.exp() * logp_all).sum(-1)) if with_entropy else None  # (N, R)
+    return batch.on_grid(logp), entropy
+
+
+def align_responses(values: list[list[float]], width: int) -> torch.Tensor:
+    """Per-response-token values on the (N, width) response grid."""
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for i, v in enumerate(values):
+        if len(v):
+            out[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out
+
+
+def groups_of(indices: list[int], prompts: list[list[int]]) -> list[list[int]]:
+    """`indices` by prompt (a group's samples share its token ids), in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i in indices:
+        groups.setdefault(tuple(prompts[i]), []).append(i)
+    return list(groups.values())
+
+
+def group_order(indices: list[int], prompts: list[list[int]]) -> list[int]:
+    """`indices` with the samples of one prompt next to each other, so that consecutive micro-batches hold whole groups
+    and share their prompts."""
+    return [i for group in groups_of(indices, prompts) for i in group]
+
+
 @contextmanager
 def eval_mode(model):
     """The model in eval mode for the block, then back to its previous mode (a resident engine's module trains)."""
@@ -80,3 +196,24 @@ def batched(fn, prompts: list[list[int]], responses: list[list[int]], pad_id: in
 
     with torch.no_grad():
         return [row for part in map_in_order(one, chunks(list(range(len(prompts))), micro_batch_size)) for row in part]
+
+
+def batched_responses(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, micro_batch_size: int,
+                      with_entropy: bool) -> tuple[list[list[float]], list[list[float]]]:
+    """Per-token logprobs and entropies (empty lists without) of every sample, in order, computed without gradients on
+    shared-prefix micro-batches of whole groups (shared among the trainer ranks as `batched` does)."""
+    from tasks.engines.workers.data_parallel import map_in_order
+
+    def one(idx: list[int]) -> list:
+        batch = pack_shared([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
+        logp, ent = response_logprobs(model, batch, with_entropy)
+        lens = [len(responses[i]) for i in idx]
+        return [(logp[k, :n].tolist(), ent[k, :n].tolist() if with_entropy else []) for k, n in enumerate(lens)]
+
+    order = group_order(list(range(len(prompts))), prompts)
+    with torch.no_grad():
+        done = [row for part in map_in_order(one, chunks(order, micro_batch_size)) for row in part]
+    out = [None] * len(prompts)
+    for i, row in zip(order, done):
+        out[i] = row
+    return [lp for lp, _ in out], [ent for _, ent in out]

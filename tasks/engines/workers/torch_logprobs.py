@@ -15,14 +15,9 @@ from tasks.engines.workers import data_parallel
 
 
 def _score(model, prompts, responses, pad_id, micro, with_entropy):
-    from tasks.engines.workers.token_batch import batched, token_logprobs, unalign
+    from tasks.engines.workers.token_batch import batched_responses
 
-    def forward(ids, attn, mask, plen, rlen):
-        lp, ent = token_logprobs(model, ids, attn, with_entropy)
-        return list(zip(unalign(lp, plen, rlen), unalign(ent, plen, rlen) if with_entropy else [[]] * len(plen)))
-
-    pairs = batched(forward, prompts, responses, pad_id, micro)
-    return [lp for lp, _ in pairs], [ent for _, ent in pairs]
+    return batched_responses(model, prompts, responses, pad_id, micro, with_entropy)  # each group's prompt computed once
 
 
 def _values(critic, prompts, responses, pad_id, micro):

@@ -1,0 +1,111 @@
+"""The policy's shared-prefix layout (each group's prompt computed once) against the plain padded layout, on a tiny
+random Llama: the same logprobs, entropies and gradients; and how micro-batches keep a group's samples together."""
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tasks.engines.workers.data_parallel import contiguous_micro_batches
+from tasks.engines.workers.token_batch import (
+    align_responses,
+    group_order,
+    pack,
+    pack_shared,
+    response_logprobs,
+    token_logprobs,
+    unalign,
+)
+
+
+def tiny_model(tied: bool = True):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def groups(seed: int = 0):
+    """Three prompts of different lengths, 1-4 responses each of 1-6 tokens, interleaved as a batch may hold them."""
+    rnd = random.Random(seed)
+    prompts, responses = [], []
+    for _ in range(3):
+        p = [rnd.randrange(3, 50) for _ in range(rnd.randint(3, 7))]
+        for _ in range(rnd.randint(1, 4)):
+            prompts.append(p)
+            responses.append([rnd.randrange(3, 50) for _ in range(rnd.randint(1, 6))])
+    order = list(range(len(prompts)))
+    rnd.shuffle(order)
+    return [prompts[i] for i in order], [responses[i] for i in order]
+
+
+def test_shared_prefix_logprobs_and_entropies_equal_the_padded_layouts():
+    model, (prompts, responses) = tiny_model(), groups()
+    plen, rlen = [len(p) for p in prompts], [len(r) for r in responses]
+    ids, attn, _ = pack(prompts, responses, 0)
+    with torch.no_grad():
+        lp, ent = token_logprobs(model, ids, attn)
+        batch = pack_shared(prompts, responses, 0)
+        got_lp, got_ent = response_logprobs(model, batch)
+    assert batch.input_ids.shape[0] == 3  # one row per distinct prompt
+    assert batch.input_ids.numel() < ids.numel()
+    for want, got in ((unalign(lp, plen, rlen), got_lp), (unalign(ent, plen, rlen), got_ent)):
+        assert torch.allclose(align_responses(want, got.shape[1]), got, atol=1e-5)
+    assert torch.equal(batch.mask, align_responses([[1.0] * n for n in rlen], batch.shape[1]))
+
+
+def test_shared_prefix_gradients_equal_the_padded_layouts():
+    prompts, responses = groups(1)
+    plen, rlen = [len(p) for p in prompts], [len(r) for r in responses]
+    weights = [[0.1 * (j + 1) * (-1) ** i for j in range(n)] for i, n in enumerate(rlen)]  # a different weight per token
+    grads = []
+    for shared in (False, True):
+        model = tiny_model(tied=False)
+        if shared:
+            batch = pack_shared(prompts, responses, 0)
+            logp, _ = response_logprobs(model, batch, with_entropy=False)
+            w = align_responses(weights, logp.shape[1])
+        else:
+            ids, attn, mask = pack(prompts, responses, 0)
+            logp, _ = token_logprobs(model, ids, attn, with_entropy=False)
+            w = torch.zeros_like(logp)
+            for i, (p, v) in enumerate(zip(plen, weights)):
+                w[i, p - 1 : p - 1 + len(v)] = torch.tensor(v)
+        (logp * w).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_a_model_without_logits_to_keep_gets_every_position():
+    class NoKeep(torch.nn.Module):  # the forward of a model that predates `logits_to_keep`
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+
+    model, (prompts, responses) = tiny_model(), groups(2)
+    batch = pack_shared(prompts, responses, 0)
+    with torch.no_grad():
+        assert torch.allclose(response_logprobs(NoKeep(model), batch)[0], response_logprobs(model, batch)[0], atol=1e-6)
+
+
+def test_group_order_keeps_groups_together_and_micro_batches_are_contiguous():
+    prompts = [[1], [2], [1], [3], [2], [1]]
+    assert group_order([0, 1, 2, 3, 4, 5], prompts) == [0, 2, 5, 1, 4, 3]
+    assert group_order([4, 3, 5], prompts) == [4, 3, 5]
+    rows = list(range(10))
+    assert contiguous_micro_batches(rows, 3, 1, 0) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    two = [contiguous_micro_batches(rows, 2, 2, r) for r in (0, 1)]
+    assert two == [[[0, 1, 2], [3, 4, 5]], [[6, 7, 8], [9]]]
+    assert contiguous_micro_batches([0, 1], 2, 2, 1) == [[], []]  # dummy steps keep a short rank in step
+
+
+@pytest.mark.parametrize("empty_at", [0, 2])
+def test_an_empty_response_has_no_tokens(empty_at):
+    prompts, responses = [[5, 6, 7]] * 3, [[8, 9], [10], [11, 12, 13]]
+    responses[empty_at] = []
+    batch = pack_shared(prompts, responses, 0)
+    assert batch.mask.sum(1).tolist() == [float(len(r)) for r in responses]
