@@ -127,10 +127,36 @@ class LongAdditionTask(Section):
     teacher_flaw_rate: float = Field(0.0, ge=0, le=1)
 
 
-TaskConfig = Annotated[ArithmeticTask | LongAdditionTask, Field(discriminator="name")]
+class ChatArithmeticTask(Section):
+    """Built-in example task for chat models: arithmetic questions in plain English as chat messages (`What is 7 × 5?`,
+    `Subtract 3 from 9.`), several phrasings each; the answer is the integer (judged by a reward file of yours)."""
+
+    name: Literal["chat_arithmetic"] = "chat_arithmetic"
+    out_dir: str = "data/chat_arithmetic"
+    min_operand: int = Field(0, ge=0, le=99_999)
+    max_operand: int = Field(12, ge=0, le=99_999)
+    operations: str = Field("+-*", pattern=r"^[+\-*]+$")
+    n_train: int | None = Field(None, ge=1, description="Train prompts (the first ones after the held-out draw); None: all the rest.")
+    n_eval: int = Field(256, ge=1)
+    seed: int = 1234
+    sft_demos: int = Field(2000, ge=1, description="Demonstrations written to sft.parquet: the equation alone (`7 × 5 = 35`).")
+
+    @model_validator(mode="after")
+    def _range(self) -> "ChatArithmeticTask":
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"task.min_operand={self.min_operand} exceeds task.max_operand={self.max_operand}")
+        return self
+
+
+TaskConfig = Annotated[ArithmeticTask | LongAdditionTask | ChatArithmeticTask, Field(discriminator="name")]
 
 # What a reward function may take as keyword arguments besides the dataset's own columns (tasks/rewards/loader.py).
 REWARD_ARGUMENTS = ("prompt", "messages", "response", "ground_truth", "finish_reason", "length", "max_tokens", "prompt_id")
+# verl's and TRL's names for the same values (per sample), and TRL's batched names (tasks/rewards/loader.py).
+ALIAS_ARGUMENTS = ("solution_str", "completion", "completion_ids")
+TRL_BATCHED_ARGUMENTS = ("completions", "prompts")
+# Names a dataset column or a function's kwargs may not take: rlpipe passes them.
+RESERVED_ARGUMENTS = REWARD_ARGUMENTS + ALIAS_ARGUMENTS + TRL_BATCHED_ARGUMENTS
 REWARD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 

@@ -3,11 +3,12 @@ user's files (column mapping, nested ground truth, splits, overlong prompts), SF
 files (which never overwrite a user's folder)."""
 
 import json
+import re
 
 import polars as pl
 import pytest
 
-from schemas.config import ArithmeticTask, DataConfig, LongAdditionTask, PromptConfig, SFTConfig
+from schemas.config import ArithmeticTask, ConfigError, DataConfig, LongAdditionTask, PromptConfig, SFTConfig, build_config
 from tasks.data.datasets import DatasetError
 from tasks.data.example_tasks import TaskFilesError, ensure_task_files
 from tasks.data.formatting import FormattingError, PromptFormatter
@@ -154,3 +155,27 @@ def test_every_builtin_task_of_the_config_is_registered():
     union = get_args(get_args(TaskConfig)[0])
     assert sorted(get_args(t.model_fields["name"].annotation)[0] for t in union) == EXAMPLE_TASKS.names()
     assert LongAdditionTask().name in EXAMPLE_TASKS
+
+
+def test_chat_arithmetic_asks_in_words_as_chat_messages_and_holds_out_distinct_prompts():
+    from schemas.config import ChatArithmeticTask
+    from tasks.data.chat_arithmetic import PHRASINGS, make_files, problems
+
+    assert len(problems(0, 2, "-")) == 6 and all(a >= b for a, _, b, _ in problems(0, 2, "-"))  # no negative results
+    task = ChatArithmeticTask(max_operand=4, n_eval=20, sft_demos=30)
+    files = make_files(task.min_operand, task.max_operand, task.operations, None, task.n_eval, task.seed, task.sft_demos)
+    train, held_out, sft = files["train"], files["eval"], files["sft"]
+    expected = (25 + 15 + 25) * len(PHRASINGS["+"])  # + and × over 5 × 5 operands, − with a ≥ b
+    assert held_out.height == 20 and train.height + held_out.height == expected
+    texts = lambda df: [m[0]["content"] for m in df["prompt"].to_list()]  # noqa: E731
+    assert set(texts(train)).isdisjoint(texts(held_out)) and len(set(texts(train))) == train.height
+    for text, answer, op in zip(texts(train), train["answer"], train["operation"]):
+        a, b = (int(t) for t in re.findall(r"\d+", text))
+        if text.startswith("Subtract"):
+            a, b = b, a
+        assert int(answer) == {"+": a + b, "-": a - b, "*": a * b}[op], text
+    row = sft.row(0, named=True)
+    a, sym, b, _, ans = row["response"].split()
+    assert row["prompt"][0]["role"] == "user" and int(ans) == {"+": int(a) + int(b), "-": int(a) - int(b), "×": int(a) * int(b)}[sym]
+    with pytest.raises(ConfigError, match="task.min_operand=5 exceeds task.max_operand=4"):
+        build_config({"task": {"name": "chat_arithmetic", "min_operand": 5, "max_operand": 4}})

@@ -42,6 +42,13 @@ def long_addition_files(task) -> dict[str, pl.DataFrame]:
     return make_files(task.digits, task.n_train, task.n_eval, task.seed, task.sft_demos, task.teacher_flaw, task.teacher_flaw_rate)
 
 
+@EXAMPLE_TASKS.register("chat_arithmetic")
+def chat_arithmetic_files(task) -> dict[str, pl.DataFrame]:
+    from tasks.data.chat_arithmetic import make_files
+
+    return make_files(task.min_operand, task.max_operand, task.operations, task.n_train, task.n_eval, task.seed, task.sft_demos)
+
+
 def task_paths(task) -> dict[str, Path]:
     return {name: Path(task.out_dir) / f"{name}.parquet" for name in FILES}
 
