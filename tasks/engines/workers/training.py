@@ -23,7 +23,10 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     data_parallel.init_process_group()
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999))
+    # fused: one kernel over all parameters. torch's default (foreach) AdamW took ~2.5 s a step for the 135M SmolLM2 on
+    # 2 CPU cores, the fused one ~0.1 s (its temporaries per parameter list dominate on a CPU).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999),
+                                  fused=True)
     config = {
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
         "gradient_accumulation_steps": gas,
