@@ -1,6 +1,6 @@
 """The DPO flow: preference data → pairs → eval of the starting model → reference logprobs → optimize (DPO,
 DeepSpeed) → held-out reward accuracy → eval of the trained policy, then summary.json with
-`dpo_reward_accuracy`, `eval_accuracy_sft` and `eval_accuracy_final`. Complete stages are skipped."""
+`dpo_reward_accuracy`, `eval_accuracy_start` and `eval_accuracy_final`. Complete stages are skipped."""
 
 from __future__ import annotations
 

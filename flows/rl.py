@@ -60,7 +60,7 @@ def rl_run(run_id: str, storage_root: str = "runs") -> dict:
         for k in range(1, n + 1):
             rl_iteration(run_id, k, storage_root)
             if k % every == 0 or k == n:
-                eval_task(storage_root, run_id, k)
+                eval_task(storage_root, run_id, k, interim=k != n)  # the last eval sees every held-out prompt
     finally:
         release_engines_task()
     return summary_task(storage_root, run_id)

@@ -73,7 +73,7 @@ def test_sigkill_inside_each_stage_then_resume(tiny_sft):
     summary = json.loads(layout.summary_path.read_text())
     assert summary["iterations"] == 2 and summary["eval_prompts"] == 32
     assert layout.checkpoint_iterations() == [1, 2] and layout.iterations("train_metrics") == [1, 2]
-    assert summary["eval_accuracy_sft"] is not None and summary["eval_accuracy_final"] is not None
+    assert summary["eval_accuracy_start"] is not None and summary["eval_accuracy_final"] is not None
     for it in (1, 2):
         rollouts = json.loads(layout.manifest_path("rollouts", it).read_text())
         assert rollouts["engines"]["vllm"] == "0.32.0"
@@ -220,7 +220,7 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
            "--set", f"reward_model.out_path={workspace}/models/rm", cwd=workspace)
     rm = RunLayout(root, "rm")
     summary = json.loads(rm.summary_path.read_text())
-    assert "eval_accuracy_sft" not in summary  # no policy was evaluated
+    assert "eval_accuracy_start" not in summary  # no policy was evaluated
     assert 0.0 <= summary["rm_pairwise_accuracy"] <= 1.0 and summary["rm_heldout_pairs"] == 32 * 2  # 2 pairs per ranking
     assert read_table(rm, "rm_metrics", 1).height == 20
     assert read_table(rm, "preference_rankings", 0)["ranks"].to_list()[0] == [1, 2, 2]
@@ -241,7 +241,7 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
     dpo = RunLayout(root, "dpo")
     summary = json.loads(dpo.summary_path.read_text())
     assert 0.0 <= summary["dpo_reward_accuracy"] <= 1.0 and summary["dpo_heldout_pairs"] == 64
-    assert summary["eval_accuracy_sft"] is not None and summary["eval_accuracy_final"] is not None
+    assert summary["eval_accuracy_start"] is not None and summary["eval_accuracy_final"] is not None
     metrics = read_table(dpo, "dpo_metrics", 1)
     assert metrics.height == 10 and metrics["loss"][0] == pytest.approx(0.6931, abs=0.01)  # log 2 at the reference
     ref = read_table(dpo, "ref_logprobs", 0)

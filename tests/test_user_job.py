@@ -58,4 +58,4 @@ def test_the_example_job_runs_from_its_own_files(tmp_path):
     evals = json.loads(run.manifest_path("eval", 2).read_text())["extra"]
     assert evals["prompts"] == 32 and {"mean_reward", "sampled_mean_reward", "error_rate_correct", "error_rate_not_repetitive"} <= evals.keys()
     summary = json.loads(run.summary_path.read_text())
-    assert summary["iterations"] == 2 and summary["eval_accuracy_sft"] is not None and summary["eval_accuracy_final"] is not None
+    assert summary["iterations"] == 2 and summary["eval_accuracy_start"] is not None and summary["eval_accuracy_final"] is not None

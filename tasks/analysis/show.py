@@ -113,14 +113,15 @@ def eval_table(layout) -> Table:
     from storage import read_manifest
 
     table = Table(title="eval (greedy pass@1, sampled pass@k, greedy mean reward; held-out prompts)")
-    for col in ("iteration", "accuracy", "pass@k", "reward", "prompts"):
+    for col in ("iteration", "accuracy", "pass@k", "reward", "length", "prompts", "seconds"):
         table.add_column(col, justify="right")
     for it in layout.iterations("eval"):
         m = read_manifest(layout, "eval", it, verify=False)
         if m and "accuracy" in m["extra"]:
             e = m["extra"]
             pk = next((v for k, v in e.items() if k.startswith("pass_at_")), float("nan"))
-            table.add_row(str(it), f"{e['accuracy']:.4f}", f"{pk:.4f}", f"{e.get('mean_reward', float('nan')):.4f}", str(e["prompts"]))
+            table.add_row(str(it), f"{e['accuracy']:.4f}", f"{pk:.4f}", f"{e.get('mean_reward', float('nan')):.4f}",
+                          f"{e.get('mean_length', float('nan')):.1f}", str(e["prompts"]), f"{m['wall_seconds']:.0f}")
     return table
 
 

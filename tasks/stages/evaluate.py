@@ -83,18 +83,22 @@ def eval_summary(ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sample
 
 
 @stage_task("eval")
-def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics") -> StageOutput | None:
-    """None when the run has no held-out prompts (data.eval_files empty and data.eval_fraction 0)."""
+def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics",
+              interim: bool = False) -> StageOutput | None:
+    """None when the run has no held-out prompts (data.eval_files empty and data.eval_fraction 0). `interim`: an eval
+    during training, on eval.interim_prompts held-out prompts when that is set."""
     ctx = load_run(storage_root, run_id, SPEC)
     dataset_fp, stats = dataset_fingerprint(ctx)
     if not stats["prompts"]["eval"]:
         return None
     weights = weights_after(ctx, iteration, weights_stage)
     e = ctx.cfg.eval
+    subset = e.interim_prompts if interim and e.interim_prompts else None
+    limit = min(n for n in (subset, e.max_prompts) if n) if subset or e.max_prompts else None
 
     def compute():
         held_out = split_of(ctx, "eval")
-        held_out = held_out.head(e.max_prompts) if e.max_prompts else held_out
+        held_out = held_out.head(limit) if limit else held_out
         jobs = [sampling_job(ctx, 1, 0.0, ctx.cfg.seed), sampling_job(ctx, e.samples, e.temperature, ctx.cfg.seed + 1)]
         (greedy, sampled), resp = generate(ctx, weights.path, held_out, jobs, f"eval-{iteration:05d}")
         greedy, sampled = (judged(ctx, f, held_out, f"eval-rm-{name}") for f, name in ((greedy, "greedy"), (sampled, "sampled")))
@@ -104,4 +108,5 @@ def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str
     inputs = {"weights": weights.fingerprint, "dataset": dataset_fp}
     if ctx.cfg.reward.kind == "model":
         inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
-    return run_stage(ctx, iteration, salt=source_hash(specs_from_config(ctx.cfg.reward)), inputs=inputs, compute=compute)
+    salt = source_hash(specs_from_config(ctx.cfg.reward)) + (f":interim{subset}" if subset else "")
+    return run_stage(ctx, iteration, salt=salt, inputs=inputs, compute=compute)
