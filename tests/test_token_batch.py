@@ -109,3 +109,22 @@ def test_an_empty_response_has_no_tokens(empty_at):
     responses[empty_at] = []
     batch = pack_shared(prompts, responses, 0)
     assert batch.mask.sum(1).tolist() == [float(len(r)) for r in responses]
+
+
+def test_reward_model_scores_and_sequence_logprobs_on_the_shared_layout_equal_the_padded_ones():
+    from transformers import LlamaForSequenceClassification
+
+    from tasks.engines.workers.sequence_scores import rm_scores, sequence_logps
+
+    prompts, responses = groups(3)
+    torch.manual_seed(0)
+    cfg = tiny_model().config
+    cfg.num_labels, cfg.pad_token_id = 1, 1
+    rm = LlamaForSequenceClassification(cfg).eval()
+    ids, attn, mask = pack(prompts, responses, 1)
+    with torch.no_grad():
+        padded = rm(input_ids=ids, attention_mask=attn).logits[:, 0]  # read at the last non-pad token
+        assert torch.allclose(rm_scores(rm, prompts, responses, 1), padded, atol=1e-5)
+        lm = tiny_model()
+        lp, _ = token_logprobs(lm, ids, attn, with_entropy=False)
+        assert torch.allclose(sequence_logps(lm, prompts, responses, 1), (lp * mask).sum(1), atol=1e-5)

@@ -53,7 +53,6 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
     import polars as pl
 
     from tasks.algos.preference_losses import kwise_bradley_terry, pairwise_accuracy
-    from tasks.engines.workers.token_batch import pack
 
     data = pl.read_parquet(request.data_path)
     seqs = [([p] * len(rs), rs) for p, rs in zip(data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list())]
@@ -65,8 +64,8 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
     for step, lr, batch, parts in _steps(request, optimizer, data.height):
         loss_sum, correct, pairs = 0.0, 0.0, 0
         for k, idx, scale in data_parallel.micro_steps(batch, parts):
-            ids, attn, _ = pack([x for i in idx for x in seqs[i][0]], [x for i in idx for x in seqs[i][1]], pad)
-            scores, rank_t, valid = _ranking_scores(rm_scores(engine, ids, attn), ranks, idx)  # (B, K)
+            flat = rm_scores(engine, [x for i in idx for x in seqs[i][0]], [x for i in idx for x in seqs[i][1]], pad)  # (ΣK,)
+            scores, rank_t, valid = _ranking_scores(flat, ranks, idx)  # (B, K)
             # A sum over elements divided by the whole batch: the accumulated gradient is the batch mean.
             loss = kwise_bradley_terry(scores, rank_t, valid).sum() / bs
             engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
@@ -89,7 +88,6 @@ def _dpo_train(request: PreferenceTrainRequest, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from tasks.algos.preference_losses import chosen_nll, dpo_loss
-    from tasks.engines.workers.token_batch import pack
 
     data = pl.read_parquet(request.data_path)
     prompts, rc, rr = data["prompt_token_ids"].to_list(), data["chosen_token_ids"].to_list(), data["rejected_token_ids"].to_list()
@@ -101,9 +99,8 @@ def _dpo_train(request: PreferenceTrainRequest, tokenizer):
     for step, lr, batch, parts in _steps(request, optimizer, data.height):
         totals = dict.fromkeys(("loss", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"), 0.0)
         for k, idx, scale in data_parallel.micro_steps(batch, parts):
-            # Chosen and rejected in one forward pass: (2B,) sequence logprobs.
-            ids, attn, mask = pack([prompts[i] for i in idx] * 2, [rc[i] for i in idx] + [rr[i] for i in idx], pad_id(tokenizer))
-            logps = sequence_logps(engine, ids, attn, mask)
+            # Chosen and rejected in one forward pass, sharing their prompt: (2B,) sequence logprobs.
+            logps = sequence_logps(engine, [prompts[i] for i in idx] * 2, [rc[i] for i in idx] + [rr[i] for i in idx], pad_id(tokenizer))
             chosen, rejected = logps[: len(idx)], logps[len(idx) :]
             stats = dpo_loss(chosen, rejected, ref_c[idx], ref_r[idx], request.beta)
             loss = stats.loss

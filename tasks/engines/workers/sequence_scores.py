@@ -34,28 +34,55 @@ def reward_model(path: str, tokenizer):
     return model
 
 
-def rm_scores(model, input_ids, attention_mask):
-    """(N,) scores of packed prompt+response sequences."""
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
+def rm_scores(model, prompts: list[list[int]], responses: list[list[int]], pad: int):
+    """(N,) reward-model scores of prompt + response sequences, read at each response's last token.
+
+    A ranking's K responses share their prompt: on the shared-prefix layout (token_batch.pack_shared) the backbone
+    computes it once and the head reads each response's last position. A model whose classification head is not its
+    `score` layer (transformers' name for decoder-only models) is run on the padded layout instead."""
+    from tasks.engines.workers.token_batch import pack, pack_shared
+
+    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    head = getattr(module, "score", None)
+    if head is None:
+        ids, attn, _ = pack(prompts, responses, pad)
+        return model(input_ids=ids, attention_mask=attn).logits[:, 0].float()
+    batch = pack_shared(prompts, responses, pad)
+    hidden = module.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                               use_cache=False).last_hidden_state  # (G, L, H)
+    return head(hidden[batch.ends[:, 0], batch.ends[:, 1]])[:, 0].float()  # (N,)
 
 
-def sequence_logps(model, input_ids, attention_mask, response_mask):
-    """(N,) sum of log π over each response's tokens (EOS included)."""
-    from tasks.engines.workers.token_batch import token_logprobs
+def sequence_logps(model, prompts: list[list[int]], responses: list[list[int]], pad: int):
+    """(N,) sum of log π over each response's tokens (EOS included), on the shared-prefix layout: a pair's chosen and
+    rejected responses, given together, share one pass over their prompt (token_batch.pack_shared)."""
+    from tasks.engines.workers.token_batch import pack_shared, response_logprobs
 
-    logp, _ = token_logprobs(model, input_ids, attention_mask, with_entropy=False)
-    return (logp * response_mask).sum(dim=1)
+    batch = pack_shared(prompts, responses, pad)
+    logp, _ = response_logprobs(model, batch, with_entropy=False)  # (N, R)
+    return (logp * batch.mask).sum(dim=1)
 
 
 def _rm_score(request: ScoreRequest, tokenizer) -> None:
     import polars as pl
+    import torch
 
-    from tasks.engines.workers.token_batch import batched
+    from tasks.engines.workers.data_parallel import map_in_order
+    from tasks.engines.workers.token_batch import chunks, group_order
 
     data = pl.read_parquet(request.data_path)
     model = reward_model(request.model_path, tokenizer).eval()
-    scores = batched(lambda ids, attn, mask, plen, rlen: rm_scores(model, ids, attn).tolist(), data["prompt_token_ids"].to_list(),
-                     data["response_token_ids"].to_list(), model.config.pad_token_id, request.micro_batch_size)
+    prompts, responses = data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list()
+    order = group_order(list(range(data.height)), prompts)  # a prompt's responses together: one pass over it
+
+    def one(idx: list[int]) -> list[float]:
+        return rm_scores(model, [prompts[i] for i in idx], [responses[i] for i in idx], model.config.pad_token_id).tolist()
+
+    with torch.no_grad():
+        done = [v for part in map_in_order(one, chunks(order, request.micro_batch_size)) for v in part]
+    scores = [0.0] * data.height
+    for i, v in zip(order, done):
+        scores[i] = v
     data.with_columns(pl.Series("score", scores, dtype=pl.Float64)).write_parquet(request.out_path)
 
 
@@ -64,16 +91,23 @@ def _seq_logprobs(request: ScoreRequest, tokenizer) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.engines.workers.token_batch import batched
+    from tasks.engines.workers.data_parallel import map_in_order
+    from tasks.engines.workers.token_batch import chunks
 
     data = pl.read_parquet(request.data_path)
     model = AutoModelForCausalLM.from_pretrained(request.model_path, dtype=torch.float32).eval()
-    prompts, out = data["prompt_token_ids"].to_list(), {}
-    for side in ("chosen", "rejected"):
-        values = batched(lambda ids, attn, mask, plen, rlen: sequence_logps(model, ids, attn, mask).tolist(), prompts,
-                         data[f"{side}_token_ids"].to_list(), pad_id(tokenizer), request.micro_batch_size)
-        out[f"{side}_logp"] = pl.Series(values, dtype=pl.Float64)
-    data.select("prompt_id", "pair_idx").with_columns(**out).write_parquet(request.out_path)
+    prompts, chosen, rejected = (data[c].to_list() for c in ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids"))
+
+    def both(idx: list[int]) -> list[tuple[float, float]]:  # a pair's two responses in one batch: one prompt pass
+        logps = sequence_logps(model, [prompts[i] for i in idx] * 2, [chosen[i] for i in idx] + [rejected[i] for i in idx],
+                               pad_id(tokenizer)).tolist()
+        return list(zip(logps[: len(idx)], logps[len(idx) :]))
+
+    with torch.no_grad():
+        pairs = [p for part in map_in_order(both, chunks(list(range(data.height)), request.micro_batch_size)) for p in part]
+    data.select("prompt_id", "pair_idx").with_columns(pl.Series("chosen_logp", [c for c, _ in pairs], dtype=pl.Float64),
+                                                      pl.Series("rejected_logp", [r for _, r in pairs], dtype=pl.Float64)
+                                                      ).write_parquet(request.out_path)
 
 
 def handle(request: ScoreRequest) -> dict:

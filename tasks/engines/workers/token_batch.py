@@ -73,6 +73,8 @@ class SharedPrefixBatch:
     targets: torch.Tensor  # (T,) long: the token
     flat: torch.Tensor  # (T,) long: its cell in the flattened (N, R) response grid
     shape: tuple[int, int]  # (N, R)
+    real: torch.Tensor  # (G, L) bool: a prompt or response token, not padding
+    ends: torch.Tensor  # (N, 2) long: the row and position of each sample's last token (its prompt's last if empty)
 
     def on_grid(self, values: torch.Tensor) -> torch.Tensor:
         """(T,) per-token values → the (N, R) response grid, zeros elsewhere (differentiable)."""
@@ -82,6 +84,16 @@ class SharedPrefixBatch:
     @property
     def mask(self) -> torch.Tensor:
         return self.on_grid(torch.ones(len(self.flat)))  # (N, R)
+
+    def counts(self, logits_kept: bool) -> dict[str, float]:
+        """What one forward pass over the batch computes, for the throughput figures: real token positions, all positions
+        (padding included), positions whose logits are computed, the response tokens predicted, and the (query, key)
+        pairs the mask allows to real positions (attention's useful work)."""
+        g, length = self.input_ids.shape
+        return {"tokens": float(self.real.sum()), "positions": float(g * length),
+                "logit_positions": float(g * (len(self.keep) if logits_kept else length)),
+                "predicted_tokens": float(len(self.targets)),
+                "attention_pairs": float((self.attention_mask[:, 0] & self.real.unsqueeze(-1)).sum())}
 
 
 def pack_shared(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> SharedPrefixBatch:
@@ -94,6 +106,7 @@ def pack_shared(prompts: list[list[int]], responses: list[list[int]], pad_id: in
     position_ids = torch.zeros((g, length), dtype=torch.long)
     segment = torch.empty((g, length), dtype=torch.long)  # 0: the prompt; i + 1: sample i's response; < 0: padding (its own)
     t_rows, t_pos, t_targets, t_flat = [], [], [], []
+    ends = torch.zeros((n, 2), dtype=torch.long)
     for row, (prompt, members) in enumerate(rows.items()):
         plen, at = len(prompt), len(prompt)
         input_ids[row, :plen] = torch.tensor(prompt, dtype=torch.long)
@@ -109,6 +122,7 @@ def pack_shared(prompts: list[list[int]], responses: list[list[int]], pad_id: in
             t_rows += [row] * len(r)
             t_targets += r
             t_flat += [i * width + j for j in range(len(r))]
+            ends[i] = torch.tensor([row, at + len(r) - 1 if r else plen - 1])
             at += len(r)
         segment[row, at:] = -1 - torch.arange(length - at)
     q, k = segment.unsqueeze(2), segment.unsqueeze(1)  # (G, L, 1), (G, 1, L)
@@ -117,12 +131,19 @@ def pack_shared(prompts: list[list[int]], responses: list[list[int]], pad_id: in
     positions = torch.tensor(t_pos, dtype=torch.long)
     keep, kept_cols = torch.unique(positions, return_inverse=True)
     return SharedPrefixBatch(input_ids, position_ids, attention.unsqueeze(1), keep, torch.tensor(t_rows, dtype=torch.long), kept_cols,
-                             positions, torch.tensor(t_targets, dtype=torch.long), torch.tensor(t_flat, dtype=torch.long), (n, width))
+                             positions, torch.tensor(t_targets, dtype=torch.long), torch.tensor(t_flat, dtype=torch.long), (n, width),
+                             segment >= 0, ends)
 
 
 def _takes_logits_to_keep(model) -> bool:
     forward = getattr(model, "module", model).forward  # a DeepSpeed engine wraps the model
     return "logits_to_keep" in inspect.signature(forward).parameters
+
+
+def count_into(totals: dict[str, float], model, batch: SharedPrefixBatch, prefix: str) -> None:
+    """Add one forward pass's counts (SharedPrefixBatch.counts) to `totals`, as `<prefix>_<name>`."""
+    for key, value in batch.counts(_takes_logits_to_keep(model)).items():
+        totals[f"{prefix}_{key}"] = totals.get(f"{prefix}_{key}", 0.0) + value
 
 
 def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True):
@@ -199,13 +220,16 @@ def batched(fn, prompts: list[list[int]], responses: list[list[int]], pad_id: in
 
 
 def batched_responses(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, micro_batch_size: int,
-                      with_entropy: bool) -> tuple[list[list[float]], list[list[float]]]:
+                      with_entropy: bool, totals: dict[str, float] | None = None) -> tuple[list[list[float]], list[list[float]]]:
     """Per-token logprobs and entropies (empty lists without) of every sample, in order, computed without gradients on
-    shared-prefix micro-batches of whole groups (shared among the trainer ranks as `batched` does)."""
+    shared-prefix micro-batches of whole groups (shared among the trainer ranks as `batched` does). `totals` gets this
+    rank's forward counts (`forward_*`)."""
     from tasks.engines.workers.data_parallel import map_in_order
 
     def one(idx: list[int]) -> list:
         batch = pack_shared([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
+        if totals is not None:
+            count_into(totals, model, batch, "forward")
         logp, ent = response_logprobs(model, batch, with_entropy)
         lens = [len(responses[i]) for i in idx]
         return [(logp[k, :n].tolist(), ent[k, :n].tolist() if with_entropy else []) for k, n in enumerate(lens)]
