@@ -333,6 +333,10 @@ class EnginesConfig(Section):
     # Trainer ranks on several machines: a DeepSpeed hostfile (`host slots=N` per line, this machine first; slots in
     # all = train_ranks), started by DeepSpeed's launcher over pdsh/ssh (README "Scale out").
     hostfile: str | None = None
+    keep_optimizer_states: int | None = Field(
+        2, ge=2, description="Keep the DeepSpeed optimizer state (`ds_state/`, about 4× the weights) of the last N RL "
+        "checkpoints only; every checkpoint keeps its weights. A resume needs the last two; rerunning an older update "
+        "needs its predecessor's. None: keep all (10 iterations of a 135M model then take 26 GB).")
 
 
 class RLConfig(Section):

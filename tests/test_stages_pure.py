@@ -123,3 +123,20 @@ def test_reward_model_rule_spearman_is_recorded_when_both_columns_exist():
     # Pearson of the two rank vectors, 4/√20).
     assert rollout_metrics(rollouts, scores, batch)["reward_model_rule_spearman"] == pytest.approx(4 / 20**0.5)
     assert "reward_model_rule_spearman" not in rollout_metrics(rollouts, scores.drop("score_model"), batch)
+
+
+def test_only_the_last_optimizer_states_are_kept(tmp_path):
+    from storage import RunLayout
+    from tasks.stages.optimize import prune_optimizer_states
+
+    layout = RunLayout(tmp_path, "r")
+    for k in range(1, 5):
+        for state in (layout.checkpoint_dir(k) / "ds_state", layout.critic_dir(k) / "ds_state"):
+            state.mkdir(parents=True)
+            (state.parent / "model.safetensors").write_bytes(b"w")
+    prune_optimizer_states(layout, 4, 2)
+    assert [(layout.checkpoint_dir(k) / "ds_state").exists() for k in range(1, 5)] == [False, False, True, True]
+    assert [(layout.critic_dir(k) / "ds_state").exists() for k in range(1, 5)] == [False, False, True, True]
+    assert all((layout.checkpoint_dir(k) / "model.safetensors").exists() for k in range(1, 5))  # weights stay
+    prune_optimizer_states(layout, 4, None)  # keep all: nothing else goes
+    assert (layout.checkpoint_dir(3) / "ds_state").exists()

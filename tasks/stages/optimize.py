@@ -61,6 +61,18 @@ def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> CriticRequest 
                          c.value_clip, c.coef)
 
 
+def prune_optimizer_states(layout, iteration: int, keep: int | None) -> None:
+    """Remove the DeepSpeed optimizer state of the checkpoints before the last `keep` (engines.keep_optimizer_states,
+    ≥ 2: a crash before this update's manifest resumes from checkpoint k − 1, which must keep its state)."""
+    import shutil
+
+    if keep is None:
+        return
+    for k in range(1, iteration - keep + 1):
+        for state in (layout.checkpoint_dir(k) / "ds_state", layout.critic_dir(k) / "ds_state"):
+            shutil.rmtree(state, ignore_errors=True)
+
+
 def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
     """From the rollouts manifest's per-round records: vLLM's generation seconds, the seconds spent syncing the
     sampler to the policy (0 when the engine started on it), and the sampler's logprob gap to the trainer on the
@@ -86,6 +98,7 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
                 out.update(rollout_engine_metrics([v for k, v in extra.items() if k.startswith("round")]))
             if stage == "logprobs" and "forward_seconds" in extra:
                 out["seconds_logprobs_forward"] = float(extra["forward_seconds"])
+                out.update({f"logprobs_{k}": float(v) for k, v in extra.items() if k.startswith("forward_") and k != "forward_seconds"})
     return out
 
 
@@ -105,6 +118,9 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = temp_dir_for(final)
         prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
+        if prev_state and not Path(prev_state).exists():
+            raise NotFound(f"the optimizer state of checkpoint {policy.version} was removed (engines.keep_optimizer_states="
+                           f"{ctx.cfg.engines.keep_optimizer_states}): iteration {iteration} cannot be redone from it")
         request = UpdateRequest(
             model_path=policy.path, tmp_dir=str(tmp), data_path=str(data_path), resume_state=prev_state,
             seed=ctx.cfg.seed + iteration, engine=EngineSettings.for_policy(o, ctx.cfg.model), ppo_epochs=o.ppo_epochs,
@@ -117,6 +133,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         resp = call_trainer(ctx, request, f"optimize-{iteration:05d}")
         commit_dir(tmp, final)
         data_path.unlink()
+        prune_optimizer_states(ctx.layout, iteration, ctx.cfg.engines.keep_optimizer_states)
         rollouts, advantages = read_stage(ctx.layout, "rollouts", iteration), read_stage(ctx.layout, "advantages", iteration)
         logprobs = read_stage(ctx.layout, "logprobs", iteration)
         critic_metrics = {"explained_variance": explained_variance(advantages, logprobs)} if ctx.cfg.uses_critic else {}

@@ -117,6 +117,7 @@ class _Update:
         self.loss_mask = data["loss_mask"].to_list()
         self.settings = _policy_settings(request)
         self.totals: dict[str, float] = {}
+        self.counts: dict[str, float] = {}  # what the forward passes computed (token_batch.count_into), summed
         self.seconds = dict.fromkeys(("forward", "backward", "step"), 0.0)  # this rank's, for the per-rank timings
 
     def add(self, key: str, value) -> None:
@@ -137,10 +138,12 @@ class _Update:
         import torch
 
         from tasks.algos.losses import policy_loss, tis_weights
-        from tasks.engines.workers.token_batch import align_responses, pack_shared, response_logprobs
+        from tasks.engines.workers.token_batch import align_responses, count_into, pack_shared, response_logprobs
 
         add = self.add if scale else (lambda key, value: None)
         batch = pack_shared([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.pad)
+        if scale:
+            count_into(self.counts, engine, batch, "update")
         width = batch.shape[1]
         mask = batch.mask * torch.tensor([float(self.loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, R)
         old, ref, adv = (align_responses([self.lists[c][i] for i in idx], width) for c in ("old_logprobs", "ref_logprobs", "token_advantages"))
@@ -228,7 +231,8 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     waited = time.time()
     update.totals = data_parallel.sum_over_ranks(update.totals)  # also the barrier: every rank has finished its steps
     timings = update.rank_timings(time.time() - waited)
-    return engine, optimizer, {**_update_metrics(update.totals, steps, grad_norms, n, seconds), **timings}, critic
+    counts = data_parallel.sum_over_ranks(update.counts)
+    return engine, optimizer, {**_update_metrics(update.totals, steps, grad_norms, n, seconds), **timings, **counts}, critic
 
 
 def _update_metrics(totals: dict, steps: int, grad_norms: list[float], samples: int, seconds: float) -> dict:

@@ -14,10 +14,10 @@ from tasks.engines.launch import worker_main
 from tasks.engines.workers import data_parallel
 
 
-def _score(model, prompts, responses, pad_id, micro, with_entropy):
+def _score(model, prompts, responses, pad_id, micro, with_entropy, totals):
     from tasks.engines.workers.token_batch import batched_responses
 
-    return batched_responses(model, prompts, responses, pad_id, micro, with_entropy)  # each group's prompt computed once
+    return batched_responses(model, prompts, responses, pad_id, micro, with_entropy, totals)  # each group's prompt computed once
 
 
 def _values(critic, prompts, responses, pad_id, micro):
@@ -58,13 +58,13 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         return cache.frozen(path, load) if cache and frozen else load()
 
     t0 = time.time()
-    forward = 0.0
+    forward, counts = 0.0, {}
     # The starting policy is the reference: kept frozen. Later policies come from the trainer's engine.
     policy = model_at("policy", policy_path, lambda: load_lm(policy_path, request.dtype), frozen=policy_path == ref_path)
     pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
     t1 = time.time()
     with eval_mode(policy):
-        old, entropy = _score(policy, prompts, responses, pad_id, micro, True)
+        old, entropy = _score(policy, prompts, responses, pad_id, micro, True, counts)
     forward += time.time() - t1
     if ref_path == policy_path:
         ref = old  # iteration 1: the policy is the reference, no second pass needed
@@ -73,7 +73,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         ref_model = model_at(None, ref_path, lambda: load_lm(ref_path, request.dtype), frozen=True)
         t1 = time.time()
         with eval_mode(ref_model):
-            ref, _ = _score(ref_model, prompts, responses, pad_id, micro, False)
+            ref, _ = _score(ref_model, prompts, responses, pad_id, micro, False, counts)
         forward += time.time() - t1
     values = None
     if request.critic_path:
@@ -85,6 +85,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
             values = _values(critic, prompts, responses, pad_id, micro)
         forward += time.time() - t1
     lst = pl.List(pl.Float32)
+    counts = data_parallel.sum_over_ranks(counts)  # the policy passes' work, over the ranks (the critic's is not counted)
     if data_parallel.rank() != 0:  # every rank holds all the rows; one writes them
         return {}
     samples.select("prompt_id", "sample_idx").with_columns(
@@ -93,7 +94,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         pl.Series("entropy", entropy, dtype=lst),
         pl.Series("values", values if values is not None else [None] * samples.height, dtype=lst),
     ).write_parquet(request.out_path)
-    return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0}
+    return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0, **counts}
 
 
 if __name__ == "__main__":
