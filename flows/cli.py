@@ -21,7 +21,7 @@ from flows.local_prefect import local_flow_settings, use_local_api_settings  # n
 
 use_local_api_settings()  # the temporary API's settings and database, before Prefect starts it
 
-from flows.deployments import DEMO_CONFIG  # noqa: E402  (imports prefect: after its settings above)
+from flows.deployments import DEMO_CONFIG, TINY_CONFIG  # noqa: E402  (imports prefect: after its settings above)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: LLM RL post-training as a Prefect DAG over Parquet stages.")
 console = Console(stderr=True)
@@ -86,7 +86,7 @@ ReconfigureOpt = typer.Option(False, "--reconfigure", help="The run exists with 
 
 @app.command("init-model")
 def init_model_cmd(
-    config: str = typer.Option(DEMO_CONFIG, help="Run config naming the recipe and the output folder."),
+    config: str = typer.Option(TINY_CONFIG, help="Run config naming the recipe and the output folder."),
     overrides: Optional[list[str]] = SetOpt,
     force: bool = typer.Option(False, help="Rebuild even if the folder exists."),
 ) -> None:
@@ -316,13 +316,18 @@ def deploy(api_url: Optional[str] = typer.Option(None, "--api-url", help="The se
         console.print(f"deployed {name}", highlight=False)
 
 
+# The summary's headline keys, printed first and in this order; the other scalars follow as summary.json has them.
+HEADLINE = ("run_id", "model", "task", "iterations", "eval_prompts", "eval_accuracy_start", "eval_accuracy_final")
+
+
 def _print_summary(summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"rlpipe run {summary.get('run_id')}")
     table.add_column("key")
     table.add_column("value", justify="right")
-    for key, value in summary.items():
+    ordered = {k: summary[k] for k in HEADLINE if k in summary} | summary
+    for key, value in ordered.items():
         if isinstance(value, (dict, list)):
             continue
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))

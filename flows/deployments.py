@@ -20,7 +20,8 @@ from schemas.errors import UserError
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO_ROOT / "infra" / "prefect.yaml"
 WORK_POOL = "rlpipe"
-DEMO_CONFIG = "infra/configs/demo.yaml"
+DEMO_CONFIG = "infra/configs/demo.yaml"  # the real pretrained model (`make model`): RL, reward model, DPO
+TINY_CONFIG = "infra/configs/arithmetic_tiny.yaml"  # a model built from a recipe: init-model and SFT
 
 
 def prepare_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None, reconfigure: bool = False,
@@ -145,7 +146,7 @@ def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, a
 
 
 @flow(name="rlpipe-sft", flow_run_name="{run_id}")
-def sft_deployment(config: str = DEMO_CONFIG, run_id: str = "sft", overrides: list[str] | None = None) -> dict:
+def sft_deployment(config: str = TINY_CONFIG, run_id: str = "sft", overrides: list[str] | None = None) -> dict:
     """The SFT warm start; the base model is built from the recipe first if it is not there yet."""
     from flows.sft import sft_flow
     from tasks.data.model_recipe import init_model

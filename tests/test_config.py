@@ -60,10 +60,20 @@ def test_a_key_added_later_enters_the_fingerprint_only_when_set():
 def test_a_saved_config_is_parsed_once_per_content():
     from tasks.stages.common import saved_config
 
-    text = dump_config(load_config("infra/configs/demo.yaml")).encode()
+    text = dump_config(load_config("infra/configs/demo.yaml", ["rl.iterations=30"])).encode()
     first = saved_config(text)
     assert saved_config(text) is first  # every stage of every iteration loads it: one parse
     changed = saved_config(text.replace(b"iterations: 30", b"iterations: 7"))  # rewritten (--reconfigure)
     assert changed.rl.iterations == 7 and first.rl.iterations == 30
     with pytest.raises(ConfigError, match="rl.iterations"):
         saved_config(text.replace(b"iterations: 30", b"iterations: -1"))
+
+
+@pytest.mark.parametrize("config", ["infra/configs/demo.yaml", "infra/configs/arithmetic_tiny.yaml",
+                                    "infra/configs/long_addition.yaml", "examples/word_problems/config.yaml",
+                                    "examples/gsm8k_qwen/config.yaml"])
+def test_every_shipped_config_loads_with_every_preset(config):
+    from schemas.config import algorithm_presets
+
+    for algo in [None, *algorithm_presets()]:
+        load_config(config, algo=algo)

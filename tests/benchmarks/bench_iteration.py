@@ -21,17 +21,18 @@ import polars as pl
 
 from tests.benchmarks import prefect_floor
 
-DEMO_CONFIG = "infra/configs/demo.yaml"
+# The 1M-parameter arithmetic model (built from its recipe, then SFT): demo scale for the orchestration benchmarks.
+TINY_CONFIG = "infra/configs/arithmetic_tiny.yaml"
 ITERATIONS = 5  # 1 warm-up + 4 measured
 ROOT = Path("runs/bench/iteration")
 ENGINE_SECONDS = ("seconds_generate", "seconds_logprobs_forward", "seconds_forward_backward")
 
 
-def ensure_demo_model() -> None:
+def ensure_tiny_model() -> None:
     from schemas.config import load_config
 
-    if not (Path(load_config(DEMO_CONFIG).model.path) / "config.json").exists():  # what `make demo` builds first
-        for args in (["init-model", "--config", DEMO_CONFIG], ["sft", DEMO_CONFIG, "--run-id", "sft"]):
+    if not (Path(load_config(TINY_CONFIG).model.path) / "config.json").exists():  # built as `rlpipe demo --config` does
+        for args in (["init-model", "--config", TINY_CONFIG], ["sft", TINY_CONFIG, "--run-id", "sft"]):
             subprocess.run([sys.executable, "-m", "flows.cli", *args], check=True)
 
 
@@ -41,7 +42,7 @@ def iteration_profile(resident: bool) -> pl.DataFrame:
     from tests.benchmarks.trl_match import run_iterations
 
     run_id = "resident" if resident else "one-shot"
-    layout, ends = run_iterations(DEMO_CONFIG, [f"storage_root={ROOT}", f"engines.resident_trainer={str(resident).lower()}"],
+    layout, ends = run_iterations(TINY_CONFIG, [f"storage_root={ROOT}", f"engines.resident_trainer={str(resident).lower()}"],
                                   run_id, ITERATIONS)
     rows = []
     for k in range(2, ITERATIONS + 1):
@@ -57,7 +58,7 @@ def overhead_fraction(profile: pl.DataFrame) -> float:
 
 
 def run() -> list[dict]:
-    ensure_demo_model()
+    ensure_tiny_model()
     profiles = {mode: iteration_profile(mode == "resident") for mode in ("resident", "one-shot")}
     for mode, profile in profiles.items():
         print(f"iteration profile, {mode} trainer (seconds):")

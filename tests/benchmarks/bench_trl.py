@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 
 from tests.benchmarks import result_row
-from tests.benchmarks.bench_iteration import DEMO_CONFIG, ensure_demo_model
+from tests.benchmarks.bench_iteration import TINY_CONFIG, ensure_tiny_model
 from tests.benchmarks.trl_match import in_fresh_process
 
 ITERATIONS = 10  # × 8 optimizer steps
@@ -44,11 +44,11 @@ def run() -> list[dict]:
     from schemas.config import load_config
     from tasks.data.example_tasks import ensure_task_files
 
-    ensure_demo_model()
-    cfg = load_config(DEMO_CONFIG, OVERRIDES, "grpo")
+    ensure_tiny_model()
+    cfg = load_config(TINY_CONFIG, OVERRIDES, "grpo")
     held_out = pl.read_parquet(ensure_task_files(cfg.task)["eval"])
-    rl = in_fresh_process("rlpipe", DEMO_CONFIG, OVERRIDES, "rlpipe", ITERATIONS)
-    trl = in_fresh_process("trl", DEMO_CONFIG, OVERRIDES, str(WORK / "trl-model"), ITERATIONS)
+    rl = in_fresh_process("rlpipe", TINY_CONFIG, OVERRIDES, "rlpipe", ITERATIONS)
+    trl = in_fresh_process("trl", TINY_CONFIG, OVERRIDES, str(WORK / "trl-model"), ITERATIONS)
     accuracy = {name: greedy_accuracy(path, held_out, cfg.rollout.max_tokens) for name, path in
                 (("sft", cfg.model.path), ("rlpipe", rl.model), ("trl", trl.model))}
     steps = ITERATIONS * cfg.optim.minibatches * cfg.optim.ppo_epochs

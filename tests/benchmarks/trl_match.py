@@ -4,8 +4,9 @@ Matched settings, all read from the rlpipe config: the task's train prompts, G, 
 min_tokens, temperature 1, lr with linear warmup then constant, AdamW (0.9, 0.999) without weight decay, grad clip 1,
 clip ε, k3 KL to the starting model with β in the loss, the loss aggregation (`--algo grpo`'s seq-mean-token-mean is
 TRL's "grpo", token-mean its "dapo"), group-normalised advantages, epochs × minibatches optimizer steps per round, and the config's reward functions
-(rlpipe's built-ins, same weights and kwargs) on both sides. Every group is trained (rlpipe's dynamic filtering off,
-as TRL has none).
+(built-ins or the user's own, same weights and kwargs, called with rlpipe's argument names) on both sides. Chat-message
+prompts go to TRL as a conversational dataset (it applies the same chat template). Every group is trained (rlpipe's
+dynamic filtering off, as TRL has none).
 
 Each side runs in a new Python process, as a user starts it (`in_fresh_process`: the rlpipe command's iterations; a
 script that imports TRL), timed from the moment it is spawned to the end of each round, so that start-up is the same
@@ -103,7 +104,7 @@ def trl_training(config: str, overrides: list[str], out: Path, iterations: int) 
 
     from schemas.config import load_config
     from tasks.data.example_tasks import ensure_task_files
-    from tasks.rewards import BUILTIN_REWARDS
+    from tasks.rewards.loader import accepted_arguments, load_function, specs_from_config
 
     cfg = load_config(config, overrides, "grpo")
     train = pl.read_parquet(ensure_task_files(cfg.task)["train"])
@@ -114,15 +115,21 @@ def trl_training(config: str, overrides: list[str], out: Path, iterations: int) 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     eos, generated = tokenizer.eos_token_id, {"tokens": 0}
 
-    def reward_func(name, fn_cfg):
-        fn = BUILTIN_REWARDS.get(name)
+    def reward_func(name, spec):
+        fn = load_function(spec)
+        accepted = accepted_arguments(fn)
 
         def score(prompts, completions, completion_ids, answer, **_):
             if name == next(iter(cfg.reward.functions)):  # once per generation batch
                 generated["tokens"] += sum(len(ids) for ids in completion_ids)
-            # rlpipe's arguments: "stop" only when it emitted EOS; the response's length and the limit
-            return [fn(response=c, ground_truth=a, finish_reason="stop" if eos in ids else "length", length=len(ids),
-                       max_tokens=r.max_tokens, **fn_cfg.kwargs) for c, a, ids in zip(completions, answer, completion_ids)]
+            out = []
+            for c, a, ids in zip(completions, answer, completion_ids):
+                text = c[0]["content"] if isinstance(c, list) else c  # conversational: [{"role": "assistant", ...}]
+                # rlpipe's arguments: "stop" only when it emitted EOS; the response's length and the limit
+                args = {"response": text, "ground_truth": a, "finish_reason": "stop" if eos in ids else "length",
+                        "length": len(ids), "max_tokens": r.max_tokens}
+                out.append(float(fn(**{k: v for k, v in args.items() if accepted is None or k in accepted}, **spec.kwargs)))
+            return out
 
         score.__name__ = name
         return score
@@ -149,7 +156,8 @@ def trl_training(config: str, overrides: list[str], out: Path, iterations: int) 
     )
     dataset = Dataset.from_dict({"prompt": train["prompt"].to_list(), "answer": train["answer"].to_list()})
     clock = RoundClock()
-    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=[reward_func(n, f) for n, f in cfg.reward.functions.items()],
+    specs = specs_from_config(cfg.reward)
+    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=[reward_func(n, specs[n]) for n in cfg.reward.functions],
                           args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
     trainer.train()
     trainer.save_model(str(out))

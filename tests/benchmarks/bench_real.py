@@ -1,0 +1,137 @@
+"""How close each heavy stage runs to this machine's limit, on the real model (`make bench ARGS=real`).
+
+In one run: this machine's fp32 matmul throughput at the model's own GEMM shapes (torch, the trainer's thread count),
+then ITERATIONS iterations of the demo config (SmolLM2-135M-Instruct, from the pretrained model) as `rlpipe run` runs
+them. For the iterations after the first (the first pays the engines' start), each heavy stage's useful FLOPs over its
+seconds, as a fraction of that peak:
+
+- FLOPs are counted from the model's shapes and the tokens actually processed: 2 per weight of the decoder layers per
+  token position, 2 per weight of the output layer per predicted token, and 4·heads·head_dim per (query, key) pair the
+  attention mask allows, per layer (a forward pass); training is 3× its forward. Padding is not useful work.
+- rollouts: vLLM's prefill (each prompt once: its G samples share it) and decode (every generated token), over
+  `seconds_generate`;
+- logprobs: the trainer's no-grad passes (old policy, reference), over `seconds_logprobs_forward`, from the counts the
+  trainer reports (`logprobs_forward_*`);
+- optimize: the update's forward and backward (`update_*`), over `seconds_forward_backward`.
+
+Rows: real_rollout_peak_fraction, real_logprobs_peak_fraction, real_optimize_peak_fraction (ratio: the fraction),
+real_padding_fraction (computed positions that are padding, trainer passes), real_iteration_overhead (the fraction of an
+iteration outside generation, forward and backward passes) and real_samples_per_s.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import polars as pl
+
+CONFIG = "infra/configs/demo.yaml"
+ITERATIONS = 4
+ROOT = Path("runs/bench/real")
+
+
+def model_shapes(path: str) -> dict:
+    """Weights per token of the decoder layers and of the output layer, and attention's per-pair cost, from the config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    head = model.get_output_embeddings().weight
+    layers = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and ".layers." in name)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {"layer_weights": layers, "head_weights": head.numel(), "hidden": cfg.hidden_size, "vocab": head.shape[0],
+            "attention_per_pair": 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim,
+            "gemms": [(cfg.hidden_size, cfg.num_attention_heads * head_dim), (cfg.hidden_size, cfg.num_key_value_heads * head_dim),
+                      (cfg.num_attention_heads * head_dim, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size),
+                      (cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, head.shape[0])]}
+
+
+def gemm_peak(shapes: dict, tokens: int = 512, seconds: float = 0.6) -> float:
+    """FLOP/s of torch's fp32 matmul over the model's GEMM shapes (M = `tokens` rows), weighted as one token's pass
+    weighs them, with the thread count the trainer uses (torch's default: every core)."""
+    import torch
+
+    flops = elapsed = 0.0
+    for k, n in shapes["gemms"]:
+        a, b = torch.randn(tokens, k), torch.randn(k, n)
+        a @ b
+        runs, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            runs += 1
+        each = (time.perf_counter() - t0) / runs
+        print(f"  matmul ({tokens}×{k}) @ ({k}×{n}): {2 * tokens * k * n / each / 1e9:.1f} GFLOP/s")
+        flops, elapsed = flops + 2 * tokens * k * n, elapsed + each
+    return flops / elapsed
+
+
+def forward_flops(shapes: dict, counts: dict, prefix: str) -> float:
+    """Useful FLOPs of the forward passes a stage's counts describe (token_batch.SharedPrefixBatch.counts)."""
+    return (2 * shapes["layer_weights"] * counts[f"{prefix}_tokens"] + 2 * shapes["head_weights"] * counts[f"{prefix}_predicted_tokens"]
+            + shapes["attention_per_pair"] * counts[f"{prefix}_attention_pairs"])
+
+
+def rollout_flops(shapes: dict, rollouts: pl.DataFrame, prompts: pl.DataFrame) -> float:
+    """vLLM's useful work: each prompt's prefill once (its samples share it, prefix caching), every generated token, and
+    the attention each token pays over its context."""
+    plens = prompts.select(pl.col("prompt_token_ids").list.len()).to_series()
+    prefill = float(plens.sum())
+    prefill_pairs = float((plens * (plens + 1) / 2).sum())
+    joined = rollouts.join(prompts.select("prompt_id", pl.col("prompt_token_ids").list.len().alias("p")), on="prompt_id")
+    generated = float(joined["length"].sum())
+    # Token j of a response attends to the prompt and to tokens 0..j: Σ_j (P + j + 1).
+    decode_pairs = float(joined.select(pl.col("length") * pl.col("p") + pl.col("length") * (pl.col("length") + 1) / 2).sum().item())
+    return (2 * shapes["layer_weights"] * (prefill + generated) + 2 * shapes["head_weights"] * (len(plens) + generated)
+            + shapes["attention_per_pair"] * (prefill_pairs + decode_pairs))
+
+
+def run() -> list[dict]:
+    from schemas.config import load_config
+    from storage import read_stage
+    from tests.benchmarks.trl_match import run_iterations
+
+    cfg = load_config(CONFIG)
+    shapes = model_shapes(cfg.model.path)
+    print(f"real: {cfg.model.path}: decoder weights {shapes['layer_weights'] / 1e6:.1f}M, output layer {shapes['head_weights'] / 1e6:.1f}M")
+    peak = gemm_peak(shapes)
+    print(f"real: fp32 matmul at the model's GEMM shapes: {peak / 1e9:.1f} GFLOP/s (the limit below)")
+    layout, ends = run_iterations(CONFIG, [f"storage_root={ROOT}"], "real", ITERATIONS)
+    rows, totals = [], dict.fromkeys(("rollout_flops", "rollout_s", "logprobs_flops", "logprobs_s", "update_flops", "update_s",
+                                      "engine_s", "wall", "samples", "padding", "positions"), 0.0)
+    for k in range(2, ITERATIONS + 1):
+        m = read_stage(layout, "train_metrics", k).row(0, named=True)
+        flops = {"rollout": rollout_flops(shapes, read_stage(layout, "rollouts", k), read_stage(layout, "prompts", k)),
+                 "logprobs": forward_flops(shapes, m, "logprobs_forward"), "update": 3 * forward_flops(shapes, m, "update")}
+        seconds = {"rollout": m["seconds_generate"], "logprobs": m["seconds_logprobs_forward"], "update": m["seconds_forward_backward"]}
+        wall = ends[k - 1] - ends[k - 2]
+        for key in flops:
+            totals[f"{key}_flops"] += flops[key]
+            totals[f"{key}_s"] += seconds[key]
+        totals["engine_s"] += sum(seconds.values())
+        totals["wall"] += wall
+        totals["samples"] += float(read_stage(layout, "rollouts", k).height)
+        for prefix in ("logprobs_forward", "update"):
+            totals["positions"] += m[f"{prefix}_positions"]
+            totals["padding"] += m[f"{prefix}_positions"] - m[f"{prefix}_tokens"]
+        rows.append({"iteration": k, "wall": wall, **{f"{s}_s": v for s, v in seconds.items()},
+                     **{f"{s}_gflop_s": flops[s] / seconds[s] / 1e9 for s in flops}})
+    print(pl.DataFrame(rows))
+    fraction = {s: totals[f"{s}_flops"] / totals[f"{s}_s"] / peak for s in ("rollout", "logprobs", "update")}
+    overhead = 1 - totals["engine_s"] / totals["wall"]
+    print(f"real: peak fractions rollouts {fraction['rollout']:.2f}, logprobs {fraction['logprobs']:.2f}, optimize "
+          f"{fraction['update']:.2f}; padding {totals['padding'] / totals['positions']:.3f}; overhead {overhead:.3f}; "
+          f"{totals['samples'] / totals['wall']:.2f} samples/s")
+
+    def row(name, value, unit, target):
+        return {"benchmark": name, "baseline": "target", "baseline_value": target, "rlpipe_value": value, "unit": unit, "ratio": value}
+
+    gflops = f"of {peak / 1e9:.0f} GFLOP/s (fp32 matmul, model shapes)"
+    return [row("real_rollout_peak_fraction", fraction["rollout"], gflops, 0.3),
+            row("real_logprobs_peak_fraction", fraction["logprobs"], gflops, 0.5),
+            row("real_optimize_peak_fraction", fraction["update"], gflops, 0.5),
+            row("real_padding_fraction", totals["padding"] / totals["positions"], "fraction of trainer positions", 0.05),
+            row("real_iteration_overhead", overhead, "fraction of iteration wall", 0.05),
+            row("real_samples_per_s", totals["samples"] / totals["wall"], "samples/s", float("nan"))]
