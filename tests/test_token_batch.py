@@ -40,22 +40,25 @@ def groups(seed: int = 0):
     return [prompts[i] for i in order], [responses[i] for i in order]
 
 
-def test_shared_prefix_logprobs_and_entropies_equal_the_padded_layouts():
+@pytest.mark.parametrize("row_tokens, rows", [(0, 3), (10_000, 1)])
+def test_shared_prefix_logprobs_and_entropies_equal_the_padded_layouts(row_tokens, rows):
     model, (prompts, responses) = tiny_model(), groups()
     plen, rlen = [len(p) for p in prompts], [len(r) for r in responses]
     ids, attn, _ = pack(prompts, responses, 0)
     with torch.no_grad():
         lp, ent = token_logprobs(model, ids, attn)
-        batch = pack_shared(prompts, responses, 0)
+        batch = pack_shared(prompts, responses, 0, row_tokens)
         got_lp, got_ent = response_logprobs(model, batch)
-    assert batch.input_ids.shape[0] == 3  # one row per distinct prompt
+    assert batch.input_ids.shape[0] == rows  # a row per distinct prompt, or every group in one row
     assert batch.input_ids.numel() < ids.numel()
+    assert batch.counts(True)["tokens"] == sum(len(p) for p in set(map(tuple, prompts))) + sum(rlen)  # no padding counted
     for want, got in ((unalign(lp, plen, rlen), got_lp), (unalign(ent, plen, rlen), got_ent)):
         assert torch.allclose(align_responses(want, got.shape[1]), got, atol=1e-5)
     assert torch.equal(batch.mask, align_responses([[1.0] * n for n in rlen], batch.shape[1]))
 
 
-def test_shared_prefix_gradients_equal_the_padded_layouts():
+@pytest.mark.parametrize("row_tokens", [0, 10_000])
+def test_shared_prefix_gradients_equal_the_padded_layouts(row_tokens):
     prompts, responses = groups(1)
     plen, rlen = [len(p) for p in prompts], [len(r) for r in responses]
     weights = [[0.1 * (j + 1) * (-1) ** i for j in range(n)] for i, n in enumerate(rlen)]  # a different weight per token
@@ -63,7 +66,7 @@ def test_shared_prefix_gradients_equal_the_padded_layouts():
     for shared in (False, True):
         model = tiny_model(tied=False)
         if shared:
-            batch = pack_shared(prompts, responses, 0)
+            batch = pack_shared(prompts, responses, 0, row_tokens)
             logp, _ = response_logprobs(model, batch, with_entropy=False)
             w = align_responses(weights, logp.shape[1])
         else:
