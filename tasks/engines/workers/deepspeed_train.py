@@ -39,7 +39,7 @@ def _sft(request: SFTRequest, model, tokenizer):
     """Token-mean NLL of the response tokens over each whole batch, accumulated over micro-batches."""
     import polars as pl
 
-    from tasks.engines.workers.token_batch import pack, token_logprobs
+    from tasks.engines.workers.token_batch import pack_shared, response_logprobs
 
     data = pl.read_parquet(request.data_path)
     prompts, responses = data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list()
@@ -50,9 +50,9 @@ def _sft(request: SFTRequest, model, tokenizer):
         total_tokens = sum(len(responses[i]) for i in batch)
         loss_sum = 0.0
         for k, idx, scale in data_parallel.micro_steps(batch, parts):
-            ids, attn, mask = pack([prompts[i] for i in idx], [responses[i] for i in idx], pad_id(tokenizer))
-            logp, _ = token_logprobs(engine, ids, attn, with_entropy=False)
-            loss = -(logp * mask).sum() / total_tokens  # token-mean over the whole batch
+            packed = pack_shared([prompts[i] for i in idx], [responses[i] for i in idx], pad_id(tokenizer))
+            logp, _ = response_logprobs(engine, packed, with_entropy=False)  # (B, R): logits for response tokens only
+            loss = -(logp * packed.mask).sum() / total_tokens  # token-mean over the whole batch
             engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
             engine.backward(loss * scale, scale_wrt_gas=False)
             engine.step()
@@ -88,12 +88,12 @@ class _Ptx:
     def loss(self, engine):
         import torch
 
-        from tasks.engines.workers.token_batch import pack, token_logprobs
+        from tasks.engines.workers.token_batch import pack_shared, response_logprobs
 
         idx = torch.randint(len(self.prompts), (self.batch,), generator=self.gen).tolist()
-        ids, attn, mask = pack([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.pad)
-        logp, _ = token_logprobs(engine, ids, attn, with_entropy=False)
-        return -self.coef * (logp * mask).sum() / mask.sum().clamp_min(1.0)
+        packed = pack_shared([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.pad)
+        logp, _ = response_logprobs(engine, packed, with_entropy=False)  # (B, R)
+        return -self.coef * (logp * packed.mask).sum() / packed.mask.sum().clamp_min(1.0)
 
 
 def _kept_or_new_engine(cache, role: str, model_path: str, resume_state: str | None, settings: EngineSettings, gas: int, load_model):
