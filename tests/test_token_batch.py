@@ -131,3 +131,18 @@ def test_reward_model_scores_and_sequence_logprobs_on_the_shared_layout_equal_th
         lm = tiny_model()
         lp, _ = token_logprobs(lm, ids, attn, with_entropy=False)
         assert torch.allclose(sequence_logps(lm, prompts, responses, 1), (lp * mask).sum(1), atol=1e-5)
+
+
+def test_balanced_rows_keep_first_fits_row_count_and_even_out_the_rows():
+    from tasks.engines.workers.token_batch import balanced_rows
+
+    sizes = [290, 280, 270, 260]  # first-fit decreasing into 1,024: rows of 840 and 260
+    rows = balanced_rows(sizes, 1024)
+    assert sorted(sorted(r) for r in rows) == [[0, 3], [1, 2]]  # 550 and 550
+    assert sorted(i for r in rows for i in r) == [0, 1, 2, 3]
+    assert balanced_rows([2000, 10, 10], 1024) == [[0], [1, 2]]  # a group longer than a row gets a row of its own
+    assert balanced_rows([100, 200, 300], 10_000) == [[2, 1, 0]]  # one row when everything fits
+    uneven = [97, 310, 45, 220, 180, 260, 33, 290, 150]
+    rows = balanced_rows(uneven, 512)
+    loads = [sum(uneven[i] for i in r) for r in rows]
+    assert len(rows) == 4 and max(loads) - min(loads) <= max(uneven)  # first-fit needs 4 rows of 512 here
