@@ -213,7 +213,7 @@ def loop_dcpo(steps):
             else:
                 var = (n * sigma_c**2 + sigma_new**2 + n / (n + 1) * (mu_new - mu_c) ** 2) / (n + 1)
                 mu_c, sigma_c = (n * mu_c + mu_new) / (n + 1), math.sqrt(var)
-            if len(seen) == 1:  # rewards that never differed: σ_c = 0 exactly (DESIGN §5)
+            if len(seen) == 1:  # rewards that never differed: σ_c = 0 exactly (docs/algorithms.md)
                 mu_c, sigma_c = rewards[0], 0.0
             w = 1 / (n + 1)
             for r in rewards:

@@ -115,7 +115,7 @@ def test_dcpo_bounds_match_design_at_q_0_9_and_0_01():
     # q = 0.9: low = ½ + ½·sqrt(1 − 0.64/0.9) = 0.768749, high = ½ + ½·sqrt(1 + 0.8/0.9) = 1.187212
     assert low[0].item() == pytest.approx(0.5 + 0.5 * math.sqrt(1 - 0.64 / 0.9), abs=1e-6)
     assert high[0].item() == pytest.approx(0.5 + 0.5 * math.sqrt(1 + 0.8 / 0.9), abs=1e-6)
-    # … so the new probability may range over 0.69–1.07 (DESIGN §5)
+    # … so the new probability may range over 0.69–1.07 (docs/algorithms.md)
     assert (0.9 * low[0]).item() == pytest.approx(0.69, abs=0.005) and (0.9 * high[0]).item() == pytest.approx(1.07, abs=0.005)
     # q = 0.01: 1 − 64 < 0 → low = ½; high = ½ + ½·sqrt(81) = 5 → probability 0.005–0.05
     assert low[1].item() == pytest.approx(0.5) and high[1].item() == pytest.approx(5.0)

@@ -1,5 +1,5 @@
 """In-place weight sync of the resident vLLM engine, checked against the trainer's probe logprobs, for the demo
-model with untied and with tied embeddings (vLLM's plain reload was wrong for tied ones, DESIGN §4)."""
+model with untied and with tied embeddings (vLLM's plain reload was wrong for tied ones)."""
 
 import polars as pl
 import pytest

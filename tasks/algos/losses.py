@@ -1,6 +1,6 @@
 """Pure torch math for the policy update: policy objectives and loss aggregations (KL estimators: tasks/algos/kl.py).
 
-One registry per family, keyed by the config's Literal names (DESIGN §5). No I/O, no engines.
+One registry per family, keyed by the config's Literal names (formulas and papers: docs/algorithms.md). No I/O, no engines.
 Shapes: B sequences × T response positions; `mask` is 1.0 on real response tokens.
 """
 
@@ -73,7 +73,7 @@ DCPO_HIGH_CAP = 10.0
 
 
 def dcpo_bounds(old_prob, eps_low: float, eps_high: float, dual_clip: float | None):
-    """DCPO's dynamic-adaptive bounds on ρ for a token whose old probability is q (DESIGN §5):
+    """DCPO's dynamic-adaptive bounds on ρ for a token whose old probability is q:
     low = ½ + ½·sqrt(max(0, 1 − 4ε_low/q)), high = ½ + ½·sqrt(1 + 4ε_high/q) capped at max(c, 10).
     Rare tokens (small q) get wide bounds, so exploration is not clipped away."""
     q = old_prob.clamp_min(1e-12)

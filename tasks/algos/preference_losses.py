@@ -1,4 +1,4 @@
-"""Preference losses, pure torch (DESIGN §5): Bradley–Terry over K-wise rankings, and DPO."""
+"""Preference losses, pure torch (docs/algorithms.md): Bradley–Terry over K-wise rankings, and DPO."""
 
 from __future__ import annotations
 

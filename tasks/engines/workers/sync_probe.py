@@ -1,5 +1,5 @@
 """Sync probe: the trainer's logprobs on a few fixed sequences, saved next to every policy checkpoint, so the
-sampler can check an in-place weight sync against them (DESIGN §4: vLLM's in-place reload has been wrong
+sampler can check an in-place weight sync against them (vLLM's in-place reload has been wrong
 before, silently).
 
 `sync_probe.json` = {"token_ids": [[...], ...], "logprobs": [[...], ...]}: logprobs[i][t] is
