@@ -1,4 +1,4 @@
-"""Advantage estimators as Polars expressions over the stage tables (formulas and papers: docs/algorithms.md); GAE's sequential scan runs compiled
+"""Advantage estimators as Polars expressions over the stage tables (docs/algorithms.md); GAE's sequential scan runs compiled
 over the token lists' flat buffers (tasks.algos.token_scan). Pure: no I/O.
 
 Input: one row per response with prompt_id, sample_idx, reward (Float64) and length (Int32); estimators

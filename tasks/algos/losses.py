@@ -1,6 +1,6 @@
 """Pure torch math for the policy update: policy objectives and loss aggregations (KL estimators: tasks/algos/kl.py).
 
-One registry per family, keyed by the config's Literal names (formulas and papers: docs/algorithms.md). No I/O, no engines.
+One registry per family, keyed by the config's Literal names (docs/algorithms.md). No I/O, no engines.
 Shapes: B sequences × T response positions; `mask` is 1.0 on real response tokens.
 """
 

@@ -1,4 +1,4 @@
-"""The KL coefficient β of an iteration: fixed, or the adaptive controller of Ziegler et al. 2019 (docs/algorithms.md)."""
+"""The KL coefficient β of an iteration: fixed, or Ziegler et al.'s adaptive controller (docs/algorithms.md)."""
 
 from __future__ import annotations
 

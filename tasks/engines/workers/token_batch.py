@@ -97,9 +97,10 @@ class SharedPrefixBatch:
                 "attention_pairs": float((self.attention_mask[:, 0] & self.real.unsqueeze(-1)).sum())}
 
 
-# Rows of the shared-prefix layout hold up to this many tokens (or one group, if longer). Measured on SmolLM2-135M,
-# 4 groups of 8 samples (707 tokens): a row per group (4 × 190, 7% padding) took 5.4 s for forward and backward, 2 rows
-# of ≤ 512 5.1 s, one row 4.95 s. Attention costs the square of a row's length, hence a bound.
+# Rows of the shared-prefix layout hold about this many tokens (a third more at worst, or one longer group).
+# Measured on SmolLM2-135M, 4 groups of 8 samples (707 tokens): a row per group (4 × 190, 7% padding) took 5.4 s for
+# forward and backward, 2 rows of ≤ 512 5.1 s, one row 4.95 s. Attention costs the square of a row's length, hence a
+# bound.
 PACKED_ROW_TOKENS = 1024
 
 
