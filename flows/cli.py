@@ -284,6 +284,22 @@ def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
 
 
 @app.command()
+def export(
+    run_id: str,
+    out: str = typer.Argument(..., help="The model folder to write (replaced if it exists)."),
+    iteration: Optional[int] = typer.Option(None, "--iteration", help="The checkpoint after this iteration (default: the last)."),
+    merge: bool = typer.Option(False, "--merge", help="Merge a LoRA adapter into the base weights (a plain Hugging Face folder)."),
+    root: str = typer.Option("runs", "--root"),
+) -> None:
+    """Write a run's policy checkpoint as a model folder, without optimizer state: full weights, a LoRA run's PEFT
+    adapter folder, or with --merge the adapter merged into its base model."""
+    from tasks.stages.weights import export_run
+
+    result = _guard(export_run, run_id, root, out, iteration, merge)
+    console.print(" ".join(f"{k}={v}" for k, v in result.items()), highlight=False)
+
+
+@app.command()
 def diff(
     run_a: str,
     run_b: str,

@@ -31,6 +31,8 @@ class Section(BaseModel):
     # Keys added after runs existed: a fingerprint includes them only when they differ from their default, so a run
     # that never set one keeps the fingerprints it was written with.
     HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset()
+    # A whole section added after runs existed: a fingerprint includes it only when it differs from its default.
+    OMITTED_AT_DEFAULT: ClassVar[bool] = False
 
 
 def _as_list(value: Any) -> Any:
@@ -51,6 +53,37 @@ class ModelConfig(Section):
                                                   "and the DeepSpeed trainer). bfloat16 halves memory on GPUs; the sampler's "
                                                   "logprobs then differ from the trainer's (see loss.tis_cap).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, ~30% more time.")
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (peft's LoRA) on the policy: RL, SFT and DPO train only the adapter, the frozen reference is the
+    same model with the adapter switched off, and the sampler loads each iteration's adapter (vLLM's LoRA) instead of
+    the whole model. Off while `rank` is None. PPO's critic and the reward model train all their weights."""
+
+    # A section added after runs existed: hashed only when set, so runs without it keep their fingerprints.
+    OMITTED_AT_DEFAULT: ClassVar[bool] = True
+
+    rank: int | None = Field(None, ge=1, le=512, description="The adapter's rank r (at most 512, vLLM's largest); None trains "
+                             "all weights (no LoRA).")
+    alpha: float = Field(32.0, gt=0, description="The adapter's scale is alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training (0 keeps an update "
+                           "reproducible from the seed alone).")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="The linear layers that get an adapter, by module name (`q_proj`, or a full dotted name), "
+        "or `all-linear`: every linear layer but the output layer.")
+    modules_to_save: list[str] = Field([], description="Modules trained in full next to the adapter and saved with it "
+                                       "(e.g. `lm_head`); vLLM must support them for the model (it loads them with the adapter).")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _named(cls, value):
+        if isinstance(value, list) and (not value or not all(isinstance(v, str) and v.strip() for v in value)):
+            raise ValueError("target_modules must be `all-linear` or a non-empty list of module names")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank is not None
 
 
 class PromptConfig(Section):
@@ -433,6 +466,7 @@ class RunConfig(Section):
     seed: int = 0
     storage_root: str = "runs"
     model: ModelConfig = ModelConfig()
+    lora: LoraConfig = LoraConfig()
     task: TaskConfig | None = Field(None, description="A built-in example task that writes its data files (then name them in data).")
     data: DataConfig = DataConfig()
     prompt: PromptConfig = PromptConfig()
@@ -486,7 +520,8 @@ class RunConfig(Section):
 
     def section_hash(self, *sections: str) -> str:
         """A stable hash of some sections: part of a stage's fingerprint."""
-        payload = {name: _dump(getattr(self, name)) for name in sections}
+        payload = {name: _dump(getattr(self, name)) for name in sections
+                   if not (getattr(getattr(self, name), "OMITTED_AT_DEFAULT", False) and getattr(self, name) == type(getattr(self, name))())}
         payload["seed"] = self.seed
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 

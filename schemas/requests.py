@@ -13,7 +13,16 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-from schemas.config import DPOConfig, LossConfig, ModelConfig, OptimConfig, RewardModelConfig, RolloutConfig, SFTConfig
+from schemas.config import (
+    DPOConfig,
+    LoraConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardModelConfig,
+    RolloutConfig,
+    SFTConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -26,10 +35,12 @@ class VLLMSettings:
     kv_cache_gib: float  # vLLM-CPU's KV cache
     gpu_memory_utilization: float  # on a GPU, vLLM's share (a colocated trainer has the rest)
     tensor_parallel_size: int = 1
+    max_lora_rank: int | None = None  # LoRA enabled (the policy's adapters are loaded per request), or None
 
     @classmethod
-    def from_config(cls, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int) -> "VLLMSettings":
-        return cls(model_path, model.dtype, seed, rollout.kv_cache_gib, rollout.gpu_memory_utilization, rollout.tensor_parallel_size)
+    def from_config(cls, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int, lora: LoraConfig) -> "VLLMSettings":
+        return cls(model_path, model.dtype, seed, rollout.kv_cache_gib, rollout.gpu_memory_utilization, rollout.tensor_parallel_size,
+                   lora.rank)
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,25 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """The policy's adapter (peft LoRA), created from the seed when training starts from a plain model folder."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...] | str  # or "all-linear"
+    modules_to_save: tuple[str, ...]
+    seed: int  # the adapter's initial A matrices are drawn from it (B starts at zero)
+
+    @classmethod
+    def from_config(cls, lora: LoraConfig, seed: int) -> "LoraSettings | None":
+        if not lora.enabled:
+            return None
+        targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
+        return cls(lora.rank, lora.alpha, lora.dropout, targets, tuple(lora.modules_to_save), seed)
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     """A DeepSpeed engine's settings (a resident trainer reuses an engine only when these are equal)."""
 
@@ -65,20 +95,21 @@ class EngineSettings:
     micro_batch_size: int
     dtype: str
     gradient_checkpointing: bool
+    lora: LoraSettings | None  # train only this adapter (the policy trainers), or every weight
 
     @classmethod
-    def for_policy(cls, optim: OptimConfig, model: ModelConfig) -> "EngineSettings":
+    def for_policy(cls, optim: OptimConfig, model: ModelConfig, lora: LoraSettings | None) -> "EngineSettings":
         return cls(optim.zero_stage, optim.lr, optim.weight_decay, optim.grad_clip, optim.micro_batch_size, model.dtype,
-                   model.gradient_checkpointing)
+                   model.gradient_checkpointing, lora)
 
     @classmethod
-    def for_sft(cls, sft: SFTConfig, optim: OptimConfig, model: ModelConfig) -> "EngineSettings":
-        return cls(sft.zero_stage, sft.lr, 0.0, 1.0, optim.micro_batch_size, model.dtype, model.gradient_checkpointing)
+    def for_sft(cls, sft: SFTConfig, optim: OptimConfig, model: ModelConfig, lora: LoraSettings | None) -> "EngineSettings":
+        return cls(sft.zero_stage, sft.lr, 0.0, 1.0, optim.micro_batch_size, model.dtype, model.gradient_checkpointing, lora)
 
     @classmethod
-    def for_preferences(cls, trainer: RewardModelConfig | DPOConfig, model: ModelConfig) -> "EngineSettings":
+    def for_preferences(cls, trainer: RewardModelConfig | DPOConfig, model: ModelConfig, lora: LoraSettings | None) -> "EngineSettings":
         return cls(trainer.zero_stage, trainer.lr, trainer.weight_decay, 1.0, trainer.micro_batch_size, model.dtype,
-                   model.gradient_checkpointing)
+                   model.gradient_checkpointing, lora)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from schemas.requests import EngineSettings
 from tasks.engines.workers.engine_cache import EngineCache, write_state_id
 
 SETTINGS = EngineSettings(zero_stage=1, lr=1e-4, weight_decay=0.0, grad_clip=1.0, micro_batch_size=64, dtype="float32",
-                          gradient_checkpointing=False)
+                          gradient_checkpointing=False, lora=None)
 
 
 def checkpoint_with_engine(tmp_path, cache, name="iter=1"):

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from schemas.requests import EngineSettings, LogprobsRequest, TrainerWarmStart, UpdateRequest
+from schemas.requests import EngineSettings, LoraSettings, LogprobsRequest, TrainerWarmStart, UpdateRequest
 from storage import read_manifest
 from tasks.engines.launch import run_worker
 from tasks.engines.resident import ResidentProcess, resident
@@ -37,4 +37,4 @@ def trainer_warm_start(ctx: RunContext) -> TrainerWarmStart | None:
     if read_manifest(ctx.layout, "train_metrics", 1, verify=False) is not None:
         return None
     cfg = ctx.cfg
-    return TrainerWarmStart(cfg.model.path, cfg.model.dtype, EngineSettings.for_policy(cfg.optim, cfg.model))
+    return TrainerWarmStart(cfg.model.path, cfg.model.dtype, EngineSettings.for_policy(cfg.optim, cfg.model, LoraSettings.from_config(cfg.lora, cfg.seed)))

@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from schemas.config import RunConfig, build_config
 from schemas.errors import NotFound
-from schemas.requests import ScoreRequest
+from schemas.requests import LoraSettings, ScoreRequest
 from storage import RunLayout, StageOutput, find_complete, fingerprint, write_stage
 from tasks.engines.launch import run_worker
 from tasks.engines.workers import SCORE_WORKER
@@ -112,14 +112,25 @@ def _complete_manifest(root: str, run_id: str, stage: str, iteration: int) -> di
     return manifest
 
 
-def export_checkpoint(checkpoint: Path, dest: str | Path) -> None:
-    """Copy a committed checkpoint to a model folder (what `model.path` or vLLM loads), without the
-    optimizer state; an existing folder is replaced."""
+def policy_lora(ctx: RunContext) -> LoraSettings | None:
+    """The policy's adapter settings (the stage must declare the `lora` section), or None when LoRA is off."""
+    return LoraSettings.from_config(ctx.cfg.lora, ctx.cfg.seed)
+
+
+def export_checkpoint(checkpoint: Path, dest: str | Path, merge: bool = True) -> None:
+    """Copy a committed checkpoint to a model folder (what `model.path` or vLLM loads), without the optimizer state;
+    an existing folder is replaced. An adapter checkpoint (LoRA) is merged into its base
+    model's weights (a plain Hugging Face folder that needs no peft), unless `merge` is False (the PEFT folder)."""
     import shutil
+
+    from tasks.engines.workers.lora import is_adapter, merge_into_folder
 
     dest = Path(dest)
     if dest.exists():
         shutil.rmtree(dest)
+    if merge and is_adapter(checkpoint):
+        merge_into_folder(str(checkpoint), str(dest))
+        return
     shutil.copytree(checkpoint, dest, ignore=shutil.ignore_patterns("ds_state"))
 
 

@@ -21,7 +21,7 @@ KEYS = ["prompt_id", "pair_idx"]
 
 
 REF_SPEC = StageSpec("ref_logprobs", reads=("preference_pairs",), sections=("dpo", "model", "prompt"), scope="run")
-TRAIN_SPEC = StageSpec("dpo_metrics", reads=("preference_pairs", "ref_logprobs"), sections=("dpo", "model", "prompt"), scope="run",
+TRAIN_SPEC = StageSpec("dpo_metrics", reads=("preference_pairs", "ref_logprobs"), sections=("dpo", "model", "lora", "prompt"), scope="run",
                        also_writes=("checkpoints",))
 EVAL_SPEC = StageSpec("dpo_eval", reads=("preference_pairs", "ref_logprobs", "dpo_metrics"), sections=("dpo", "model", "prompt"),
                       scope="run")

@@ -26,7 +26,7 @@ from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint, weights_after
 
 # Reads the weights after the iteration: the checkpoint train_metrics (or dpo_metrics) marks complete.
-SPEC = StageSpec("eval", reads=("dataset", "train_metrics"), sections=("eval", "rollout", "reward", "data", "model", "optim"),
+SPEC = StageSpec("eval", reads=("dataset", "train_metrics"), sections=("eval", "rollout", "reward", "data", "model", "lora", "optim"),
                  scope="iteration")
 
 

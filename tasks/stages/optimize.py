@@ -16,7 +16,17 @@ from schemas.requests import CriticRequest, EngineSettings, LossSettings, PtxReq
 from storage import StageOutput, commit_dir, read_manifest, read_stage, temp_dir_for
 from tasks.algos.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
 from tasks.engines.trainer_client import call_trainer
-from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task, upstream_fingerprint
+from tasks.engines.workers.lora import describe, is_adapter
+from tasks.stages.common import (
+    Computed,
+    RunContext,
+    load_run,
+    policy_lora,
+    run_stage,
+    scratch_file,
+    stage_task,
+    upstream_fingerprint,
+)
 from tasks.stages.kl_control import kl_beta
 from tasks.stages.logprobs import kept_rollouts
 from tasks.stages.spec import StageSpec
@@ -123,7 +133,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
                            f"{ctx.cfg.engines.keep_optimizer_states}): iteration {iteration} cannot be redone from it")
         request = UpdateRequest(
             model_path=policy.path, tmp_dir=str(tmp), data_path=str(data_path), resume_state=prev_state,
-            seed=ctx.cfg.seed + iteration, engine=EngineSettings.for_policy(o, ctx.cfg.model), ppo_epochs=o.ppo_epochs,
+            seed=ctx.cfg.seed + iteration, engine=EngineSettings.for_policy(o, ctx.cfg.model, policy_lora(ctx)), ppo_epochs=o.ppo_epochs,
             minibatches=o.minibatches, warmup_steps=o.warmup_steps, first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
             loss=LossSettings.from_config(lc, kl.estimator, kl.placement == "loss", beta, ctx.cfg.rollout.max_tokens),
             critic=critic_request(ctx, iteration, tmp),
@@ -152,7 +162,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         )
         return Computed(
             frame, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
-            extra={"checkpoint": str(final)},
+            extra={"checkpoint": str(final), **({"adapter": describe(str(final))} if is_adapter(final) else {})},
         )
 
     return run_stage(ctx, iteration, salt=f"beta={beta:.12g}", compute=compute,
@@ -166,5 +176,5 @@ def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
 
 # The update: its table is train_metrics, its other output the checkpoint (whose manifest is train_metrics').
 SPEC = StageSpec("train_metrics", reads=("advantages", "logprobs", "rollouts", "scores", "batch", "sft_data"),
-                 sections=("optim", "loss", "kl", "critic", "model", "rollout", "advantage"), scope="iteration",
+                 sections=("optim", "loss", "kl", "critic", "model", "lora", "rollout", "advantage"), scope="iteration",
                  also_writes=("checkpoints",), aliases=("optimize",), recompute=recompute)

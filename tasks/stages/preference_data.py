@@ -34,7 +34,7 @@ from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint
 
 SPEC = StageSpec("preference_rankings", reads=("dataset",), scope="run",
-                 sections=("preference", "prompt", "rollout", "reward", "eval", "model", "data", "optim"))
+                 sections=("preference", "prompt", "rollout", "reward", "eval", "model", "lora", "data", "optim"))
 PAIRS_SPEC = StageSpec("preference_pairs", reads=("preference_rankings",), sections=(), scope="run")
 
 

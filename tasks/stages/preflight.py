@@ -32,6 +32,14 @@ def check_context(model_path: str, longest_prompt: int, max_tokens: int) -> None
                                  f"the model's context of {context}")
 
 
+def check_lora(cfg, model_path: str) -> None:
+    """lora.target_modules and modules_to_save against the model's own module names."""
+    if cfg.lora.enabled:
+        from tasks.engines.workers.lora import check_targets
+
+        check_targets(model_path, cfg.lora)
+
+
 def dataset_columns(ctx) -> set[str]:
     """The dataset's own columns the reward functions receive (the fields of its `extra` struct)."""
     table = read_stage(ctx.layout, "dataset", 0)
@@ -45,9 +53,12 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         ensure_task_files(cfg.task)
     if flow == "sft":
         model_fingerprint(cfg.model.base_path)
+        check_lora(cfg, cfg.model.base_path)
         sft_data_task.fn(storage_root, run_id)
         return
     model_fingerprint(cfg.model.path)
+    if flow != "rm":  # the reward model trains all its weights
+        check_lora(cfg, cfg.model.path)
     if cfg.reward.kind == "model":
         model_fingerprint(cfg.reward.model_path)
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None

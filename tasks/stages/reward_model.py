@@ -23,6 +23,7 @@ from tasks.stages.common import (
     RunContext,
     export_checkpoint,
     load_run,
+    policy_lora,
     run_stage,
     score_frame_worker,
     scratch_file,
@@ -59,7 +60,7 @@ def train_preference_model(ctx: RunContext, kind: str, data: pl.DataFrame, setti
     final = ctx.layout.checkpoint_dir(1)
     tmp = temp_dir_for(final)
     request = PreferenceTrainRequest(kind, ctx.cfg.model.path, str(tmp), str(data_path), str(metrics_path), ctx.cfg.seed,
-                                     EngineSettings.for_preferences(settings, ctx.cfg.model),
+                                     EngineSettings.for_preferences(settings, ctx.cfg.model, policy_lora(ctx) if kind == "dpo" else None),
                                      Schedule(settings.steps, settings.batch_size, settings.warmup_steps), beta, nll_coef)
     resp = run_worker(PREFERENCE_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path(f"{kind}_train"),
                       ranks=ctx.cfg.engines.train_ranks, devices=ctx.cfg.engines.trainer_devices,

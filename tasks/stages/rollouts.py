@@ -48,7 +48,7 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
     With `rollout.engines` replicas the prompts are cut into contiguous shards, one per replica, generated
     concurrently; prompt i of the whole file keeps the per-request seed `job seed + i` whichever replica samples
     it, so the table does not depend on the number of replicas."""
-    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, ctx.cfg.rollout, ctx.cfg.seed)
+    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, ctx.cfg.rollout, ctx.cfg.seed, ctx.cfg.lora)
     engines = start_rollout_engines(ctx, model_path)
     calls = []
     for k, (start, end) in enumerate(shard_bounds(prompts.height, len(engines))):
@@ -81,7 +81,7 @@ def start_rollout_engines(ctx: RunContext, model_path: str | None) -> list:
     vLLM until a later call gives them their weights: ResidentProcess.spawn). Call it from the thread that lives as
     long as they should (see ResidentProcess.spawn): the replicas then start at once."""
     r = ctx.cfg.rollout
-    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed) if model_path else None
+    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed, ctx.cfg.lora) if model_path else None
     devices, tp = ctx.cfg.engines.rollout_devices, r.tensor_parallel_size
     engines = []
     for k in range(r.engines):
@@ -148,4 +148,4 @@ def recompute(root: str, run_id: str, iteration: int) -> list[StageOutput]:
         release_engines_task.fn()
 
 
-SPEC = StageSpec("rollouts", reads=("prompts",), sections=("rollout", "model"), scope="round", recompute=recompute)
+SPEC = StageSpec("rollouts", reads=("prompts",), sections=("rollout", "model", "lora"), scope="round", recompute=recompute)

@@ -20,12 +20,12 @@ from tasks.data.formatting import load_tokenizer
 from tasks.data.sft_data import build_sft_examples
 from tasks.engines.launch import run_worker
 from tasks.engines.workers import TRAIN_WORKER
-from tasks.stages.common import Computed, export_checkpoint, load_run, run_stage, scratch_file, stage_task
+from tasks.stages.common import Computed, export_checkpoint, load_run, policy_lora, run_stage, scratch_file, stage_task
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint, tokenizer_fingerprint
 
 SPEC = StageSpec("sft_data", reads=(), sections=("sft", "prompt", "data", "model"), scope="run")
-TRAIN_SPEC = StageSpec("sft_metrics", reads=("sft_data",), sections=("sft", "model", "optim"), scope="run",
+TRAIN_SPEC = StageSpec("sft_metrics", reads=("sft_data",), sections=("sft", "model", "lora", "optim"), scope="run",
                        also_writes=("checkpoints/sft",))
 
 
@@ -54,7 +54,7 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
         read_stage(ctx.layout, "sft_data", 0).select("prompt_token_ids", "response_token_ids").write_parquet(data_path)
         tmp = temp_dir_for(final)
         request = SFTRequest(m.base_path, str(tmp), str(data_path), str(metrics_path), ctx.cfg.seed,
-                             EngineSettings.for_sft(s, ctx.cfg.optim, m), Schedule(s.steps, s.batch_size, s.warmup_steps))
+                             EngineSettings.for_sft(s, ctx.cfg.optim, m, policy_lora(ctx)), Schedule(s.steps, s.batch_size, s.warmup_steps))
         resp = run_worker(TRAIN_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path("sft"),
                           ranks=ctx.cfg.engines.train_ranks, devices=ctx.cfg.engines.trainer_devices,
                           hostfile=ctx.cfg.engines.hostfile)

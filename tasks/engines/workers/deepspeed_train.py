@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import time
 
-from schemas.requests import CriticRequest, EngineSettings, SFTRequest, UpdateRequest
+from schemas.requests import CriticRequest, EngineSettings, LoraSettings, SFTRequest, UpdateRequest
 from storage.crash import crash_point
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
 from tasks.engines.workers import data_parallel
+from tasks.engines.workers.lora import adapter_stats, is_peft, load_causal_lm
 from tasks.engines.workers.training import (
     Progress,
     accumulation_steps,
@@ -26,11 +27,10 @@ from tasks.engines.workers.training import (
 )
 
 
-def load_policy(path: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def load_policy(path: str, lora: LoraSettings | None = None):
+    """The policy to train, in fp32 (DeepSpeed's bf16 keeps fp32 master weights): every weight, or with `lora` an adapter
+    on the frozen model (a new one on a plain folder, the saved one on an adapter checkpoint)."""
+    model = load_causal_lm(path, "float32", lora, trainable=lora is not None)
     model.config.use_cache = False
     return model
 
@@ -202,7 +202,7 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     largest = math.ceil(len(groups) / minibatches) * max(map(len, groups))
     gas = data_parallel.accumulation_steps(largest, data_parallel.world(), micro)
     engine, optimizer = _kept_or_new_engine(cache, "policy", request.model_path, request.resume_state, request.engine, gas,
-                                            lambda: load_policy(request.model_path))
+                                            lambda: load_policy(request.model_path, request.engine.lora))
     critic = _critic_engine(request.critic, request.engine, gas, data, cache) if request.critic else None
     torch.manual_seed(request.seed)  # after the engines: the same random state whether they were loaded or kept
     ptx = _Ptx(request, tokenizer) if request.ptx else None
@@ -232,7 +232,8 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     update.totals = data_parallel.sum_over_ranks(update.totals)  # also the barrier: every rank has finished its steps
     timings = update.rank_timings(time.time() - waited)
     counts = data_parallel.sum_over_ranks(update.counts)
-    return engine, optimizer, {**_update_metrics(update.totals, steps, grad_norms, n, seconds), **timings, **counts}, critic
+    adapter = adapter_stats(engine.module) if is_peft(engine.module) else {}  # under ZeRO-3 a partition's: rank 0 reports
+    return engine, optimizer, {**_update_metrics(update.totals, steps, grad_norms, n, seconds), **timings, **counts, **adapter}, critic
 
 
 def _update_metrics(totals: dict, steps: int, grad_norms: list[float], samples: int, seconds: float) -> dict:
@@ -278,7 +279,7 @@ class _Critic:
 
 def critic_settings(c: CriticRequest, policy: EngineSettings) -> EngineSettings:
     return EngineSettings(policy.zero_stage, c.lr, policy.weight_decay, policy.grad_clip, policy.micro_batch_size, policy.dtype,
-                          policy.gradient_checkpointing)
+                          policy.gradient_checkpointing, None)  # the critic trains every weight (README "LoRA")
 
 
 def _critic_engine(c: CriticRequest, policy: EngineSettings, gas: int, data, cache=None):
@@ -300,7 +301,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)
     if isinstance(request, SFTRequest):
-        engine, table = _sft(request, load_policy(request.model_path), tokenizer)
+        engine, table = _sft(request, load_policy(request.model_path, request.engine.lora), tokenizer)
         if data_parallel.rank() == 0:
             table.write_parquet(request.metrics_path)
         metrics, train_seconds = {}, time.time() - t0

@@ -89,6 +89,17 @@ class EngineCache:
         self.hits["engine"] += 1
         return slot.engine.module
 
+    def adapter_host(self, base_path: str):
+        """A kept engine's peft model whose base model is `base_path` (the base weights never train: with its adapter
+        switched off it is that model, so the reference needs no second copy), or None."""
+        from tasks.engines.workers.lora import base_path_of
+
+        for slot in self._slots.values():
+            if base_path_of(slot.engine.module) == os.path.abspath(base_path):
+                self.hits["frozen"] += 1
+                return slot.engine.module
+        return None
+
     def frozen(self, path: str, load):
         """A model that is never trained here, loaded once: keyed by its folder, state id and weight files' mtime."""
         key = (path, *_identity(path))

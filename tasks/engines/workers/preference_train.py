@@ -85,16 +85,14 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
 def _dpo_train(request: PreferenceTrainRequest, tokenizer):
     import polars as pl
     import torch
-    from transformers import AutoModelForCausalLM
 
     from tasks.algos.preference_losses import chosen_nll, dpo_loss
+    from tasks.engines.workers.deepspeed_train import load_policy
 
     data = pl.read_parquet(request.data_path)
     prompts, rc, rr = data["prompt_token_ids"].to_list(), data["chosen_token_ids"].to_list(), data["rejected_token_ids"].to_list()
     ref_c, ref_r = torch.tensor(data["ref_chosen_logp"].to_list()), torch.tensor(data["ref_rejected_logp"].to_list())
-    model = AutoModelForCausalLM.from_pretrained(request.model_path, dtype=torch.float32)
-    model.config.use_cache = False
-    engine, optimizer = _engine(model, request)
+    engine, optimizer = _engine(load_policy(request.model_path, request.engine.lora), request)
     bs, rows, progress = request.schedule.batch_size, [], Progress("dpo", request.schedule.steps)
     for step, lr, batch, parts in _steps(request, optimizer, data.height):
         totals = dict.fromkeys(("loss", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"), 0.0)

@@ -89,13 +89,13 @@ def _rm_score(request: ScoreRequest, tokenizer) -> None:
 def _seq_logprobs(request: ScoreRequest, tokenizer) -> None:
     import polars as pl
     import torch
-    from transformers import AutoModelForCausalLM
 
     from tasks.engines.workers.data_parallel import map_in_order
+    from tasks.engines.workers.torch_logprobs import load_lm
     from tasks.engines.workers.token_batch import chunks
 
     data = pl.read_parquet(request.data_path)
-    model = AutoModelForCausalLM.from_pretrained(request.model_path, dtype=torch.float32).eval()
+    model = load_lm(request.model_path, "float32")
     prompts, chosen, rejected = (data[c].to_list() for c in ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids"))
 
     def both(idx: list[int]) -> list[tuple[float, float]]:  # a pair's two responses in one batch: one prompt pass

@@ -183,7 +183,10 @@ def pack_shared(prompts: list[list[int]], responses: list[list[int]], pad_id: in
 
 
 def _takes_logits_to_keep(model) -> bool:
-    forward = getattr(model, "module", model).forward  # a DeepSpeed engine wraps the model
+    model = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    if hasattr(model, "get_base_model"):  # and peft wraps it too (its forward passes the keyword on)
+        model = model.get_base_model()
+    forward = model.forward
     return "logits_to_keep" in inspect.signature(forward).parameters
 
 

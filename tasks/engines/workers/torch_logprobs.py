@@ -7,7 +7,9 @@ ref_logprobs, entropy and values (list<float32>; values null without a critic).
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager, nullcontext
 
 from schemas.requests import LogprobsRequest
 from tasks.engines.launch import worker_main
@@ -28,11 +30,20 @@ def _values(critic, prompts, responses, pad_id, micro):
 
 
 def load_lm(path: str, dtype: str):
-    """A causal LM for forward passes only (the reference, the starting policy)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """A causal LM for forward passes only (the reference, the starting policy): a model folder, or an adapter
+    checkpoint on its base model."""
+    from tasks.engines.workers.lora import load_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    return load_causal_lm(path, dtype).eval()
+
+
+@contextmanager
+def scoring(model, adapter_off: bool):
+    """The model in eval mode, with its LoRA adapter switched off when `adapter_off` (then it is its base model)."""
+    from tasks.engines.workers.token_batch import eval_mode
+
+    with eval_mode(model), (model.disable_adapter() if adapter_off else nullcontext()):
+        yield model
 
 
 def handle(request: LogprobsRequest, cache=None) -> dict:
@@ -42,6 +53,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
     import torch
 
     from tasks.engines.workers.critic import load_critic
+    from tasks.engines.workers.lora import base_path_of
     from tasks.engines.workers.token_batch import eval_mode
 
     torch.manual_seed(0)
@@ -51,28 +63,36 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
     micro = request.micro_batch_size
     policy_path, ref_path = request.policy_path, request.ref_path
 
-    def model_at(role, path, load, frozen):  # role: the trainer engine that may hold it (None for the reference)
+    def model_at(role, path, frozen):
+        """(model, adapter_off) for `path`. role: the trainer engine that may hold it (None for the reference)."""
         kept = cache.engine_module(role, path) if cache and role else None
         if kept is not None:
-            return kept
-        return cache.frozen(path, load) if cache and frozen else load()
+            return kept, False
+        host = cache.adapter_host(path) if cache else None  # LoRA: the base model is a kept engine's, adapter off
+        if host is not None:
+            return host, True
+        load = lambda: load_lm(path, request.dtype)  # noqa: E731
+        return (cache.frozen(path, load) if cache and frozen else load()), False
 
     t0 = time.time()
     forward, counts = 0.0, {}
     # The starting policy is the reference: kept frozen. Later policies come from the trainer's engine.
-    policy = model_at("policy", policy_path, lambda: load_lm(policy_path, request.dtype), frozen=policy_path == ref_path)
+    policy, off = model_at("policy", policy_path, frozen=policy_path == ref_path)
     pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
     t1 = time.time()
-    with eval_mode(policy):
+    with scoring(policy, off):
         old, entropy = _score(policy, prompts, responses, pad_id, micro, True, counts)
     forward += time.time() - t1
     if ref_path == policy_path:
         ref = old  # iteration 1: the policy is the reference, no second pass needed
     else:
-        del policy
-        ref_model = model_at(None, ref_path, lambda: load_lm(ref_path, request.dtype), frozen=True)
+        if base_path_of(policy) == os.path.abspath(ref_path):  # LoRA: the reference is the policy with its adapter off
+            ref_model, off = policy, True
+        else:
+            del policy
+            ref_model, off = model_at(None, ref_path, frozen=True)
         t1 = time.time()
-        with eval_mode(ref_model):
+        with scoring(ref_model, off):
             ref, _ = _score(ref_model, prompts, responses, pad_id, micro, False, counts)
         forward += time.time() - t1
     values = None

@@ -52,9 +52,10 @@ def load_ahead(start, cache) -> None:
     from tasks.engines.workers.training import deepspeed_engine
 
     t0 = time.time()
-    cache.frozen(start.model_path, lambda: load_lm(start.model_path, start.dtype))
+    if start.engine.lora is None:  # with LoRA the reference is the engine's own model with its adapter switched off
+        cache.frozen(start.model_path, lambda: load_lm(start.model_path, start.dtype))
     # gas 1 for now: the update sets its batch size on the engine it takes (as on an engine kept from the last update).
-    engine, optimizer = deepspeed_engine(load_policy(start.model_path), start.engine, gas=1)
+    engine, optimizer = deepspeed_engine(load_policy(start.model_path, start.engine.lora), start.engine, gas=1)
     cache.keep_loaded_engine("policy", start.model_path, engine, optimizer, start.engine)
     print(f"[trainer] loaded {start.model_path} and its engine ahead in {time.time() - t0:.2f}s", flush=True)
 

