@@ -1,10 +1,15 @@
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from storage import RunLayout
+from storage.crash import CRASH_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,3 +49,41 @@ def rlpipe(*args, cwd: Path, check=True, **kw) -> subprocess.CompletedProcess:
 @pytest.fixture
 def workspace(tmp_path):
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def tiny_sft(tmp_path_factory):
+    """One tiny SFT model (and its workspace and config) shared by the end-to-end tests of a session."""
+    workspace = tmp_path_factory.mktemp("presets")
+    cfg = tiny_config(workspace)
+    rlpipe("init-model", "--config", str(cfg), cwd=workspace)
+    rlpipe("sft", str(cfg), "--run-id", "sft", cwd=workspace)
+    return workspace, cfg
+
+
+def read_table(layout: RunLayout, stage: str, iteration: int):
+    import polars as pl
+
+    return pl.read_parquet(layout.stage_dir(stage, iteration) / "*.parquet")
+
+
+def run_until_killed(workspace, cfg, run_id: str, crash_at: str, command: str = "run", *extra: str) -> None:
+    """`rlpipe run` (or another command) in its own process group, SIGKILLed (the whole group, as a machine
+    failure would) at the named point inside a stage (storage/crash.py)."""
+    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT),
+           "PREFECT_LOGGING_LEVEL": "WARNING", CRASH_ENV: crash_at}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", command, str(cfg), "--run-id", run_id, *extra], cwd=workspace,
+                          env=env, capture_output=True, text=True, start_new_session=True, timeout=900)
+    assert proc.returncode == -signal.SIGKILL, f"not killed at {crash_at} ({proc.returncode}): {proc.stderr[-2000:]}"
+
+
+def write_rankings(workspace, n: int = 160):
+    """K = 3 rankings from the task's own train prompts: the true sum first, two wrong sums tied second."""
+    import polars as pl
+
+    train = pl.read_parquet(workspace / "data" / "train.parquet").head(n)
+    rows = [{"prompt": t, "responses": [a, str(int(a) + 1), str(int(a) + 10)], "ranks": [1, 2, 2]}
+            for t, a in zip(train["prompt"], train["answer"])]
+    path = workspace / "rankings.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path

@@ -4,7 +4,6 @@ stage and resume, the stateful presets, fork and diff."""
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 from storage import RunLayout, read_manifest
 from storage.crash import CRASH_ENV
 from tasks.stages import graph
-from tests.conftest import ROOT, rlpipe, tiny_config
+from tests.conftest import ROOT, read_table, rlpipe, run_until_killed, write_rankings
 
 pytestmark = pytest.mark.e2e
 
@@ -33,16 +32,6 @@ def complete_digest(layout: RunLayout) -> dict[str, str]:
             if f.is_file():
                 out[str(f.relative_to(layout.run_dir))] = hashlib.sha256(f.read_bytes()).hexdigest()
     return out
-
-
-def run_until_killed(workspace, cfg, run_id: str, crash_at: str, command: str = "run", *extra: str) -> None:
-    """`rlpipe run` (or another command) in its own process group, SIGKILLed (the whole group, as a machine
-    failure would) at the named point inside a stage (storage/crash.py)."""
-    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT),
-           "PREFECT_LOGGING_LEVEL": "WARNING", CRASH_ENV: crash_at}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", command, str(cfg), "--run-id", run_id, *extra], cwd=workspace,
-                          env=env, capture_output=True, text=True, start_new_session=True, timeout=900)
-    assert proc.returncode == -signal.SIGKILL, f"not killed at {crash_at} ({proc.returncode}): {proc.stderr[-2000:]}"
 
 
 # Crash once inside each stage, in order, resuming each time: iteration 1's rollouts, scores, logprobs and
@@ -94,16 +83,6 @@ def test_sigkill_inside_each_stage_then_resume(tiny_sft):
     assert all(name in html for name in ("reward_vs_eval", "length_growth", "repetition"))
 
 
-@pytest.fixture(scope="module")
-def tiny_sft(tmp_path_factory):
-    """One tiny SFT model shared by the preset runs below."""
-    workspace = tmp_path_factory.mktemp("presets")
-    cfg = tiny_config(workspace)
-    rlpipe("init-model", "--config", str(cfg), cwd=workspace)
-    rlpipe("sft", str(cfg), "--run-id", "sft", cwd=workspace)
-    return workspace, cfg
-
-
 def test_sft_interrupted_and_resumed_gives_bit_identical_weights(tiny_sft):
     """Same machine, same thread count: a second SFT of the same config, SIGKILLed after training (checkpoint
     written, manifest not) and then resumed, retrains to the very same bytes as the fixture's uninterrupted SFT."""
@@ -119,12 +98,6 @@ def test_sft_interrupted_and_resumed_gives_bit_identical_weights(tiny_sft):
     assert hashlib.sha256(again.read_bytes()).hexdigest() == hashlib.sha256(first.read_bytes()).hexdigest()
     losses = [read_table(RunLayout(workspace / "runs", r), "sft_metrics", 0)["loss"].to_list() for r in ("sft", "sft-again")]
     assert losses[0] == losses[1]
-
-
-def read_table(layout: RunLayout, stage: str, iteration: int):
-    import polars as pl
-
-    return pl.read_parquet(layout.stage_dir(stage, iteration) / "*.parquet")
 
 
 # ppo and dcpo are the presets with state beyond the policy: a critic trained by its own DeepSpeed engine, and
@@ -193,18 +166,6 @@ def check_fork_and_diff(workspace, layout: RunLayout):
     assert not (fork.run_dir / "logs" / "vllm.log").exists()  # no engine was started
     out = rlpipe("diff", layout.run_id, "forked", "--stage", "advantages", "--iteration", "1", "--root", root, cwd=workspace)
     assert "advantage_a" in out.stdout and "differing samples" in out.stdout
-
-
-def write_rankings(workspace, n: int = 160):
-    """K = 3 rankings from the task's own train prompts: the true sum first, two wrong sums tied second."""
-    import polars as pl
-
-    train = pl.read_parquet(workspace / "data" / "train.parquet").head(n)
-    rows = [{"prompt": t, "responses": [a, str(int(a) + 1), str(int(a) + 10)], "ranks": [1, 2, 2]}
-            for t, a in zip(train["prompt"], train["answer"])]
-    path = workspace / "rankings.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return path
 
 
 def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):

@@ -88,6 +88,34 @@ def rollout_flops(shapes: dict, rollouts: pl.DataFrame, prompts: pl.DataFrame) -
             + shapes["attention_per_pair"] * (prefill_pairs + decode_pairs))
 
 
+def overhead_breakdown(layout, ends: list[float]) -> pl.DataFrame:
+    """Where each iteration's seconds outside generation, forward and backward go (iterations 2..N, means): every stage's
+    wall time less the engine work inside it, the trainer's time around its passes (the update's preparation and the
+    checkpoint it writes), the sampler's weight sync, and the time between stages (the flow: Prefect's task runs, the
+    iteration's artifact)."""
+    from storage import read_manifest, read_stage
+
+    rows = []
+    for k in range(2, len(ends) + 1):
+        m = read_stage(layout, "train_metrics", k).row(0, named=True)
+        walls = {name: m[f"seconds_{name}"] for name in ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages")}
+        optimize = float(read_manifest(layout, "train_metrics", k, verify=False)["wall_seconds"])
+        between = (ends[k - 1] - ends[k - 2]) - optimize - sum(walls.values())
+        rows.append({
+            "rollouts: generate": m["seconds_generate"], "rollouts: weight sync": m["weight_sync_seconds"],
+            "rollouts: rest (probe, Parquet, task)": walls.pop("rollouts") - m["seconds_generate"] - m["weight_sync_seconds"],
+            "logprobs: forward": m["seconds_logprobs_forward"], "logprobs: rest": walls.pop("logprobs") - m["seconds_logprobs_forward"],
+            "optimize: forward+backward": m["seconds_forward_backward"],
+            "optimize: trainer rest (load, prepare)": m["seconds_optimize"] - m["seconds_forward_backward"],
+            "optimize: checkpoint (weights, probe, optimizer state)": m["seconds_save_checkpoint"],
+            "optimize: client rest (frame, commit, metrics)": optimize - m["seconds_optimize"] - m["seconds_save_checkpoint"],
+            **{f"{name}: stage": wall for name, wall in walls.items()},
+            "between stages (flow)": between,
+        })
+    means = pl.DataFrame(rows).mean()
+    return means.transpose(include_header=True, header_name="seconds per iteration", column_names=["mean"])
+
+
 def run() -> list[dict]:
     from schemas.config import load_config
     from storage import read_stage
@@ -119,6 +147,7 @@ def run() -> list[dict]:
         rows.append({"iteration": k, "wall": wall, **{f"{s}_s": v for s, v in seconds.items()},
                      **{f"{s}_gflop_s": flops[s] / seconds[s] / 1e9 for s in flops}})
     print(pl.DataFrame(rows))
+    print(overhead_breakdown(layout, ends))
     fraction = {s: totals[f"{s}_flops"] / totals[f"{s}_s"] / peak for s in ("rollout", "logprobs", "update")}
     overhead = 1 - totals["engine_s"] / totals["wall"]
     print(f"real: peak fractions rollouts {fraction['rollout']:.2f}, logprobs {fraction['logprobs']:.2f}, optimize "

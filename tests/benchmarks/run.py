@@ -18,12 +18,21 @@ import flows.cli  # noqa: F401  (first: Prefect's home, start-up timeout and loc
 from flows.local_prefect import local_flow_settings
 from schemas.tables import BENCH_RESULTS
 from storage.stage_io import write_bytes_atomic
-from tests.benchmarks import bench_advantages, bench_iteration, bench_long, bench_real, bench_real_trl, bench_rollout, bench_trl
+from tests.benchmarks import (
+    bench_advantages,
+    bench_iteration,
+    bench_long,
+    bench_lora,
+    bench_real,
+    bench_real_trl,
+    bench_rollout,
+    bench_trl,
+)
 
 RESULTS = Path("runs/bench/results.parquet")
 SUITES = {"rollout": bench_rollout.run, "advantages": bench_advantages.run, "iteration": bench_iteration.run,
           "e2e_vs_trl": bench_trl.run, "e2e_long": bench_long.run, "e2e_real": bench_real_trl.run,
-          "real": bench_real.run}
+          "real": bench_real.run, "lora": bench_lora.run}
 
 
 def main(prefixes: list[str]) -> None:

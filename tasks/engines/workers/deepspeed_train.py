@@ -290,6 +290,15 @@ def _critic_engine(c: CriticRequest, policy: EngineSettings, gas: int, data, cac
     return _Critic(engine, optimizer, c, data["values"].to_list(), data["returns"].to_list())
 
 
+def _peak_rss_gib() -> float:
+    """This trainer process's peak resident memory so far (rank 0's: each rank holds as much), in GiB."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
 def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
     """One request. `cache` (an EngineCache) is given by the resident trainer (tasks/engines/workers/trainer_server.py):
     RL updates then reuse the engines the previous update left, when they hold exactly the requested state."""
@@ -308,9 +317,11 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
         save_checkpoint(engine, tokenizer, request.tmp_dir)
     else:
         engine, optimizer, metrics, critic = _rl(request, tokenizer, cache)
+        metrics["trainer_peak_rss_gib"] = _peak_rss_gib()
         train_seconds = time.time() - t0
         state_id = save_checkpoint(engine, tokenizer, request.tmp_dir, request.crash_point)
         critic_id = save_checkpoint(critic.engine, tokenizer, request.critic.out_dir) if critic is not None else None
+        metrics["seconds_save_checkpoint"] = time.time() - t0 - train_seconds
         if cache is not None:
             cache.keep_engine("policy", state_id, engine, optimizer, request.engine)
             if critic is not None:

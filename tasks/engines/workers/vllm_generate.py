@@ -60,6 +60,10 @@ def _start_engine(settings: VLLMSettings):
         extra = {"gpu_memory_utilization": settings.gpu_memory_utilization}
     if settings.max_lora_rank:  # the policy trains an adapter: each request names the iteration's (one at a time)
         extra.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(settings.max_lora_rank))
+        if current_platform.is_cpu():
+            from tasks.engines.workers.vllm_cpu_lora import install
+
+            install()  # its LoRA products, one matmul per adapter (tasks/engines/workers/vllm_cpu_lora.py)
     return LLM(
         model=settings.model_path, dtype=settings.dtype, seed=settings.seed, tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=True, enable_prefix_caching=True, **extra,
