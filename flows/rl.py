@@ -22,6 +22,7 @@ from tasks.stages.scores import scores_task
 from tasks.stages.sft import sft_data_task
 from tasks.stages.start_engines import start_engines
 from tasks.stages.summary import summary_task
+from tasks.stages.tracking import track_task
 
 
 @flow(name="rl-iteration", flow_run_name="{run_id}-iter-{iteration}")
@@ -61,6 +62,9 @@ def rl_run(run_id: str, storage_root: str = "runs") -> dict:
             rl_iteration(run_id, k, storage_root)
             if k % every == 0 or k == n:
                 eval_task(storage_root, run_id, k, interim=k != n)  # the last eval sees every held-out prompt
+            track_task(storage_root, run_id)  # iteration k's figures, with its eval (a no-op without `tracking`)
     finally:
         release_engines_task()
-    return summary_task(storage_root, run_id)
+    summary = summary_task(storage_root, run_id)
+    track_task(storage_root, run_id, summary)
+    return summary

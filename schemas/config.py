@@ -485,6 +485,11 @@ class RunConfig(Section):
     preference: PreferenceConfig = PreferenceConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
     dpo: DPOConfig = DPOConfig()
+    tracking: list[Literal["tensorboard", "mlflow"]] = Field(
+        [], description="Copy each RL iteration's train_metrics and eval figures to TensorBoard (event files under "
+        "runs/RUN/tensorboard) and/or an MLflow run (the config as params, the summary at the end); the tables stay the record.")
+    tracking_uri: str | None = Field(None, description="MLflow's tracking URI (a server, or sqlite:///path.db); default: "
+                                     "$MLFLOW_TRACKING_URI, else a folder store, runs/RUN/mlruns.")
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "RunConfig":

@@ -25,6 +25,14 @@ class WorkerError(UserError, RuntimeError):
     pass
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, in GiB (what an engine reports of itself)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
 def die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

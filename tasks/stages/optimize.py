@@ -86,11 +86,12 @@ def prune_optimizer_states(layout, iteration: int, keep: int | None) -> None:
 def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
     """From the rollouts manifest's per-round records: vLLM's generation seconds, the seconds spent syncing the
     sampler to the policy (0 when the engine started on it), and the sampler's logprob gap to the trainer on the
-    checkpoint's probe (NaN when it has none)."""
+    checkpoint's probe (NaN when it has none), and the largest replica's peak resident memory so far."""
     gaps = [r["sync_logprob_gap"] for r in rounds if r.get("sync_logprob_gap") is not None]
     return {"seconds_generate": float(sum(r.get("generate_seconds", 0.0) for r in rounds)),
             "weight_sync_seconds": float(sum(r.get("sync_seconds", 0.0) for r in rounds)),
-            "weight_sync_logprob_gap": float(max(gaps)) if gaps else float("nan")}
+            "weight_sync_logprob_gap": float(max(gaps)) if gaps else float("nan"),
+            "sampler_peak_rss_gib": float(max((r.get("sampler_peak_rss_gib", float("nan")) for r in rounds), default=float("nan")))}
 
 
 def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
@@ -108,6 +109,7 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
                 out.update(rollout_engine_metrics([v for k, v in extra.items() if k.startswith("round")]))
             if stage == "logprobs" and "forward_seconds" in extra:
                 out["seconds_logprobs_forward"] = float(extra["forward_seconds"])
+                out["logprobs_peak_rss_gib"] = float(extra.get("peak_rss_gib", float("nan")))  # the trainer's, after logprobs
                 out.update({f"logprobs_{k}": float(v) for k, v in extra.items() if k.startswith("forward_") and k != "forward_seconds"})
     return out
 

@@ -105,7 +105,7 @@ def merge_engine_responses(resps: list[dict]) -> dict:
         e["tokens_per_second"] = e["tokens"] / e["generate_seconds"] if e["generate_seconds"] > 0 else 0.0
     return {"engine_start_seconds": max(x["engine_start_seconds"] for x in resps), "sync_seconds": max(x["sync_seconds"] for x in resps),
             "sync_logprob_gap": max(gaps) if gaps else None, "jobs": jobs, "vllm_version": resps[0]["vllm_version"],
-            "per_engine": per_engine}
+            "per_engine": per_engine, "peak_rss_gib": max(x.get("peak_rss_gib", 0.0) for x in resps)}
 
 
 @stage_task("rollouts")
@@ -127,7 +127,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
             df, engines={"vllm": resp["vllm_version"]},
             extra={f"round{round_}": {"engine_start_seconds": resp["engine_start_seconds"],
                                       "sync_seconds": resp["sync_seconds"], "sync_logprob_gap": resp["sync_logprob_gap"],
-                                      **timing, "engines": resp["per_engine"]}},
+                                      "sampler_peak_rss_gib": resp["peak_rss_gib"], **timing, "engines": resp["per_engine"]}},
         )
 
     return run_stage(ctx, iteration, part=round_, inputs={"prompts": prompts_fp, "policy": policy.fingerprint}, compute=compute)

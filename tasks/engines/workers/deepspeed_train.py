@@ -15,7 +15,7 @@ import time
 from schemas.requests import CriticRequest, EngineSettings, LoraSettings, SFTRequest, UpdateRequest
 from storage.crash import crash_point
 from tasks.data.formatting import pad_id
-from tasks.engines.launch import worker_main
+from tasks.engines.launch import peak_rss_gib, worker_main
 from tasks.engines.workers import data_parallel
 from tasks.engines.workers.lora import adapter_stats, is_peft, load_causal_lm
 from tasks.engines.workers.training import (
@@ -290,15 +290,6 @@ def _critic_engine(c: CriticRequest, policy: EngineSettings, gas: int, data, cac
     return _Critic(engine, optimizer, c, data["values"].to_list(), data["returns"].to_list())
 
 
-def _peak_rss_gib() -> float:
-    """This trainer process's peak resident memory so far (rank 0's: each rank holds as much), in GiB."""
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
-
-
 def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
     """One request. `cache` (an EngineCache) is given by the resident trainer (tasks/engines/workers/trainer_server.py):
     RL updates then reuse the engines the previous update left, when they hold exactly the requested state."""
@@ -317,7 +308,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
         save_checkpoint(engine, tokenizer, request.tmp_dir)
     else:
         engine, optimizer, metrics, critic = _rl(request, tokenizer, cache)
-        metrics["trainer_peak_rss_gib"] = _peak_rss_gib()
+        metrics["trainer_peak_rss_gib"] = peak_rss_gib()  # rank 0's: each rank holds as much
         train_seconds = time.time() - t0
         state_id = save_checkpoint(engine, tokenizer, request.tmp_dir, request.crash_point)
         critic_id = save_checkpoint(critic.engine, tokenizer, request.critic.out_dir) if critic is not None else None

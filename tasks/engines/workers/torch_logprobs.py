@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager, nullcontext
 
 from schemas.requests import LogprobsRequest
-from tasks.engines.launch import worker_main
+from tasks.engines.launch import peak_rss_gib, worker_main
 from tasks.engines.workers import data_parallel
 
 
@@ -114,7 +114,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         pl.Series("entropy", entropy, dtype=lst),
         pl.Series("values", values if values is not None else [None] * samples.height, dtype=lst),
     ).write_parquet(request.out_path)
-    return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0, **counts}
+    return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0, "peak_rss_gib": peak_rss_gib(), **counts}
 
 
 if __name__ == "__main__":

@@ -206,6 +206,8 @@ def make_answer(settings: VLLMSettings):
     """
     import vllm
 
+    from tasks.engines.launch import peak_rss_gib
+
     t0 = time.time()
     llm = _start_engine(settings)
     adapters = Adapters(llm, settings.model_path) if settings.max_lora_rank else None
@@ -228,6 +230,7 @@ def make_answer(settings: VLLMSettings):
         resp = {
             "engine_start_seconds": state["start_seconds"], "sync_seconds": sync_seconds,
             "sync_logprob_gap": state["gap"], "jobs": timings, "vllm_version": vllm.__version__,
+            "peak_rss_gib": peak_rss_gib(),
         }
         state["start_seconds"] = 0.0  # only the first answer pays the start
         return resp
