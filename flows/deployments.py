@@ -24,8 +24,14 @@ DEMO_CONFIG = "infra/configs/demo.yaml"  # the real pretrained model (`make mode
 TINY_CONFIG = "infra/configs/arithmetic_tiny.yaml"  # a model built from a recipe: init-model and SFT
 
 
-def prepare_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None, reconfigure: bool = False,
-                command: str = "run"):
+def prepare_run(
+    config: str,
+    overrides: list[str] | None,
+    run_id: str,
+    algo: str | None = None,
+    reconfigure: bool = False,
+    command: str = "run",
+):
     """Validate the config, take the run's writer lock, check a changed config against what the run already holds,
     and save the resolved config. Returns (cfg, layout)."""
     from schemas.config import load_config
@@ -69,9 +75,11 @@ def reconcile_config(layout, cfg, reconfigure: bool, overrides: list[str]) -> No
     if not reconfigure:
         keys = _differences(old.model_dump(mode="json"), cfg.model_dump(mode="json"))
         stages = sorted({name for name, _ in changed})
-        raise ConfigError(f"run {layout.run_id!r} exists with another config ({', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} "
-                          f"differ), which would recompute its {', '.join(stages)}; pass --reconfigure to move those outputs "
-                          "aside first, or choose another --run-id")
+        raise ConfigError(
+            f"run {layout.run_id!r} exists with another config ({', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} "
+            f"differ), which would recompute its {', '.join(stages)}; pass --reconfigure to move those outputs "
+            "aside first, or choose another --run-id"
+        )
     supersede_changed(layout, changed, {"reconfigure": True, "overrides": overrides})
 
 
@@ -87,8 +95,9 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 @flow(name="rlpipe-rl", flow_run_name="{run_id}")
-def rl_deployment(config: str = DEMO_CONFIG, run_id: str = "rl", overrides: list[str] | None = None,
-                  algo: str | None = None) -> dict:
+def rl_deployment(
+    config: str = DEMO_CONFIG, run_id: str = "rl", overrides: list[str] | None = None, algo: str | None = None
+) -> dict:
     """RL from the SFT model (or resume the run): the `rl` flow on a saved config."""
     from flows.rl import rl_run
     from tasks.engines.reaper import start_reaper
@@ -117,8 +126,14 @@ def dpo_deployment(config: str = DEMO_CONFIG, run_id: str = "dpo", overrides: li
     return dpo_flow(run_id, prepare_checked_run(config, overrides, run_id, flow="dpo"))
 
 
-def prepare_checked_run(config: str, overrides: list[str] | None, run_id: str, algo: str | None = None, flow: str = "rl",
-                        reconfigure: bool = False) -> str:
+def prepare_checked_run(
+    config: str,
+    overrides: list[str] | None,
+    run_id: str,
+    algo: str | None = None,
+    flow: str = "rl",
+    reconfigure: bool = False,
+) -> str:
     """Save the run's config (under its writer lock) and check everything that can be checked before an engine starts
     (the model folder, the data, the reward functions: tasks/stages/preflight.py); the storage root.
 
@@ -166,8 +181,9 @@ class DeployError(UserError, RuntimeError):
 
 
 def _prefect(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
 
 
 def deploy(api_url: str | None) -> list[str]:

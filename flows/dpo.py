@@ -28,8 +28,14 @@ def dpo_flow(run_id: str, storage_root: str = "runs") -> dict:
         eval_task(storage_root, run_id, 1, weights_stage="dpo_metrics")
     finally:
         release_engines_task()
-    return summary_task(storage_root, run_id, extra={
-        "kind": "dpo", "dpo_reward_accuracy": evaluated.extra["reward_accuracy"],
-        "dpo_reward_margin": evaluated.extra["reward_margin"], "dpo_heldout_pairs": evaluated.extra["pairs"],
-        "dpo_model_path": trained.extra["exported_to"],
-    })
+    return summary_task(
+        storage_root,
+        run_id,
+        extra={
+            "kind": "dpo",
+            "dpo_reward_accuracy": evaluated.extra["reward_accuracy"],
+            "dpo_reward_margin": evaluated.extra["reward_margin"],
+            "dpo_heldout_pairs": evaluated.extra["pairs"],
+            "dpo_model_path": trained.extra["exported_to"],
+        },
+    )

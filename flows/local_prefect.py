@@ -78,10 +78,16 @@ def api_database_template() -> Path:
             draft = Path(work) / template.name
             env = {**os.environ, DATABASE_URL: sqlite_url(draft), "PREFECT_HOME": work}
             env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
-            proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "server", "database", "upgrade", "-y"],
-                                  env=env, capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "prefect", "--no-prompt", "server", "database", "upgrade", "-y"],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0 or not draft.exists():
-                raise RuntimeError(f"could not make Prefect's API database: {(proc.stderr or proc.stdout).strip()[-500:]}")
+                raise RuntimeError(
+                    f"could not make Prefect's API database: {(proc.stderr or proc.stdout).strip()[-500:]}"
+                )
             os.replace(draft, template)
     return template
 
@@ -104,7 +110,9 @@ def use_local_api_settings() -> None:
     inherited = os.environ.get(DATABASE_OWNER, str(os.getpid())) != str(os.getpid())  # a parent command's copy
     if (os.environ.get(DATABASE_URL) and not inherited) or os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL"):
         return  # the user's database, or this process's copy
-    copy = api_database_path(os.getpid(), secrets.token_hex(4))  # in shared memory: the API writes on every state change
+    copy = api_database_path(
+        os.getpid(), secrets.token_hex(4)
+    )  # in shared memory: the API writes on every state change
     shutil.copyfile(api_database_template(), copy)
     # Registered before Prefect's own stop of the API, so it runs after it; the reaper removes it if this is killed.
     atexit.register(lambda: remove_files(glob.glob(copy + "*")))

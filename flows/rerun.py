@@ -42,7 +42,9 @@ def stale_stages(layout, stage: str, iteration: int) -> list[tuple[str, int]]:
     """(stage, iteration) pairs that recomputing `stage` at `iteration` makes stale."""
     later = downstream_of(stage)
     return [
-        (name, k) for name in layout.stages() for k in layout.iterations(name)
+        (name, k)
+        for name in layout.stages()
+        for k in layout.iterations(name)
         if k > iteration or (k == iteration and name in later)
     ]
 
@@ -62,8 +64,12 @@ def affected(layout, stage: str, iteration: int) -> list[Path]:
 
 def supersede(layout, stage: str, iteration: int, overrides: list[str]) -> dict:
     """Move what recomputing `stage` at `iteration` makes stale under `_superseded/{n}/` and log the move."""
-    return _move_aside(layout, stale_stages(layout, stage, iteration), affected(layout, stage, iteration),
-                       {"iteration": iteration, "stage": stage, "overrides": overrides})
+    return _move_aside(
+        layout,
+        stale_stages(layout, stage, iteration),
+        affected(layout, stage, iteration),
+        {"iteration": iteration, "stage": stage, "overrides": overrides},
+    )
 
 
 def _move_aside(layout, stages: list[tuple[str, int]], paths: list[Path], note: dict) -> dict:
@@ -78,8 +84,13 @@ def _move_aside(layout, stages: list[tuple[str, int]], paths: list[Path], note: 
         (target / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, target / rel)
         moved.append(str(rel))
-    record = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), **note, "kept_in": str(target.relative_to(layout.run_dir)),
-              "moved": moved, "stages": [[name, k] for name, k in stages]}
+    record = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **note,
+        "kept_in": str(target.relative_to(layout.run_dir)),
+        "moved": moved,
+        "stages": [[name, k] for name, k in stages],
+    }
     write_json_atomic(layout.superseded_log, history + [record])
     return record
 
@@ -108,7 +119,12 @@ def supersede_changed(layout, changed: list[tuple[str, int]], note: dict) -> dic
     iterations, checkpoints, the summary), as rerun does."""
     first = min(k for _, k in changed)
     readers = _stages().with_readers({name for name, _ in changed})
-    stale = [(n, k) for n in layout.stages() for k in layout.iterations(n) if (n, k) in changed or (n in readers and k >= first)]
+    stale = [
+        (n, k)
+        for n in layout.stages()
+        for k in layout.iterations(n)
+        if (n, k) in changed or (n in readers and k >= first)
+    ]
     paths = [layout.stage_dir(n, k) for n, k in stale]
     if readers & {"train_metrics", "dpo_metrics", "rm_metrics"}:
         paths += [layout.checkpoint_dir(k) for k in layout.checkpoint_iterations() if k >= first]
@@ -171,7 +187,10 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
     src = RunLayout(Path(root), run_id)
     if not src.config_path.exists():
         raise NotFound(f"run {run_id!r} not found under {root}")
-    if read_manifest(src, _stage_table(stage), iteration, verify=False) is None and read_manifest(src, "batch", iteration, verify=False) is None:
+    if (
+        read_manifest(src, _stage_table(stage), iteration, verify=False) is None
+        and read_manifest(src, "batch", iteration, verify=False) is None
+    ):
         raise NotFound(f"run {run_id!r} has no iteration {iteration} to rerun")
     cfg = build_config(yaml.safe_load(src.config_path.read_text()), overrides)
     if fork_id is None:
@@ -186,9 +205,17 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
         acquire_run_lock(target, "rerun")
         linked = fork(src, target, stage, iteration)
         write_bytes_atomic(target.config_path, dump_config(cfg).encode())
-        write_json_atomic(target.forked_from_path,
-                          {"run": run_id, "iteration": iteration, "stage": stage, "overrides": overrides, "linked_files": linked})
+        write_json_atomic(
+            target.forked_from_path,
+            {"run": run_id, "iteration": iteration, "stage": stage, "overrides": overrides, "linked_files": linked},
+        )
         extra = {"linked_files": linked}
     started = time.time()
     recompute(root, target.run_id, stage, iteration)
-    return {"run": target.run_id, "stage": stage, "iteration": iteration, "seconds": round(time.time() - started, 3), **extra}
+    return {
+        "run": target.run_id,
+        "stage": stage,
+        "iteration": iteration,
+        "seconds": round(time.time() - started, 3),
+        **extra,
+    }

@@ -20,7 +20,13 @@ def reward_model_flow(run_id: str, storage_root: str = "runs") -> dict:
     pairs = preference_pairs_task(storage_root, run_id, rankings.fingerprint)
     trained = rm_optimize_task(storage_root, run_id, rankings.fingerprint)
     evaluated = rm_eval_task(storage_root, run_id, pairs.fingerprint, trained.fingerprint)
-    return summary_task(storage_root, run_id, extra={
-        "kind": "reward_model", "rm_pairwise_accuracy": evaluated.extra["pairwise_accuracy"],
-        "rm_heldout_pairs": evaluated.extra["pairs"], "reward_model_path": trained.extra["exported_to"],
-    })
+    return summary_task(
+        storage_root,
+        run_id,
+        extra={
+            "kind": "reward_model",
+            "rm_pairwise_accuracy": evaluated.extra["pairwise_accuracy"],
+            "rm_heldout_pairs": evaluated.extra["pairs"],
+            "reward_model_path": trained.extra["exported_to"],
+        },
+    )

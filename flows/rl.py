@@ -50,7 +50,9 @@ def rl_iteration(run_id: str, iteration: int, storage_root: str = "runs") -> dic
 @flow(name="rl", flow_run_name="{run_id}")
 def rl_run(run_id: str, storage_root: str = "runs") -> dict:
     """Eval the starting model, run every iteration (eval every N and at the end), write summary.json."""
-    start_engines(storage_root, run_id)  # the engines load while the first stages run (a no-op if the command started them)
+    start_engines(
+        storage_root, run_id
+    )  # the engines load while the first stages run (a no-op if the command started them)
     plan = plan_task(storage_root, run_id)
     n, every = plan["iterations"], plan["eval_every"]
     dataset_task(storage_root, run_id)

@@ -44,35 +44,63 @@ FileList = Annotated[list[str], BeforeValidator(_as_list)]
 
 
 class ModelConfig(Section):
-    path: str = Field("models/demo-sft", description="The RL policy's starting point and its frozen reference: any local "
-                      "Hugging Face causal LM folder (config.json, weights, tokenizer) that transformers and vLLM load.")
-    base_path: str = Field("models/demo-base", description="The SFT starting point (`rlpipe sft` trains it and exports to `path`).")
-    recipe: str | None = Field("infra/model/demo_llama.yaml", description="`rlpipe init-model` builds `base_path` from this "
-                               "recipe (architecture, sizes, tokenizer); None when you bring your own model.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights and compute dtype of both engines (vLLM "
-                                                  "and the DeepSpeed trainer). bfloat16 halves memory on GPUs; the sampler's "
-                                                  "logprobs then differ from the trainer's (see loss.tis_cap).")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, ~30% more time.")
+    path: str = Field(
+        "models/demo-sft",
+        description="The RL policy's starting point and its frozen reference: any local "
+        "Hugging Face causal LM folder (config.json, weights, tokenizer) that transformers and vLLM load.",
+    )
+    base_path: str = Field(
+        "models/demo-base", description="The SFT starting point (`rlpipe sft` trains it and exports to `path`)."
+    )
+    recipe: str | None = Field(
+        "infra/model/demo_llama.yaml",
+        description="`rlpipe init-model` builds `base_path` from this "
+        "recipe (architecture, sizes, tokenizer); None when you bring your own model.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Weights and compute dtype of both engines (vLLM "
+        "and the DeepSpeed trainer). bfloat16 halves memory on GPUs; the sampler's "
+        "logprobs then differ from the trainer's (see loss.tis_cap).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, ~30% more time."
+    )
 
 
 class LoraConfig(Section):
-    """Low-rank adapters (peft's LoRA) on the policy: RL, SFT and DPO train only the adapter, the frozen reference is the
+    """Low-rank adapters (peft's LoRA) on the policy: RL, SFT and DPO train only the adapter, the frozen reference is
+    the
     same model with the adapter switched off, and the sampler loads each iteration's adapter (vLLM's LoRA) instead of
     the whole model. Off while `rank` is None. PPO's critic and the reward model train all their weights."""
 
     # A section added after runs existed: hashed only when set, so runs without it keep their fingerprints.
     OMITTED_AT_DEFAULT: ClassVar[bool] = True
 
-    rank: int | None = Field(None, ge=1, le=512, description="The adapter's rank r (at most 512, vLLM's largest); None trains "
-                             "all weights (no LoRA).")
+    rank: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description="The adapter's rank r (at most 512, vLLM's largest); None trains all weights (no LoRA).",
+    )
     alpha: float = Field(32.0, gt=0, description="The adapter's scale is alpha / rank.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training (0 keeps an update "
-                           "reproducible from the seed alone).")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input while training (0 keeps an update "
+        "reproducible from the seed alone).",
+    )
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="The linear layers that get an adapter, by module name (`q_proj`, or a full dotted name), "
-        "or `all-linear`: every linear layer but the output layer.")
-    modules_to_save: list[str] = Field([], description="Modules trained in full next to the adapter and saved with it "
-                                       "(e.g. `lm_head`); vLLM must support them for the model (it loads them with the adapter).")
+        "all-linear",
+        description="The linear layers that get an adapter, by module name (`q_proj`, or a full dotted name), "
+        "or `all-linear`: every linear layer but the output layer.",
+    )
+    modules_to_save: list[str] = Field(
+        [],
+        description="Modules trained in full next to the adapter and saved with it "
+        "(e.g. `lm_head`); vLLM must support them for the model (it loads them with the adapter).",
+    )
 
     @field_validator("target_modules")
     @classmethod
@@ -91,13 +119,21 @@ class PromptConfig(Section):
     SFT, DPO and reward-model training, so the trainer scores exactly what the sampler saw."""
 
     chat_template: Literal["auto", "always", "never"] = Field(
-        "auto", description="auto: the tokenizer's chat template (with the generation prompt) when it has one, else "
+        "auto",
+        description="auto: the tokenizer's chat template (with the generation prompt) when it has one, else "
         "`template`; always: the chat template (an error if the tokenizer has none); never: `template` "
-        "(base models). A prompt given as chat messages always needs the chat template.")
-    system_prompt: str | None = Field(None, description="Prepended as a system message (chat), or filled into {system} (template), "
-                                      "unless the prompt's messages already start with one.")
-    template: str = Field("{prompt}", description="The plain prompt of a base model: a format string with {prompt} "
-                          "(and optionally {system}), e.g. 'Question: {prompt}\nAnswer:'.")
+        "(base models). A prompt given as chat messages always needs the chat template.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="Prepended as a system message (chat), or filled into {system} (template), "
+        "unless the prompt's messages already start with one.",
+    )
+    template: str = Field(
+        "{prompt}",
+        description="The plain prompt of a base model: a format string with {prompt} "
+        "(and optionally {system}), e.g. 'Question: {prompt}\nAnswer:'.",
+    )
 
     @field_validator("template")
     @classmethod
@@ -107,24 +143,45 @@ class PromptConfig(Section):
         fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
         unknown = fields - {"prompt", "system"}
         if unknown or "prompt" not in fields:
-            raise ValueError(f"template {value!r} must contain {{prompt}} and no placeholder but {{system}}"
-                             + (f" (found {{{sorted(unknown)[0]}}})" if unknown else ""))
+            raise ValueError(
+                f"template {value!r} must contain {{prompt}} and no placeholder but {{system}}"
+                + (f" (found {{{sorted(unknown)[0]}}})" if unknown else "")
+            )
         return value
 
 
 class DataConfig(Section):
     """Your prompts: Parquet or JSONL files (paths or globs), read once into the run's `dataset` table."""
 
-    train_files: FileList = Field(default_factory=list, description="Prompt files for RL (Parquet or JSONL; globs allowed).")
-    eval_files: FileList = Field(default_factory=list, description="Held-out prompt files for eval; empty: see eval_fraction.")
-    eval_fraction: float = Field(0.0, ge=0, lt=1, description="With no eval_files: a seeded random fraction of the train rows held out for eval (0: no eval).")
-    prompt_key: str = Field("prompt", description="The column holding the prompt: a string, or a list of chat messages {role, content}.")
-    answer_key: str | None = Field("answer", description="The ground-truth column; a dotted path reaches a nested field "
-                                   "(verl's layout: reward_model.ground_truth). None: the data has no ground truth.")
+    train_files: FileList = Field(
+        default_factory=list, description="Prompt files for RL (Parquet or JSONL; globs allowed)."
+    )
+    eval_files: FileList = Field(
+        default_factory=list, description="Held-out prompt files for eval; empty: see eval_fraction."
+    )
+    eval_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="With no eval_files: a seeded random fraction of the train rows held out for eval (0: no eval).",
+    )
+    prompt_key: str = Field(
+        "prompt", description="The column holding the prompt: a string, or a list of chat messages {role, content}."
+    )
+    answer_key: str | None = Field(
+        "answer",
+        description="The ground-truth column; a dotted path reaches a nested field "
+        "(verl's layout: reward_model.ground_truth). None: the data has no ground truth.",
+    )
     id_key: str | None = Field(None, description="A column of unique prompt ids; None numbers the rows.")
-    max_prompt_tokens: int = Field(1024, ge=1, description="Prompts longer than this (after formatting) are dropped or refused.")
-    overlong_prompts: Literal["drop", "error"] = Field("drop", description="drop: overlong prompts are left out and counted in "
-                                                        "the dataset manifest; error: the first one stops the run with its id.")
+    max_prompt_tokens: int = Field(
+        1024, ge=1, description="Prompts longer than this (after formatting) are dropped or refused."
+    )
+    overlong_prompts: Literal["drop", "error"] = Field(
+        "drop",
+        description="drop: overlong prompts are left out and counted in "
+        "the dataset manifest; error: the first one stops the run with its id.",
+    )
 
 
 class ArithmeticTask(Section):
@@ -169,10 +226,14 @@ class ChatArithmeticTask(Section):
     min_operand: int = Field(0, ge=0, le=99_999)
     max_operand: int = Field(12, ge=0, le=99_999)
     operations: str = Field("+-*", pattern=r"^[+\-*]+$")
-    n_train: int | None = Field(None, ge=1, description="Train prompts (the first ones after the held-out draw); None: all the rest.")
+    n_train: int | None = Field(
+        None, ge=1, description="Train prompts (the first ones after the held-out draw); None: all the rest."
+    )
     n_eval: int = Field(256, ge=1)
     seed: int = 1234
-    sft_demos: int = Field(2000, ge=1, description="Demonstrations written to sft.parquet: the equation alone (`7 × 5 = 35`).")
+    sft_demos: int = Field(
+        2000, ge=1, description="Demonstrations written to sft.parquet: the equation alone (`7 × 5 = 35`)."
+    )
 
     @model_validator(mode="after")
     def _range(self) -> "ChatArithmeticTask":
@@ -184,7 +245,16 @@ class ChatArithmeticTask(Section):
 TaskConfig = Annotated[ArithmeticTask | LongAdditionTask | ChatArithmeticTask, Field(discriminator="name")]
 
 # What a reward function may take as keyword arguments besides the dataset's own columns (tasks/rewards/loader.py).
-REWARD_ARGUMENTS = ("prompt", "messages", "response", "ground_truth", "finish_reason", "length", "max_tokens", "prompt_id")
+REWARD_ARGUMENTS = (
+    "prompt",
+    "messages",
+    "response",
+    "ground_truth",
+    "finish_reason",
+    "length",
+    "max_tokens",
+    "prompt_id",
+)
 # verl's and TRL's names for the same values (per sample), and TRL's batched names (tasks/rewards/loader.py).
 ALIAS_ARGUMENTS = ("solution_str", "completion", "completion_ids")
 TRL_BATCHED_ARGUMENTS = ("completions", "prompts")
@@ -197,12 +267,19 @@ class RewardFunctionConfig(Section):
     """One reward function: a built-in (no path or module), or yours by reference."""
 
     weight: float = Field(1.0, description="Its weight in the total reward; 0 still scores it, in its own column.")
-    path: str | None = Field(None, description="A Python file defining the function (relative to the working directory).")
+    path: str | None = Field(
+        None, description="A Python file defining the function (relative to the working directory)."
+    )
     module: str | None = Field(None, description="An importable module defining the function, e.g. mypkg.rewards.")
-    function: str | None = Field(None, description="The function's name in the file or module (default: this entry's name).")
-    batched: bool = Field(False, description="Called once per chunk with a list per argument, returning a list of scores.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for every call (e.g. a "
-                                   "format pattern).")
+    function: str | None = Field(
+        None, description="The function's name in the file or module (default: this entry's name)."
+    )
+    batched: bool = Field(
+        False, description="Called once per chunk with a list per argument, returning a list of scores."
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for every call (e.g. a format pattern)."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "RewardFunctionConfig":
@@ -225,8 +302,12 @@ class RewardConfig(Section):
     model_weight: float = 1.0
     # Each function writes its own score_<name> and error_<name> column in `scores`; the reward is the weighted sum.
     functions: dict[str, RewardFunctionConfig] = Field(
-        default_factory=lambda: {"accuracy": RewardFunctionConfig(weight=1.0), "format": RewardFunctionConfig(weight=0.1)},
-        description="name → a built-in (accuracy, format, overlong) or {path, function} / {module, function} of yours.")
+        default_factory=lambda: {
+            "accuracy": RewardFunctionConfig(weight=1.0),
+            "format": RewardFunctionConfig(weight=0.1),
+        },
+        description="name → a built-in (accuracy, format, overlong) or {path, function} / {module, function} of yours.",
+    )
     timeout_s: float = Field(5.0, gt=0)  # per sample and function; past it the sample scores 0 with an error
     workers: int = Field(2, ge=0)  # reward worker processes; 0 = in the calling process, without the timeout
 
@@ -239,8 +320,10 @@ class RewardConfig(Section):
             if not REWARD_NAME.match(name) or name == "model":
                 raise ValueError(f"{name!r} is not a usable reward name (letters, digits and _, not 'model')")
             if not (spec.path or spec.module) and name not in BUILTIN_REWARDS:
-                raise ValueError(f"{name!r} is not a built-in reward function (choose one of "
-                                 f"{', '.join(BUILTIN_REWARDS.names())}) and names no path or module")
+                raise ValueError(
+                    f"{name!r} is not a built-in reward function (choose one of "
+                    f"{', '.join(BUILTIN_REWARDS.names())}) and names no path or module"
+                )
         return functions
 
     @model_validator(mode="after")
@@ -256,21 +339,38 @@ class RolloutConfig(Section):
     group_size: int = Field(8, ge=1, le=4096)
     prompts_per_round: int = Field(64, ge=1, le=1_000_000)
     max_tokens: int = Field(8, ge=1, le=1_048_576)
-    min_tokens: int = Field(0, ge=0, le=1_048_576, description="Tokens every response has before EOS or a stop token "
-                            "may end it (vLLM's min_tokens); 0: none.")
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        le=1_048_576,
+        description="Tokens every response has before EOS or a stop token may end it (vLLM's min_tokens); 0: none.",
+    )
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    kv_cache_gib: float = Field(1.0, gt=0, le=4096)  # vLLM-CPU's KV cache (GiB); on a GPU, gpu_memory_utilization sizes it
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.95, description="vLLM's share of GPU memory (weights, "
-                                          "activations, KV cache); the rest is the colocated DeepSpeed trainer's.")
+    kv_cache_gib: float = Field(
+        1.0, gt=0, le=4096
+    )  # vLLM-CPU's KV cache (GiB); on a GPU, gpu_memory_utilization sizes it
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0,
+        le=0.95,
+        description="vLLM's share of GPU memory (weights, "
+        "activations, KV cache); the rest is the colocated DeepSpeed trainer's.",
+    )
     # After every weight sync the sampler's logprobs on the checkpoint's probe sequences are compared with the
     # trainer's; a larger mean gap stops the run (fp32 on CPU measures ~1e-7; bf16 samplers need more room).
     max_sync_logprob_gap: float = Field(1e-2, gt=0)
-    stop: list[str] = Field(default_factory=list, description="Stop strings: generation ends at the first (left out of the text).")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation, besides the tokenizer's EOS.")
+    stop: list[str] = Field(
+        default_factory=list, description="Stop strings: generation ends at the first (left out of the text)."
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Token ids that end generation, besides the tokenizer's EOS."
+    )
     # Scale-out: data-parallel vLLM replicas (prompts shared out, per-request seeds, so the table does not depend on
     # how many) and vLLM's tensor parallelism within each. Devices: engines.rollout_devices.
-    engines: int = Field(1, ge=1, le=1024, description="vLLM replicas, each its own resident process; prompts are shared among them.")
+    engines: int = Field(
+        1, ge=1, le=1024, description="vLLM replicas, each its own resident process; prompts are shared among them."
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM replica (vLLM's tensor parallelism).")
     PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset({"engines", "tensor_parallel_size"})
     HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"min_tokens"})
@@ -290,7 +390,9 @@ class BatchConfig(Section):
 
 Estimator = Literal["gae", "grpo", "drgrpo", "lite_ppo", "rloo", "reinforce_pp_baseline", "dcpo"]
 Objective = Literal["clip", "gspo", "gspo_token", "dcpo"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "only-token-mean"]
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "only-token-mean"
+]
 
 
 class AdvantageConfig(Section):
@@ -327,8 +429,9 @@ class KLConfig(Section):
 
 
 class CriticConfig(Section):
-    """PPO's value model: a separate LlamaForTokenClassification (one scalar per token) initialised from
-    the policy checkpoint with a zeroed head, trained by its own DeepSpeed engine. Used iff estimator=gae."""
+    """PPO's value model: the policy's backbone (any causal LM's `AutoModel`) plus a linear value head (one scalar per
+    token), initialised from the policy checkpoint with a zeroed head and trained, every weight, by its own DeepSpeed
+    engine. Used iff estimator=gae."""
 
     lr: float = Field(5e-4, gt=0)
     value_clip: float = Field(0.2, gt=0)  # ε_v of the clipped value loss
@@ -351,7 +454,8 @@ class OptimConfig(Section):
 class EnginesConfig(Section):
     """How engines live, not what they compute (no stage fingerprint includes it: both ways give the same data)."""
 
-    # Keep the DeepSpeed engines and the reference in one process across iterations (tasks/engines/workers/trainer_server.py);
+    # Keep the DeepSpeed engines and the reference in one process across iterations
+    # (tasks/engines/workers/trainer_server.py);
     # false starts a worker process per logprobs and optimize stage that loads everything from disk.
     resident_trainer: bool = True
     # Data-parallel DeepSpeed ranks (one process each, one process group: gloo on CPU, NCCL on GPU) for every trainer:
@@ -362,14 +466,19 @@ class EnginesConfig(Section):
     # replicas' (tensor_parallel_size per replica). Overlapping lists colocate (time-share) the two, and then
     # rollout.gpu_memory_utilization must leave room for the trainer; disjoint lists split them.
     trainer_devices: list[int] | None = Field(None, description="CUDA device ids of the trainer ranks, one per rank.")
-    rollout_devices: list[int] | None = Field(None, description="CUDA device ids of the vLLM replicas, tensor_parallel_size each.")
+    rollout_devices: list[int] | None = Field(
+        None, description="CUDA device ids of the vLLM replicas, tensor_parallel_size each."
+    )
     # Trainer ranks on several machines: a DeepSpeed hostfile (`host slots=N` per line, this machine first; slots in
     # all = train_ranks), started by DeepSpeed's launcher over pdsh/ssh (README "Scale out").
     hostfile: str | None = None
     keep_optimizer_states: int | None = Field(
-        2, ge=2, description="Keep the DeepSpeed optimizer state (`ds_state/`, about 4× the weights) of the last N RL "
+        2,
+        ge=2,
+        description="Keep the DeepSpeed optimizer state (`ds_state/`, about 4× the weights) of the last N RL "
         "checkpoints only; every checkpoint keeps its weights. A resume needs the last two; rerunning an older update "
-        "needs its predecessor's. None: keep all (10 iterations of a 135M model then take 26 GB).")
+        "needs its predecessor's. None: keep all (10 iterations of a 135M model then take 26 GB).",
+    )
 
 
 class RLConfig(Section):
@@ -381,11 +490,17 @@ class EvalConfig(Section):
     samples: int = Field(8, ge=1, le=4096)  # sampled completions per prompt for pass@k
     pass_k: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
-    max_prompts: int | None = Field(None, ge=1, description="Evaluate at most this many held-out prompts (the first ones).")
-    interim_prompts: int | None = Field(None, ge=1, description="Evals during training (every rl.eval_every iterations, "
-                                        "but the last) use only the first N held-out prompts, the same ones each time: "
-                                        "cheaper progress checks. The starting model and the final checkpoint are "
-                                        "evaluated on every held-out prompt (up to max_prompts). None: all, every time.")
+    max_prompts: int | None = Field(
+        None, ge=1, description="Evaluate at most this many held-out prompts (the first ones)."
+    )
+    interim_prompts: int | None = Field(
+        None,
+        ge=1,
+        description="Evals during training (every rl.eval_every iterations, "
+        "but the last) use only the first N held-out prompts, the same ones each time: "
+        "cheaper progress checks. The starting model and the final checkpoint are "
+        "evaluated on every held-out prompt (up to max_prompts). None: all, every time.",
+    )
     # A response is correct when score_<judge> ≥ judge_threshold; judge is a reward function of the run, `reward`
     # (the weighted total) or `model` (the reward model's score).
     judge: str = "accuracy"
@@ -406,7 +521,9 @@ class SFTConfig(Section):
     files: FileList = Field(default_factory=list, description="Demonstration files (Parquet or JSONL; globs allowed).")
     prompt_key: str = "prompt"
     response_key: str = "response"
-    messages_key: str | None = Field(None, description="A column of conversations; when set, prompt_key and response_key are not used.")
+    messages_key: str | None = Field(
+        None, description="A column of conversations; when set, prompt_key and response_key are not used."
+    )
     steps: int = Field(600, ge=1, le=100_000_000)
     batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)
@@ -467,7 +584,9 @@ class RunConfig(Section):
     storage_root: str = "runs"
     model: ModelConfig = ModelConfig()
     lora: LoraConfig = LoraConfig()
-    task: TaskConfig | None = Field(None, description="A built-in example task that writes its data files (then name them in data).")
+    task: TaskConfig | None = Field(
+        None, description="A built-in example task that writes its data files (then name them in data)."
+    )
     data: DataConfig = DataConfig()
     prompt: PromptConfig = PromptConfig()
     reward: RewardConfig = RewardConfig()
@@ -486,10 +605,16 @@ class RunConfig(Section):
     reward_model: RewardModelConfig = RewardModelConfig()
     dpo: DPOConfig = DPOConfig()
     tracking: list[Literal["tensorboard", "mlflow"]] = Field(
-        [], description="Copy each RL iteration's train_metrics and eval figures to TensorBoard (event files under "
-        "runs/RUN/tensorboard) and/or an MLflow run (the config as params, the summary at the end); the tables stay the record.")
-    tracking_uri: str | None = Field(None, description="MLflow's tracking URI (a server, or sqlite:///path.db); default: "
-                                     "$MLFLOW_TRACKING_URI, else a folder store, runs/RUN/mlruns.")
+        [],
+        description="Copy each RL iteration's train_metrics and eval figures to TensorBoard (event files under "
+        "runs/RUN/tensorboard) and/or an MLflow run (the config as params, the summary at the end); the tables stay "
+        "the record.",
+    )
+    tracking_uri: str | None = Field(
+        None,
+        description="MLflow's tracking URI (a server, or sqlite:///path.db); default: "
+        "$MLFLOW_TRACKING_URI, else a folder store, runs/RUN/mlruns.",
+    )
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "RunConfig":
@@ -504,17 +629,25 @@ class RunConfig(Section):
     def _judge_is_scored(self) -> "RunConfig":
         judges = {*self.reward.functions, "reward"} | ({"model"} if self.reward.kind == "model" else set())
         if self.eval.judge not in judges:
-            raise ValueError(f"eval.judge {self.eval.judge!r} is not scored by this run: choose one of {', '.join(sorted(judges))}")
+            raise ValueError(
+                f"eval.judge {self.eval.judge!r} is not scored by this run: choose one of {', '.join(sorted(judges))}"
+            )
         return self
 
     @model_validator(mode="after")
     def _devices_match_ranks_and_engines(self) -> "RunConfig":
         e, r = self.engines, self.rollout
         if e.trainer_devices is not None and len(e.trainer_devices) != e.train_ranks:
-            raise ValueError(f"engines.trainer_devices names {len(e.trainer_devices)} device(s) for {e.train_ranks} train_ranks: give one per rank")
+            raise ValueError(
+                f"engines.trainer_devices names {len(e.trainer_devices)} device(s) for {e.train_ranks} train_ranks: "
+                f"give one per rank"
+            )
         if e.rollout_devices is not None and len(e.rollout_devices) != r.engines * r.tensor_parallel_size:
-            raise ValueError(f"engines.rollout_devices names {len(e.rollout_devices)} device(s); rollout.engines × tensor_parallel_size "
-                             f"needs {r.engines * r.tensor_parallel_size}")
+            raise ValueError(
+                f"engines.rollout_devices names {len(e.rollout_devices)} device(s); rollout.engines × "
+                f"tensor_parallel_size "
+                f"needs {r.engines * r.tensor_parallel_size}"
+            )
         return self
 
     @property
@@ -525,8 +658,14 @@ class RunConfig(Section):
 
     def section_hash(self, *sections: str) -> str:
         """A stable hash of some sections: part of a stage's fingerprint."""
-        payload = {name: _dump(getattr(self, name)) for name in sections
-                   if not (getattr(getattr(self, name), "OMITTED_AT_DEFAULT", False) and getattr(self, name) == type(getattr(self, name))())}
+        payload = {
+            name: _dump(getattr(self, name))
+            for name in sections
+            if not (
+                getattr(getattr(self, name), "OMITTED_AT_DEFAULT", False)
+                and getattr(self, name) == type(getattr(self, name))()
+            )
+        }
         payload["seed"] = self.seed
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -599,7 +738,9 @@ def _read_mapping(path: Path, what: str) -> dict:
     except UnicodeDecodeError:
         raise ConfigError(f"cannot read {what} {path}: it is not UTF-8 text") from None
     except (ValueError, RecursionError):
-        raise ConfigError(f"cannot read {what} {path}: a recursive YAML alias, or a value that is not plain data") from None
+        raise ConfigError(
+            f"cannot read {what} {path}: a recursive YAML alias, or a value that is not plain data"
+        ) from None
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read {what} {path}: {str(err).splitlines()[0]}") from None
     if data is not None and not isinstance(data, dict):

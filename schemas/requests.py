@@ -1,7 +1,7 @@
 """Requests across the process boundary: what a stage asks of an engine process (vLLM, the DeepSpeed trainer, torch
-workers), as frozen dataclasses imported by both sides. A worker never supplies a default: every field is set by
-the client, from the config sections of the stage that asks (the `from_config` constructors), so one setting has one
-path from the config to the engine.
+workers), as frozen dataclasses imported by both sides. The client sets every field, from the config sections of
+the stage that asks (the `from_config` constructors), so one setting has one path from the config to the engine; the
+few defaults below are for callers outside a run (tests, benchmarks), and a worker never fills in a missing field.
 
 They travel as JSON (`to_wire` / `from_wire`): the kind's name plus its fields, nested dataclasses as objects.
 """
@@ -38,9 +38,18 @@ class VLLMSettings:
     max_lora_rank: int | None = None  # LoRA enabled (the policy's adapters are loaded per request), or None
 
     @classmethod
-    def from_config(cls, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int, lora: LoraConfig) -> "VLLMSettings":
-        return cls(model_path, model.dtype, seed, rollout.kv_cache_gib, rollout.gpu_memory_utilization, rollout.tensor_parallel_size,
-                   lora.rank)
+    def from_config(
+        cls, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int, lora: LoraConfig
+    ) -> "VLLMSettings":
+        return cls(
+            model_path,
+            model.dtype,
+            seed,
+            rollout.kv_cache_gib,
+            rollout.gpu_memory_utilization,
+            rollout.tensor_parallel_size,
+            lora.rank,
+        )
 
 
 @dataclass(frozen=True)
@@ -99,17 +108,39 @@ class EngineSettings:
 
     @classmethod
     def for_policy(cls, optim: OptimConfig, model: ModelConfig, lora: LoraSettings | None) -> "EngineSettings":
-        return cls(optim.zero_stage, optim.lr, optim.weight_decay, optim.grad_clip, optim.micro_batch_size, model.dtype,
-                   model.gradient_checkpointing, lora)
+        return cls(
+            optim.zero_stage,
+            optim.lr,
+            optim.weight_decay,
+            optim.grad_clip,
+            optim.micro_batch_size,
+            model.dtype,
+            model.gradient_checkpointing,
+            lora,
+        )
 
     @classmethod
-    def for_sft(cls, sft: SFTConfig, optim: OptimConfig, model: ModelConfig, lora: LoraSettings | None) -> "EngineSettings":
-        return cls(sft.zero_stage, sft.lr, 0.0, 1.0, optim.micro_batch_size, model.dtype, model.gradient_checkpointing, lora)
+    def for_sft(
+        cls, sft: SFTConfig, optim: OptimConfig, model: ModelConfig, lora: LoraSettings | None
+    ) -> "EngineSettings":
+        return cls(
+            sft.zero_stage, sft.lr, 0.0, 1.0, optim.micro_batch_size, model.dtype, model.gradient_checkpointing, lora
+        )
 
     @classmethod
-    def for_preferences(cls, trainer: RewardModelConfig | DPOConfig, model: ModelConfig, lora: LoraSettings | None) -> "EngineSettings":
-        return cls(trainer.zero_stage, trainer.lr, trainer.weight_decay, 1.0, trainer.micro_batch_size, model.dtype,
-                   model.gradient_checkpointing, lora)
+    def for_preferences(
+        cls, trainer: RewardModelConfig | DPOConfig, model: ModelConfig, lora: LoraSettings | None
+    ) -> "EngineSettings":
+        return cls(
+            trainer.zero_stage,
+            trainer.lr,
+            trainer.weight_decay,
+            1.0,
+            trainer.micro_batch_size,
+            model.dtype,
+            model.gradient_checkpointing,
+            lora,
+        )
 
 
 @dataclass(frozen=True)
@@ -147,9 +178,22 @@ class LossSettings:
     max_tokens: int  # L_max of seq-mean-token-sum-norm
 
     @classmethod
-    def from_config(cls, loss: LossConfig, kl_estimator: str, kl_in_loss: bool, beta: float, max_tokens: int) -> "LossSettings":
-        return cls(loss.objective, loss.aggregation, loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip, kl_estimator,
-                   kl_in_loss, beta, loss.entropy_coef, loss.tis_cap, max_tokens)
+    def from_config(
+        cls, loss: LossConfig, kl_estimator: str, kl_in_loss: bool, beta: float, max_tokens: int
+    ) -> "LossSettings":
+        return cls(
+            loss.objective,
+            loss.aggregation,
+            loss.clip_eps_low,
+            loss.clip_eps_high,
+            loss.dual_clip,
+            kl_estimator,
+            kl_in_loss,
+            beta,
+            loss.entropy_coef,
+            loss.tis_cap,
+            max_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -242,9 +286,25 @@ class ScoreRequest:
     micro_batch_size: int
 
 
-KINDS = {cls.__name__: cls for cls in (VLLMSettings, GenerationJob, GenerateRequest, EngineSettings, Schedule, SFTRequest,
-                                       LossSettings, CriticRequest, PtxRequest, UpdateRequest, LogprobsRequest,
-                                       PreferenceTrainRequest, TrainerWarmStart, ScoreRequest)}
+KINDS = {
+    cls.__name__: cls
+    for cls in (
+        VLLMSettings,
+        GenerationJob,
+        GenerateRequest,
+        EngineSettings,
+        Schedule,
+        SFTRequest,
+        LossSettings,
+        CriticRequest,
+        PtxRequest,
+        UpdateRequest,
+        LogprobsRequest,
+        PreferenceTrainRequest,
+        TrainerWarmStart,
+        ScoreRequest,
+    )
+}
 
 
 def to_wire(request) -> dict:

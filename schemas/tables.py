@@ -63,14 +63,17 @@ def _table(name: str, version: int, columns: dict, **kw) -> TableSchema:
 # template applied) and tokenized, overlong prompts dropped. `answer` is the ground truth as text (null without one);
 # `extra`, a struct of every other column of the file, untouched, is what the reward functions receive.
 DATASET = _table(
-    "dataset", 1,
+    "dataset",
+    1,
     {"split": STR, "prompt_id": STR, "text": STR, "prompt_token_ids": LIST_I32, "messages": MESSAGES, "answer": STR},
-    open=True, unique=("split", "prompt_id"),
+    open=True,
+    unique=("split", "prompt_id"),
 )
 
 # SFT demonstrations from the user's files: the formatted prompt and the response, and the tokens trained on.
 SFT_DATA = _table(
-    "sft_data", 2,
+    "sft_data",
+    2,
     {"prompt_id": STR, "text": STR, "response": STR, "prompt_token_ids": LIST_I32, "response_token_ids": LIST_I32},
     unique=("prompt_id",),
 )
@@ -78,58 +81,99 @@ SFT_DATA = _table(
 SFT_METRICS = _table("sft_metrics", 1, {"step": I32, "loss": F64, "lr": F64}, open=True)
 
 PROMPTS = _table(
-    "prompts", 2,
-    {"iteration": I32, "round": I32, "prompt_id": STR, "text": STR, "prompt_token_ids": LIST_I32, "messages": MESSAGES,
-     "answer": STR},
+    "prompts",
+    2,
+    {
+        "iteration": I32,
+        "round": I32,
+        "prompt_id": STR,
+        "text": STR,
+        "prompt_token_ids": LIST_I32,
+        "messages": MESSAGES,
+        "answer": STR,
+    },
     open=True,  # the dataset's `extra` columns ride along for the reward functions
     unique=("iteration", "prompt_id"),
 )
 
 ROLLOUTS = _table(
-    "rollouts", 1,
+    "rollouts",
+    1,
     {
-        "iteration": I32, "round": I32, "prompt_id": STR, "sample_idx": I32,
-        "prompt_token_ids": LIST_I32, "token_ids": LIST_I32, "text": STR,
-        "sampler_logprobs": LIST_F32, "finish_reason": STR, "truncated": BOOL, "length": I32,
+        "iteration": I32,
+        "round": I32,
+        "prompt_id": STR,
+        "sample_idx": I32,
+        "prompt_token_ids": LIST_I32,
+        "token_ids": LIST_I32,
+        "text": STR,
+        "sampler_logprobs": LIST_F32,
+        "finish_reason": STR,
+        "truncated": BOOL,
+        "length": I32,
         "policy_version": I32,
     },
     unique=("iteration", "prompt_id", "sample_idx"),
 )
 
 SCORES = _table(
-    "scores", 1,
+    "scores",
+    1,
     {
-        "iteration": I32, "round": I32, "prompt_id": STR, "sample_idx": I32,
-        "reward": F64, "error": STR,
+        "iteration": I32,
+        "round": I32,
+        "prompt_id": STR,
+        "sample_idx": I32,
+        "reward": F64,
+        "error": STR,
     },
     open=True,  # one `score_<fn>` column per reward function, plus its `error_<fn>`
     unique=("iteration", "prompt_id", "sample_idx"),
 )
 
 BATCH = _table(
-    "batch", 1,
+    "batch",
+    1,
     {
-        "iteration": I32, "round": I32, "prompt_id": STR, "group_size": I32, "reward_mean": F64,
-        "reward_std": F64, "kept": BOOL, "filter_reason": STR, "rounds_used": I32,
+        "iteration": I32,
+        "round": I32,
+        "prompt_id": STR,
+        "group_size": I32,
+        "reward_mean": F64,
+        "reward_std": F64,
+        "kept": BOOL,
+        "filter_reason": STR,
+        "rounds_used": I32,
     },
     unique=("iteration", "prompt_id"),
 )
 
 LOGPROBS = _table(
-    "logprobs", 2,
+    "logprobs",
+    2,
     {
-        "iteration": I32, "prompt_id": STR, "sample_idx": I32,
-        "old_logprobs": LIST_F32, "ref_logprobs": LIST_F32, "entropy": LIST_F32,
+        "iteration": I32,
+        "prompt_id": STR,
+        "sample_idx": I32,
+        "old_logprobs": LIST_F32,
+        "ref_logprobs": LIST_F32,
+        "entropy": LIST_F32,
         "values": LIST_F32,  # the critic's V per response token (PPO); null without a critic
     },
     unique=("iteration", "prompt_id", "sample_idx"),
 )
 
 ADVANTAGES = _table(
-    "advantages", 1,
+    "advantages",
+    1,
     {
-        "iteration": I32, "prompt_id": STR, "sample_idx": I32, "reward": F64,
-        "advantage": F64, "token_advantages": LIST_F32, "returns": LIST_F32,
+        "iteration": I32,
+        "prompt_id": STR,
+        "sample_idx": I32,
+        "reward": F64,
+        "advantage": F64,
+        "token_advantages": LIST_F32,
+        "returns": LIST_F32,
     },
     unique=("iteration", "prompt_id", "sample_idx"),
 )
@@ -138,22 +182,33 @@ ADVANTAGES = _table(
 # cumulative mean and std of the prompt's rewards, each step counted once, and the lowest and highest reward ever
 # seen, which say exactly whether the rewards ever differed).
 PROMPT_STATS = _table(
-    "prompt_stats", 2,
+    "prompt_stats",
+    2,
     {"prompt_id": STR, "n": I32, "mean": F64, "std": F64, "reward_min": F64, "reward_max": F64, "last_iteration": I32},
     unique=("prompt_id",),
 )
 
 TRAIN_METRICS = _table(
-    "train_metrics", 1,
+    "train_metrics",
+    1,
     {"iteration": I32, "policy_version": I32, "optimizer_steps": I32, "loss": F64},
     open=True,
 )
 
 EVAL = _table(
-    "eval", 2,
+    "eval",
+    2,
     {
-        "iteration": I32, "prompt_id": STR, "answer": STR, "greedy_text": STR, "greedy_correct": BOOL,
-        "greedy_length": I32, "greedy_reward": F64, "n_samples": I32, "n_correct": I32, "pass_at_k": F64,
+        "iteration": I32,
+        "prompt_id": STR,
+        "answer": STR,
+        "greedy_text": STR,
+        "greedy_correct": BOOL,
+        "greedy_length": I32,
+        "greedy_reward": F64,
+        "n_samples": I32,
+        "n_correct": I32,
+        "pass_at_k": F64,
         "sampled_reward_mean": F64,
     },
     unique=("iteration", "prompt_id"),
@@ -163,15 +218,32 @@ EVAL = _table(
 LIST_STR = pl.List(pl.Utf8)
 # `prompt` is the formatted prompt (chat template applied) and `prompt_token_ids` its tokens.
 PREFERENCE_RANKINGS = _table(
-    "preference_rankings", 2,
-    {"prompt_id": STR, "prompt": STR, "prompt_token_ids": LIST_I32, "responses": LIST_STR, "ranks": LIST_I32, "split": STR},
+    "preference_rankings",
+    2,
+    {
+        "prompt_id": STR,
+        "prompt": STR,
+        "prompt_token_ids": LIST_I32,
+        "responses": LIST_STR,
+        "ranks": LIST_I32,
+        "split": STR,
+    },
     unique=("prompt_id",),
 )
 
 # Every ordered pair of a ranking with strictly different ranks (what DPO trains on).
 PREFERENCE_PAIRS = _table(
-    "preference_pairs", 2,
-    {"prompt_id": STR, "pair_idx": I32, "prompt": STR, "prompt_token_ids": LIST_I32, "chosen": STR, "rejected": STR, "split": STR},
+    "preference_pairs",
+    2,
+    {
+        "prompt_id": STR,
+        "pair_idx": I32,
+        "prompt": STR,
+        "prompt_token_ids": LIST_I32,
+        "chosen": STR,
+        "rejected": STR,
+        "split": STR,
+    },
     unique=("prompt_id", "pair_idx"),
 )
 
@@ -183,15 +255,24 @@ RM_EVAL = _table("rm_eval", 1, PAIR_EVAL_COLUMNS, unique=("prompt_id", "pair_idx
 
 # The frozen reference's sequence logprobs (sums over response tokens) of every pair, for DPO.
 REF_LOGPROBS = _table(
-    "ref_logprobs", 1,
+    "ref_logprobs",
+    1,
     {"prompt_id": STR, "pair_idx": I32, "chosen_logp": F64, "rejected_logp": F64},
     unique=("prompt_id", "pair_idx"),
 )
 
 DPO_METRICS = _table(
-    "dpo_metrics", 1,
-    {"step": I32, "loss": F64, "lr": F64, "reward_margin": F64, "reward_accuracy": F64, "chosen_logp": F64,
-     "rejected_logp": F64},
+    "dpo_metrics",
+    1,
+    {
+        "step": I32,
+        "loss": F64,
+        "lr": F64,
+        "reward_margin": F64,
+        "reward_accuracy": F64,
+        "chosen_logp": F64,
+        "rejected_logp": F64,
+    },
     open=True,
 )
 
@@ -199,14 +280,34 @@ DPO_EVAL = _table("dpo_eval", 1, PAIR_EVAL_COLUMNS, unique=("prompt_id", "pair_i
 
 TABLES: dict[str, TableSchema] = {
     t.name: t
-    for t in (DATASET, SFT_DATA, SFT_METRICS, PROMPTS, ROLLOUTS, SCORES, BATCH, LOGPROBS, ADVANTAGES, PROMPT_STATS, TRAIN_METRICS, EVAL,
-              PREFERENCE_RANKINGS, PREFERENCE_PAIRS, RM_METRICS, RM_EVAL, REF_LOGPROBS, DPO_METRICS, DPO_EVAL)
+    for t in (
+        DATASET,
+        SFT_DATA,
+        SFT_METRICS,
+        PROMPTS,
+        ROLLOUTS,
+        SCORES,
+        BATCH,
+        LOGPROBS,
+        ADVANTAGES,
+        PROMPT_STATS,
+        TRAIN_METRICS,
+        EVAL,
+        PREFERENCE_RANKINGS,
+        PREFERENCE_PAIRS,
+        RM_METRICS,
+        RM_EVAL,
+        REF_LOGPROBS,
+        DPO_METRICS,
+        DPO_EVAL,
+    )
 }
 
 # `make bench`: one row per benchmark, the baseline and rlpipe measured side by side in the same run. `ratio` is
 # rlpipe's advantage (greater is better), except for iteration_overhead, where it is the overhead fraction.
 BENCH_RESULTS = _table(
-    "bench_results", 1,
+    "bench_results",
+    1,
     {"benchmark": STR, "baseline": STR, "baseline_value": F64, "rlpipe_value": F64, "unit": STR, "ratio": F64},
     unique=("benchmark",),
 )

@@ -21,6 +21,23 @@ from storage.stage_io import (
 )
 
 __all__ = [
-    "DamagedDataError", "DiskFullError", "LayoutError", "RunLayout", "StageOutput", "check_name", "commit_dir", "complete_files", "find_complete",
-    "fingerprint", "package_versions", "read_manifest", "read_stage", "scan", "temp_dir_for", "verified_parts", "write_json_atomic", "write_stage", "written",
+    "DamagedDataError",
+    "DiskFullError",
+    "LayoutError",
+    "RunLayout",
+    "StageOutput",
+    "check_name",
+    "commit_dir",
+    "complete_files",
+    "find_complete",
+    "fingerprint",
+    "package_versions",
+    "read_manifest",
+    "read_stage",
+    "scan",
+    "temp_dir_for",
+    "verified_parts",
+    "write_json_atomic",
+    "write_stage",
+    "written",
 ]

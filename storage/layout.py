@@ -1,13 +1,13 @@
 """The run layout: a pure path builder. Nothing outside `storage/` builds run paths.
 
-    {root}/{run_id}/config.yaml
-    {root}/{run_id}/{stage}/iter={k:05d}/part-{n:05d}.parquet
-    {root}/{run_id}/{stage}/iter={k:05d}/_manifest.json
-    {root}/{run_id}/checkpoints/iter={k:05d}/        (RL; checkpoints/sft/ for the SFT warm start)
-    {root}/{run_id}/checkpoints/iter={k:05d}/critic/ (PPO's value model)
-    {root}/{run_id}/summary.json
-    {root}/{run_id}/superseded.json, _superseded/{n:03d}/  (what `rlpipe rerun` moved aside)
-    {root}/{run_id}/forked_from.json                  (a run made by `rlpipe rerun --fork`)
+{root}/{run_id}/config.yaml
+{root}/{run_id}/{stage}/iter={k:05d}/part-{n:05d}.parquet
+{root}/{run_id}/{stage}/iter={k:05d}/_manifest.json
+{root}/{run_id}/checkpoints/iter={k:05d}/        (RL; checkpoints/sft/ for the SFT warm start)
+{root}/{run_id}/checkpoints/iter={k:05d}/critic/ (PPO's value model)
+{root}/{run_id}/summary.json
+{root}/{run_id}/superseded.json, _superseded/{n:03d}/  (what `rlpipe rerun` moved aside)
+{root}/{run_id}/forked_from.json                  (a run made by `rlpipe rerun --fork`)
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ class RunLayout:
 
     def checkpoint_iterations(self) -> list[int]:
         """Iterations with a committed checkpoint folder (`.tmp` folders of an interrupted update excluded)."""
-        return sorted(int(p.name.split("=", 1)[1]) for p in self.checkpoints_root.glob("iter=*") if p.name[5:].isdigit())
+        return sorted(
+            int(p.name.split("=", 1)[1]) for p in self.checkpoints_root.glob("iter=*") if p.name[5:].isdigit()
+        )
 
     def critic_dir(self, iteration: int) -> Path:
         return self.checkpoint_dir(iteration) / "critic"
@@ -129,8 +131,12 @@ class RunLayout:
         if not self.run_dir.is_dir():
             return []
         return sorted(
-            p.name for p in self.run_dir.iterdir()
-            if p.is_dir() and p.name not in NON_TABLE_FOLDERS and not p.name.startswith("_") and _NAME.fullmatch(p.name)
+            p.name
+            for p in self.run_dir.iterdir()
+            if p.is_dir()
+            and p.name not in NON_TABLE_FOLDERS
+            and not p.name.startswith("_")
+            and _NAME.fullmatch(p.name)
             and any(_ITERATION.fullmatch(q.name) for q in p.iterdir())
         )
 

@@ -47,8 +47,12 @@ def acquire_run_lock(layout: RunLayout, command: str) -> None:
     except BlockingIOError:
         os.close(fd)
         raise RunLocked(_message(layout, _holder(path))) from None
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "command": command,
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
     _HELD[str(path)] = fd
@@ -62,6 +66,12 @@ def release_run_lock(layout: RunLayout) -> None:
 
 
 def _message(layout: RunLayout, holder: dict) -> str:
-    who = (f"`rlpipe {holder.get('command', '?')}` (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, "
-           f"since {holder.get('since', '?')})") if holder else "another rlpipe process"
+    who = (
+        (
+            f"`rlpipe {holder.get('command', '?')}` (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+            f"since {holder.get('since', '?')})"
+        )
+        if holder
+        else "another rlpipe process"
+    )
     return f"run {layout.run_id!r} is being written by {who}; wait for it to finish or stop it"

@@ -67,7 +67,11 @@ class DiskFullError(UserError, OSError):
 def is_disk_full(exc: BaseException, folder: Path | None = None) -> bool:
     """ENOSPC, as an OSError or inside another library's message (polars: "No space left on device (os error 28)"), or
     a failure (a worker's: torch's zip writer says "unexpected pos") while the folder's filesystem is nearly full."""
-    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc) or "os error 28" in str(exc):
+    if (
+        getattr(exc, "errno", None) == errno.ENOSPC
+        or "No space left on device" in str(exc)
+        or "os error 28" in str(exc)
+    ):
         return True
     if folder is None:
         return False
@@ -139,7 +143,10 @@ def _rmtree(path: Path) -> None:
 def git_sha() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=Path(__file__).resolve().parent,
         )
         return out.stdout.strip() or None
@@ -191,8 +198,13 @@ def find_complete(layout: RunLayout, stage: str, iteration: int, fp: str, part: 
 def _output(layout, stage, iteration, manifest, fp: str, skipped=False) -> StageOutput:
     """`fingerprint` is the part's own: what a later round or stage chains on."""
     return StageOutput(
-        stage=stage, iteration=iteration, path=str(layout.stage_dir(stage, iteration)),
-        rows=manifest["rows"], fingerprint=fp, skipped=skipped, extra=manifest.get("extra", {}),
+        stage=stage,
+        iteration=iteration,
+        path=str(layout.stage_dir(stage, iteration)),
+        rows=manifest["rows"],
+        fingerprint=fp,
+        skipped=skipped,
+        extra=manifest.get("extra", {}),
     )
 
 
@@ -225,8 +237,16 @@ def write_stage(
 
     previous = read_manifest(layout, stage, iteration, verify=False)
     kept = [p for p in (previous or {}).get("parts", []) if p["index"] < part]
-    kept.append({"index": part, "file": final.name, "rows": df.height, "bytes": final.stat().st_size, "sha256": sha256_file(final),
-                 "fingerprint": fp})
+    kept.append(
+        {
+            "index": part,
+            "file": final.name,
+            "rows": df.height,
+            "bytes": final.stat().st_size,
+            "sha256": sha256_file(final),
+            "fingerprint": fp,
+        }
+    )
     for stale in folder.glob("part-*.parquet"):  # parts after this one are no longer valid
         if stale.name not in {p["file"] for p in kept}:
             stale.unlink()
@@ -238,7 +258,9 @@ def write_stage(
         "schema": {"name": table.name, "version": table.version},
         "rows": sum(p["rows"] for p in kept),
         "parts": kept,
-        "fingerprint": fp if len(kept) == 1 else fingerprint(stage, "", {str(p["index"]): p["fingerprint"] for p in kept}),
+        "fingerprint": fp
+        if len(kept) == 1
+        else fingerprint(stage, "", {str(p["index"]): p["fingerprint"] for p in kept}),
         "inputs": inputs,
         "config_hash": config_hash,
         "package": {"rlpipe": package_versions("rlpipe")["rlpipe"], "git_sha": git_sha()},
@@ -293,7 +315,9 @@ def verified_parts(layout: RunLayout, keys: Iterable[tuple[str, int]]) -> dict[t
                 except OSError:
                     raise DamagedDataError(_damaged(layout, file, "missing")) from None
                 if "bytes" in part and st.st_size != part["bytes"]:
-                    raise DamagedDataError(_damaged(layout, file, f"{st.st_size} bytes, its manifest says {part['bytes']}"))
+                    raise DamagedDataError(
+                        _damaged(layout, file, f"{st.st_size} bytes, its manifest says {part['bytes']}")
+                    )
                 if cache.get(key) != [st.st_size, st.st_mtime_ns, part["sha256"]]:
                     if sha256_file(file) != part["sha256"]:
                         raise DamagedDataError(_damaged(layout, file, "its sha256 differs from its manifest's"))
@@ -309,8 +333,10 @@ def verified_parts(layout: RunLayout, keys: Iterable[tuple[str, int]]) -> dict[t
 
 
 def _damaged(layout: RunLayout, file: Path, why: str) -> str:
-    return (f"{file} is damaged ({why}); re-run the command that made it to repair it "
-            f"(`rlpipe resume {layout.run_id}` for an RL run)")
+    return (
+        f"{file} is damaged ({why}); re-run the command that made it to repair it "
+        f"(`rlpipe resume {layout.run_id}` for an RL run)"
+    )
 
 
 def complete_files(layout: RunLayout, stage: str, verify: bool = False) -> list[Path]:

@@ -18,11 +18,24 @@ def tiny_config(tmp: Path, **sections) -> Path:
     """A config whose every path lives under `tmp`, sized for a test on two cores."""
     cfg = {
         "storage_root": str(tmp / "runs"),
-        "model": {"recipe": str(ROOT / "infra/model/demo_llama.yaml"), "base_path": str(tmp / "models/base"),
-                  "path": str(tmp / "models/sft")},
-        "task": {"name": "arithmetic", "out_dir": str(tmp / "data"), "max_operand": 20, "operations": "+", "n_eval": 32,
-                 "sft_demos": 2000},
-        "data": {"train_files": str(tmp / "data/train.parquet"), "eval_files": str(tmp / "data/eval.parquet"), "id_key": "prompt_id"},
+        "model": {
+            "recipe": str(ROOT / "infra/model/demo_llama.yaml"),
+            "base_path": str(tmp / "models/base"),
+            "path": str(tmp / "models/sft"),
+        },
+        "task": {
+            "name": "arithmetic",
+            "out_dir": str(tmp / "data"),
+            "max_operand": 20,
+            "operations": "+",
+            "n_eval": 32,
+            "sft_demos": 2000,
+        },
+        "data": {
+            "train_files": str(tmp / "data/train.parquet"),
+            "eval_files": str(tmp / "data/eval.parquet"),
+            "id_key": "prompt_id",
+        },
         "rollout": {"group_size": 4, "prompts_per_round": 16, "max_tokens": 4},
         "batch": {"target_groups": 4, "max_rounds": 3},
         "optim": {"micro_batch_size": 32, "minibatches": 2},
@@ -39,10 +52,18 @@ def tiny_config(tmp: Path, **sections) -> Path:
 
 def rlpipe(*args, cwd: Path, check=True, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env={**env, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, **kw)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        **kw,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"rlpipe {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"rlpipe {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -70,10 +91,22 @@ def read_table(layout: RunLayout, stage: str, iteration: int):
 def run_until_killed(workspace, cfg, run_id: str, crash_at: str, command: str = "run", *extra: str) -> None:
     """`rlpipe run` (or another command) in its own process group, SIGKILLed (the whole group, as a machine
     failure would) at the named point inside a stage (storage/crash.py)."""
-    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT),
-           "PREFECT_LOGGING_LEVEL": "WARNING", CRASH_ENV: crash_at}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", command, str(cfg), "--run-id", run_id, *extra], cwd=workspace,
-                          env=env, capture_output=True, text=True, start_new_session=True, timeout=900)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(workspace / ".prefect"),
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        CRASH_ENV: crash_at,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", command, str(cfg), "--run-id", run_id, *extra],
+        cwd=workspace,
+        env=env,
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+        timeout=900,
+    )
     assert proc.returncode == -signal.SIGKILL, f"not killed at {crash_at} ({proc.returncode}): {proc.stderr[-2000:]}"
 
 
@@ -82,8 +115,10 @@ def write_rankings(workspace, n: int = 160):
     import polars as pl
 
     train = pl.read_parquet(workspace / "data" / "train.parquet").head(n)
-    rows = [{"prompt": t, "responses": [a, str(int(a) + 1), str(int(a) + 10)], "ranks": [1, 2, 2]}
-            for t, a in zip(train["prompt"], train["answer"])]
+    rows = [
+        {"prompt": t, "responses": [a, str(int(a) + 1), str(int(a) + 10)], "ranks": [1, 2, 2]}
+        for t, a in zip(train["prompt"], train["answer"])
+    ]
     path = workspace / "rankings.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path

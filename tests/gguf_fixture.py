@@ -13,7 +13,12 @@ from tasks.data.model_recipe import CHATML
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 128, 2, 2, 1, 256  # head_dim 64, which vLLM's CPU attention supports
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = ["What is 7 + 5? The answer is 12.", "Add 3 and 4. 3 + 4 = 7.", "Multiply 6 by 7: 42.", "hello world, tiny model"] * 20
+CORPUS = [
+    "What is 7 + 5? The answer is 12.",
+    "Add 3 and 4. 3 + 4 = 7.",
+    "Multiply 6 by 7: 42.",
+    "hello world, tiny model",
+] * 20
 
 
 def _tokenizer_parts() -> tuple[list[str], list[str]]:
@@ -22,8 +27,12 @@ def _tokenizer_parts() -> tuple[list[str], list[str]]:
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     core.train_from_iterator(CORPUS, trainer)
     model = json.loads(core.to_str())["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]

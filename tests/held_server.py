@@ -22,7 +22,11 @@ def make_answer(settings):
 
     def answer(msg: dict) -> dict:
         print("answered")
-        return {"settings": to_wire(settings), "stdout": os.readlink("/proc/self/fd/1"), "stderr": os.readlink("/proc/self/fd/2")}
+        return {
+            "settings": to_wire(settings),
+            "stdout": os.readlink("/proc/self/fd/1"),
+            "stderr": os.readlink("/proc/self/fd/2"),
+        }
 
     return answer
 

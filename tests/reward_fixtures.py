@@ -43,10 +43,21 @@ def wrong_count(response):
     return [1.0] * (len(response) + 1)
 
 
-def sees_everything(prompt, messages, response, ground_truth, finish_reason, length, max_tokens, prompt_id, difficulty, meta, bonus=0.0):
+def sees_everything(
+    prompt, messages, response, ground_truth, finish_reason, length, max_tokens, prompt_id, difficulty, meta, bonus=0.0
+):
     """Scores 1 + bonus when every argument arrived with its type from the dataset."""
-    ok = (isinstance(prompt, str) and messages[-1]["role"] == "user" and ground_truth == 7 and finish_reason == "stop"
-          and length == 3 and max_tokens == 8 and prompt_id == "p0" and difficulty == "easy" and meta == {"source": "unit", "tags": ["a"]})
+    ok = (
+        isinstance(prompt, str)
+        and messages[-1]["role"] == "user"
+        and ground_truth == 7
+        and finish_reason == "stop"
+        and length == 3
+        and max_tokens == 8
+        and prompt_id == "p0"
+        and difficulty == "easy"
+        and meta == {"source": "unit", "tags": ["a"]}
+    )
     return float(ok) + bonus
 
 

@@ -146,11 +146,18 @@ def test_gae_matches_the_reverse_loop_up_to_8k_tokens(gamma, lam):
     old = [[-rnd.random() for _ in range(n)] for n in lengths]
     ref = [[-rnd.random() for _ in range(n)] for n in lengths]
     rewards = [rnd.choice([0.0, 1.0]) for _ in lengths]
-    df = pl.DataFrame({
-        "prompt_id": [f"p{i // 2}" for i in range(len(lengths))], "sample_idx": list(range(len(lengths))),
-        "reward": rewards, "length": lengths,
-    }, schema_overrides={"sample_idx": pl.Int32, "length": pl.Int32}).with_columns(
-        pl.Series("values", values, dtype=F32), pl.Series("old_logprobs", old, dtype=F32), pl.Series("ref_logprobs", ref, dtype=F32)
+    df = pl.DataFrame(
+        {
+            "prompt_id": [f"p{i // 2}" for i in range(len(lengths))],
+            "sample_idx": list(range(len(lengths))),
+            "reward": rewards,
+            "length": lengths,
+        },
+        schema_overrides={"sample_idx": pl.Int32, "length": pl.Int32},
+    ).with_columns(
+        pl.Series("values", values, dtype=F32),
+        pl.Series("old_logprobs", old, dtype=F32),
+        pl.Series("ref_logprobs", ref, dtype=F32),
     )
     beta = 0.05
     out = compute_advantages(df, "gae", AdvantageSettings(gamma=gamma, lam=lam, kl_beta=beta, kl_estimator="k1"))
@@ -172,7 +179,9 @@ def test_gae_hand_values():
     out = compute_advantages(df, "gae", s)
     assert out["returns"].to_list()[0] == pytest.approx([0.625, 1.0])
     mean, std = 0.4375, statistics.stdev([0.125, 0.75])
-    assert out["token_advantages"].to_list()[0] == pytest.approx([(0.125 - mean) / (std + 1e-6), (0.75 - mean) / (std + 1e-6)], rel=1e-5)
+    assert out["token_advantages"].to_list()[0] == pytest.approx(
+        [(0.125 - mean) / (std + 1e-6), (0.75 - mean) / (std + 1e-6)], rel=1e-5
+    )
 
 
 # ---- DCPO ---------------------------------------------------------------------------------------------------
@@ -182,10 +191,19 @@ def test_dcpo_smooth_advantage_over_three_steps_of_one_prompt():
     history = empty_prompt_stats()
     # Step 1, rewards [1,0,0,0]: μ = 0.25, σ = 0.5 (unbiased); n = 0 so A = A_new = [1.5, −0.5, −0.5, −0.5].
     step1 = frame({"p": [1, 0, 0, 0]})
-    assert compute_advantages(step1, "dcpo", S, history)["advantage"].to_list() == pytest.approx([1.5, -0.5, -0.5, -0.5])
+    assert compute_advantages(step1, "dcpo", S, history)["advantage"].to_list() == pytest.approx(
+        [1.5, -0.5, -0.5, -0.5]
+    )
     history = update_prompt_stats(history, step1, 1)
-    assert history.row(0, named=True) == {"prompt_id": "p", "n": 1, "mean": 0.25, "std": 0.5, "reward_min": 0.0, "reward_max": 1.0,
-                                           "last_iteration": 1}
+    assert history.row(0, named=True) == {
+        "prompt_id": "p",
+        "n": 1,
+        "mean": 0.25,
+        "std": 0.5,
+        "reward_min": 0.0,
+        "reward_max": 1.0,
+        "last_iteration": 1,
+    }
     # Step 2, identical rewards [0,0,0,0]: A_new = 0; μ_c = 0.125, σ_c² = (0.25 + 0 + ½·0.25²)/2 = 0.140625
     # (σ_c = 0.375), A_cum = −0.125/0.375 = −1/3; w = ½ → S1 = S2 = −1/6. The group still trains.
     step2 = frame({"p": [0, 0, 0, 0]})
@@ -228,7 +246,10 @@ def loop_dcpo(steps):
 def test_dcpo_matches_a_reference_loop_over_many_steps():
     rnd = random.Random(2)
     prompts = [f"p{i}" for i in range(30)]
-    steps = [{p: [rnd.choice([0.0, 1.0, 1.1]) for _ in range(rnd.randint(1, 6))] for p in rnd.sample(prompts, 12)} for _ in range(8)]
+    steps = [
+        {p: [rnd.choice([0.0, 1.0, 1.1]) for _ in range(rnd.randint(1, 6))] for p in rnd.sample(prompts, 12)}
+        for _ in range(8)
+    ]
     history, got = empty_prompt_stats(), []
     for k, groups in enumerate(steps, start=1):
         df = frame(groups)
@@ -249,7 +270,10 @@ def test_every_configured_estimator_is_registered():
 # ---- compare-advantages statistics -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "only-token-mean"])
+@pytest.mark.parametrize(
+    "aggregation",
+    ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "only-token-mean"],
+)
 def test_effective_token_weights_match_a_loop(aggregation):
     from tasks.analysis.advantage_analysis import estimator_summary
 
@@ -259,8 +283,13 @@ def test_effective_token_weights_match_a_loop(aggregation):
     df = pl.DataFrame({"advantage": advs, "length": lengths}, schema_overrides={"length": pl.Int32})
     got = estimator_summary(df, pl.Series(advs), aggregation, max_len=20)
     b, n = len(lengths), sum(lengths)
-    norm = {"token-mean": lambda L: 1 / n, "seq-mean-token-mean": lambda L: 1 / (b * L), "seq-mean-token-sum": lambda L: 1 / b,
-            "seq-mean-token-sum-norm": lambda L: 1 / (b * 20), "only-token-mean": lambda L: 1 / L}[aggregation]
+    norm = {
+        "token-mean": lambda L: 1 / n,
+        "seq-mean-token-mean": lambda L: 1 / (b * L),
+        "seq-mean-token-sum": lambda L: 1 / b,
+        "seq-mean-token-sum-norm": lambda L: 1 / (b * 20),
+        "only-token-mean": lambda L: 1 / L,
+    }[aggregation]
     buckets = {}
     for a, L in zip(advs, lengths):
         label = {1: "1", 2: "2-3", 3: "2-3", 5: "4-7", 9: "8-15", 17: "16-31"}[L]

@@ -55,8 +55,16 @@ def base_model(tmp_path_factory):
 def test_max_tokens_beyond_the_model_context_is_refused_before_generating(base_model):
     workspace, cfg = base_model
     # The demo model's context is 64 tokens.
-    proc = rlpipe("run", str(cfg), "--set", f"model.path={workspace}/models/base", "--set", "rollout.max_tokens=200",
-                  cwd=workspace, check=False)
+    proc = rlpipe(
+        "run",
+        str(cfg),
+        "--set",
+        f"model.path={workspace}/models/base",
+        "--set",
+        "rollout.max_tokens=200",
+        cwd=workspace,
+        check=False,
+    )
     assert proc.returncode == 1 and "exceeds the model's context of 64" in proc.stderr
     # Only the checked prompt dataset is complete: it is what the check read.
     assert {m.parts[-3] for m in (workspace / "runs").glob("*/*/iter=*/_manifest.json")} == {"dataset"}
@@ -67,9 +75,22 @@ def test_every_group_filtered_for_max_rounds_stops_the_run(base_model):
     """All-zero reward weights give every group zero variance: after max_rounds the batch stage refuses to
     train on nothing, names the cause, and no batch (nor anything after it) is marked complete."""
     workspace, cfg = base_model
-    proc = rlpipe("run", str(cfg), "--run-id", "empty", "--set", f"model.path={workspace}/models/base",
-                  "--set", "reward.functions.accuracy.weight=0", "--set", "reward.functions.format.weight=0", "--set", "batch.max_rounds=2",
-                  cwd=workspace, check=False)
+    proc = rlpipe(
+        "run",
+        str(cfg),
+        "--run-id",
+        "empty",
+        "--set",
+        f"model.path={workspace}/models/base",
+        "--set",
+        "reward.functions.accuracy.weight=0",
+        "--set",
+        "reward.functions.format.weight=0",
+        "--set",
+        "batch.max_rounds=2",
+        cwd=workspace,
+        check=False,
+    )
     assert proc.returncode == 1
     assert "every group of iteration 1 was filtered (zero reward variance) after batch.max_rounds=2" in proc.stderr
     run = workspace / "runs" / "empty"
@@ -97,7 +118,10 @@ def load(path):
     [
         (pl.DataFrame({"prompt_id": ["a"], "prompt": ["1+1="]}), "no column 'answer'"),
         (pl.DataFrame({"prompt_id": ["a"], "prompt": [1], "answer": ["2"]}), "column 'prompt' has type Int64"),
-        (pl.DataFrame({"prompt_id": ["a", "a"], "prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), "row 1: null or repeated id"),
+        (
+            pl.DataFrame({"prompt_id": ["a", "a"], "prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}),
+            "row 1: null or repeated id",
+        ),
         (pl.DataFrame(schema={"prompt_id": pl.Utf8, "prompt": pl.Utf8, "answer": pl.Utf8}), "is empty"),
     ],
 )

@@ -49,8 +49,14 @@ def test_a_key_added_later_enters_the_fingerprint_only_when_set():
     import json
 
     cfg = RunConfig()
-    legacy = {k: v for k, v in cfg.rollout.model_dump(mode="json").items() if k not in {"min_tokens", "engines", "tensor_parallel_size"}}
-    expected = hashlib.sha256(json.dumps({"rollout": legacy, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()[:16]
+    legacy = {
+        k: v
+        for k, v in cfg.rollout.model_dump(mode="json").items()
+        if k not in {"min_tokens", "engines", "tensor_parallel_size"}
+    }
+    expected = hashlib.sha256(json.dumps({"rollout": legacy, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()[
+        :16
+    ]
     assert cfg.section_hash("rollout") == expected
     assert build_config({"rollout": {"min_tokens": 4}}).section_hash("rollout") != expected
     with pytest.raises(ConfigError, match="rollout.min_tokens=9 exceeds rollout.max_tokens=8"):
@@ -69,9 +75,16 @@ def test_a_saved_config_is_parsed_once_per_content():
         saved_config(text.replace(b"iterations: 30", b"iterations: -1"))
 
 
-@pytest.mark.parametrize("config", ["infra/configs/demo.yaml", "infra/configs/arithmetic_tiny.yaml",
-                                    "infra/configs/long_addition.yaml", "examples/word_problems/config.yaml",
-                                    "examples/gsm8k_qwen/config.yaml"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "infra/configs/demo.yaml",
+        "infra/configs/arithmetic_tiny.yaml",
+        "infra/configs/long_addition.yaml",
+        "examples/word_problems/config.yaml",
+        "examples/gsm8k_qwen/config.yaml",
+    ],
+)
 def test_every_shipped_config_loads_with_every_preset(config):
     from schemas.config import algorithm_presets
 

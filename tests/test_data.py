@@ -8,7 +8,15 @@ import re
 import polars as pl
 import pytest
 
-from schemas.config import ArithmeticTask, ConfigError, DataConfig, LongAdditionTask, PromptConfig, SFTConfig, build_config
+from schemas.config import (
+    ArithmeticTask,
+    ConfigError,
+    DataConfig,
+    LongAdditionTask,
+    PromptConfig,
+    SFTConfig,
+    build_config,
+)
 from tasks.data.datasets import DatasetError
 from tasks.data.example_tasks import TaskFilesError, ensure_task_files
 from tasks.data.formatting import FormattingError, PromptFormatter
@@ -39,8 +47,10 @@ def test_a_plain_prompt_is_the_template_with_the_tokenizers_bos():
 def test_a_chat_prompt_takes_the_template_with_the_generation_prompt_and_the_system_prompt(chatml):
     f = PromptFormatter(chatml, PromptConfig(system_prompt="be brief."))
     out = f([{"role": "user", "content": "what is one plus two?"}])
-    assert f.chat and out.text == ("<|im_start|>system\nbe brief.<|im_end|>\n<|im_start|>user\nwhat is one plus two?<|im_end|>\n"
-                                   "<|im_start|>assistant\n")
+    assert f.chat and out.text == (
+        "<|im_start|>system\nbe brief.<|im_end|>\n<|im_start|>user\nwhat is one plus two?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     assert out.token_ids == chatml(out.text, add_special_tokens=False)["input_ids"]  # the template writes the specials
     assert out.messages[0] == {"role": "system", "content": "be brief."}
     own = f([{"role": "system", "content": "no"}, {"role": "user", "content": "hi"}])
@@ -49,13 +59,20 @@ def test_a_chat_prompt_takes_the_template_with_the_generation_prompt_and_the_sys
     assert f.response_ids("three")[-1] == chatml.convert_tokens_to_ids("<|im_end|>")
 
 
-@pytest.mark.parametrize("tokenizer, config", [("char", PromptConfig(template="Q:{prompt}A:")), ("chatml", PromptConfig(system_prompt="be brief."))])
+@pytest.mark.parametrize(
+    "tokenizer, config",
+    [("char", PromptConfig(template="Q:{prompt}A:")), ("chatml", PromptConfig(system_prompt="be brief."))],
+)
 def test_prompts_tokenized_in_one_call_equal_one_by_one(request, tokenizer, config):
     from tasks.data.datasets import formatted_prompts
 
     tok = CHAR if tokenizer == "char" else request.getfixturevalue("chatml")
     f = PromptFormatter(tok, config)
-    prompts = ["1+2=", "", "12+345=", "0 0"] if tokenizer == "char" else ["what is one plus two?", [{"role": "user", "content": "hi"}]]
+    prompts = (
+        ["1+2=", "", "12+345=", "0 0"]
+        if tokenizer == "char"
+        else ["what is one plus two?", [{"role": "user", "content": "hi"}]]
+    )
     rows = pl.DataFrame({"_file": ["f"] * len(prompts), "_row": list(range(len(prompts)))})
     got = formatted_prompts(f, prompts, rows, "data.train_files")
     # The reference: the tokenizer called on each text alone (a chat text holds its specials, a template's gets BOS).
@@ -73,13 +90,22 @@ def test_chat_messages_without_a_chat_template_are_refused(chatml):
 
 
 def verl_rows(n: int, start: int = 0) -> list[dict]:
-    return [{"prompt": f"{i}+{i}=", "reward_model": {"style": "rule", "ground_truth": i + i}, "extra_info": {"index": i},
-             "data_source": "unit"} for i in range(start, start + n)]
+    return [
+        {
+            "prompt": f"{i}+{i}=",
+            "reward_model": {"style": "rule", "ground_truth": i + i},
+            "extra_info": {"index": i},
+            "data_source": "unit",
+        }
+        for i in range(start, start + n)
+    ]
 
 
 def test_a_verl_layout_dataset_maps_onto_the_dataset_table(tmp_path):
     pl.DataFrame(verl_rows(30)).write_parquet(tmp_path / "train.parquet")
-    data = DataConfig(train_files=[str(tmp_path / "*.parquet")], answer_key="reward_model.ground_truth", eval_fraction=0.2)
+    data = DataConfig(
+        train_files=[str(tmp_path / "*.parquet")], answer_key="reward_model.ground_truth", eval_fraction=0.2
+    )
     table, stats = build_prompt_dataset(data, PromptConfig(), CHAR, seed=3)
     assert stats["prompts"] == {"train": 24, "eval": 6} and stats["dropped_overlong"] == {"train": 0, "eval": 0}
     train, held = (table.filter(pl.col("split") == s) for s in ("train", "eval"))
@@ -89,7 +115,11 @@ def test_a_verl_layout_dataset_maps_onto_the_dataset_table(tmp_path):
     assert again.equals(table)  # the held-out fraction is seeded
     row = table.filter(pl.col("prompt_id") == "train-000007").row(0, named=True)
     assert row["answer"] == "14" and row["text"] == "7+7=" and row["prompt_token_ids"] == CHAR("7+7=")["input_ids"]
-    assert row["extra"] == {"reward_model": {"style": "rule", "ground_truth": 14}, "extra_info": {"index": 7}, "data_source": "unit"}
+    assert row["extra"] == {
+        "reward_model": {"style": "rule", "ground_truth": 14},
+        "extra_info": {"index": 7},
+        "data_source": "unit",
+    }
 
 
 def test_overlong_prompts_are_dropped_and_counted(tmp_path):
@@ -109,7 +139,9 @@ def test_sft_examples_from_prompt_response_columns_and_from_conversations(tmp_pa
     assert table.row(0, named=True)["response_token_ids"] == [CHAR.convert_tokens_to_ids("2"), CHAR.eos_token_id]
     conv = [{"role": "user", "content": "what is one plus two?"}, {"role": "assistant", "content": "three"}]
     pl.DataFrame({"messages": [conv]}).write_parquet(tmp_path / "conv.parquet")
-    table, _ = build_sft_examples(SFTConfig(files=[str(tmp_path / "conv.parquet")], messages_key="messages"), PromptConfig(), chatml, 64)
+    table, _ = build_sft_examples(
+        SFTConfig(files=[str(tmp_path / "conv.parquet")], messages_key="messages"), PromptConfig(), chatml, 64
+    )
     row = table.row(0, named=True)
     assert row["response"] == "three" and row["text"].endswith("<|im_start|>assistant\n") and "three" not in row["text"]
 
@@ -163,7 +195,9 @@ def test_chat_arithmetic_asks_in_words_as_chat_messages_and_holds_out_distinct_p
 
     assert len(problems(0, 2, "-")) == 6 and all(a >= b for a, _, b, _ in problems(0, 2, "-"))  # no negative results
     task = ChatArithmeticTask(max_operand=4, n_eval=20, sft_demos=30)
-    files = make_files(task.min_operand, task.max_operand, task.operations, None, task.n_eval, task.seed, task.sft_demos)
+    files = make_files(
+        task.min_operand, task.max_operand, task.operations, None, task.n_eval, task.seed, task.sft_demos
+    )
     train, held_out, sft = files["train"], files["eval"], files["sft"]
     expected = (25 + 15 + 25) * len(PHRASINGS["+"])  # + and × over 5 × 5 operands, − with a ≥ b
     assert held_out.height == 20 and train.height + held_out.height == expected
@@ -176,6 +210,9 @@ def test_chat_arithmetic_asks_in_words_as_chat_messages_and_holds_out_distinct_p
         assert int(answer) == {"+": a + b, "-": a - b, "*": a * b}[op], text
     row = sft.row(0, named=True)
     a, sym, b, _, ans = row["response"].split()
-    assert row["prompt"][0]["role"] == "user" and int(ans) == {"+": int(a) + int(b), "-": int(a) - int(b), "×": int(a) * int(b)}[sym]
+    assert (
+        row["prompt"][0]["role"] == "user"
+        and int(ans) == {"+": int(a) + int(b), "-": int(a) - int(b), "×": int(a) * int(b)}[sym]
+    )
     with pytest.raises(ConfigError, match="task.min_operand=5 exceeds task.max_operand=4"):
         build_config({"task": {"name": "chat_arithmetic", "min_operand": 5, "max_operand": 4}})

@@ -66,14 +66,27 @@ def test_a_stale_build_lock_left_by_a_killed_process_does_not_hang_the_trainer(t
 
     from tasks.engines.launch import worker_env
 
-    probe = ("from torch.utils.cpp_extension import _get_build_directory as d; "
-             "print(d('deepspeed_shm_comm', verbose=False))")
-    load = [sys.executable, "-c", "from tasks.engines.workers.data_parallel import load_comm_op; load_comm_op(); print('loaded')"]
-    built = Path(subprocess.run([sys.executable, "-c", probe], env=worker_env(), capture_output=True, text=True, check=True).stdout.strip())
+    probe = (
+        "from torch.utils.cpp_extension import _get_build_directory as d; print(d('deepspeed_shm_comm', verbose=False))"
+    )
+    load = [
+        sys.executable,
+        "-c",
+        "from tasks.engines.workers.data_parallel import load_comm_op; load_comm_op(); print('loaded')",
+    ]
+    built = Path(
+        subprocess.run(
+            [sys.executable, "-c", probe], env=worker_env(), capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
     if not (built / "deepspeed_shm_comm.so").exists():  # a fresh environment: build it where the trainers will reuse it
         subprocess.run(load, env=worker_env(), capture_output=True, text=True, check=True, timeout=600)
     env = worker_env({"TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")})
-    build_dir = Path(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip())
+    build_dir = Path(
+        subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
     shutil.rmtree(build_dir)
     shutil.copytree(built, build_dir)  # modification times kept: ninja finds it up to date
     lock = build_dir / "lock"

@@ -55,9 +55,29 @@ def stop(proc: subprocess.Popen) -> None:
 
 def deployment_run(env, cwd, name: str, cfg, run_id: str, overrides: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "prefect", "--no-prompt", "deployment", "run", name, "--param", f"config={cfg}", "--param",
-         f"run_id={run_id}", "--param", "overrides=" + json.dumps(overrides), "--watch", "--watch-timeout", "600"],
-        env=env, cwd=cwd, capture_output=True, text=True, timeout=700,
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "--no-prompt",
+            "deployment",
+            "run",
+            name,
+            "--param",
+            f"config={cfg}",
+            "--param",
+            f"run_id={run_id}",
+            "--param",
+            "overrides=" + json.dumps(overrides),
+            "--watch",
+            "--watch-timeout",
+            "600",
+        ],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=700,
     )
 
 
@@ -71,7 +91,8 @@ def flow_run_message(api: str, name: str) -> str:
 
 
 def heartbeat_count(api: str) -> int:
-    """How many flow-run heartbeat events the server holds (local commands turn heartbeats off; deployed runs keep them)."""
+    """How many flow-run heartbeat events the server holds (local commands turn heartbeats off; deployed runs keep
+    them)."""
     body = json.dumps({"filter": {"event": {"name": ["prefect.flow-run.heartbeat"]}}, "limit": 50}).encode()
     request = urllib.request.Request(f"{api}/events/filter", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as resp:
@@ -83,35 +104,77 @@ def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
     api = f"http://127.0.0.1:{free_port()}/api"
     # A real server keeps Prefect's defaults (this process may have set the local commands' settings).
     inherited = {k: v for k, v in os.environ.items() if k not in LOCAL_API_ENV}
-    env = {**inherited, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": api, "PYTHONPATH": str(ROOT),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_LOGGING_LEVEL": "WARNING"}
+    env = {
+        **inherited,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_URL": api,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
     host, port = api.removeprefix("http://").removesuffix("/api").split(":")
     started = []
     try:
-        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", port],
-                                  env=env, cwd=tmp_path, stdout=open(tmp_path / "server.log", "wb"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", port],
+            env=env,
+            cwd=tmp_path,
+            stdout=open(tmp_path / "server.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         started.append(server)
         wait_healthy(api, server, 180)
 
-        deployed = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=ROOT, capture_output=True, text=True)
+        deployed = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=ROOT, capture_output=True, text=True
+        )
         assert deployed.returncode == 0, deployed.stderr[-2000:]
         names = yaml.safe_load((ROOT / "infra/prefect.yaml").read_text())["deployments"]
         assert {d["name"] for d in names} >= {"rl", "sft"}
         assert "deployed rlpipe-sft/sft" in deployed.stderr and "deployed rlpipe-rl/rl" in deployed.stderr
 
-        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "rlpipe", "--type", "process"],
-                                  env=env, cwd=ROOT, stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "rlpipe", "--type", "process"],
+            env=env,
+            cwd=ROOT,
+            stdout=open(tmp_path / "worker.log", "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         started.append(worker)
         triggered = subprocess.run(
-            [sys.executable, "-m", "prefect", "--no-prompt", "deployment", "run", "rlpipe-sft/sft",
-             "--param", f"config={cfg}", "--param", "run_id=deployed", "--param", "overrides=" + json.dumps(["sft.steps=6"]),
-             "--watch", "--watch-interval", "2", "--watch-timeout", "600"],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=700,
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "--no-prompt",
+                "deployment",
+                "run",
+                "rlpipe-sft/sft",
+                "--param",
+                f"config={cfg}",
+                "--param",
+                "run_id=deployed",
+                "--param",
+                "overrides=" + json.dumps(["sft.steps=6"]),
+                "--watch",
+                "--watch-interval",
+                "2",
+                "--watch-timeout",
+                "600",
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=700,
         )
         worker_log = (tmp_path / "worker.log").read_text(errors="replace")[-2000:]
-        assert triggered.returncode == 0 and "Completed" in triggered.stdout, f"{triggered.stdout[-2000:]}\n{worker_log}"
+        assert triggered.returncode == 0 and "Completed" in triggered.stdout, (
+            f"{triggered.stdout[-2000:]}\n{worker_log}"
+        )
 
         # RL from that model with the default reward pool (2 spawned workers): the entrypoint's folder is on sys.path in
         # a deployed run, and flows/inspect.py once shadowed the standard library there and killed every reward worker.

@@ -70,16 +70,34 @@ def test_sigkill_inside_each_stage_then_resume(tiny_sft):
         assert metrics["engines"]["deepspeed"] == "0.19.8" and metrics["engines"]["zero_stage"] == 1
         assert read_table(layout, "train_metrics", it)["optimizer_steps"][0] == 2  # ppo_epochs 1 × minibatches 2
     root = str(workspace / "runs")
-    sql = rlpipe("sql", "crashy", "select iteration, avg(reward) from scores group by 1 order by 1", "--root", root, cwd=workspace)
+    sql = rlpipe(
+        "sql",
+        "crashy",
+        "select iteration, avg(reward) from scores group by 1 order by 1",
+        "--root",
+        root,
+        cwd=workspace,
+    )
     rows = [line for line in sql.stdout.splitlines() if line.strip().startswith("│")]
     assert [r.split("│")[1].strip() for r in rows] == ["1", "2"]
     refused = rlpipe("sql", "crashy", "copy scores to 'x.csv'", "--root", root, cwd=workspace, check=False)
     assert refused.returncode == 1 and "read-only" in refused.stderr
     rlpipe("report", "crashy", "--root", root, cwd=workspace)
     html = (layout.run_dir / "report.html").read_text()
-    for plot in ("reward", "accuracy", "kl", "entropy", "clip_fraction", "response_length", "nonzero_advantages",
-                 "repetition", "stage_seconds"):
-        assert (layout.run_dir / "report" / f"{plot}.png").read_bytes()[:4] == b"\x89PNG" and f"report/{plot}.png" in html
+    for plot in (
+        "reward",
+        "accuracy",
+        "kl",
+        "entropy",
+        "clip_fraction",
+        "response_length",
+        "nonzero_advantages",
+        "repetition",
+        "stage_seconds",
+    ):
+        assert (layout.run_dir / "report" / f"{plot}.png").read_bytes()[
+            :4
+        ] == b"\x89PNG" and f"report/{plot}.png" in html
     assert all(name in html for name in ("reward_vs_eval", "length_growth", "repetition"))
 
 
@@ -96,7 +114,9 @@ def test_sft_interrupted_and_resumed_gives_bit_identical_weights(tiny_sft):
     first = RunLayout(workspace / "runs", "sft").sft_checkpoint_dir / "model.safetensors"
     again = layout.sft_checkpoint_dir / "model.safetensors"
     assert hashlib.sha256(again.read_bytes()).hexdigest() == hashlib.sha256(first.read_bytes()).hexdigest()
-    losses = [read_table(RunLayout(workspace / "runs", r), "sft_metrics", 0)["loss"].to_list() for r in ("sft", "sft-again")]
+    losses = [
+        read_table(RunLayout(workspace / "runs", r), "sft_metrics", 0)["loss"].to_list() for r in ("sft", "sft-again")
+    ]
     assert losses[0] == losses[1]
 
 
@@ -109,8 +129,17 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
     layout = RunLayout(workspace / "runs", f"algo-{algo}")
     metrics = [read_table(layout, "train_metrics", it).row(0, named=True) for it in (1, 2)]
     for m in metrics:
-        for key in ("clip_frac_low", "clip_frac_high", "nonzero_advantage_fraction", "zero_std_group_fraction", "kl_ref",
-                    "entropy", "ppo_kl", "response_length_mean", "truncation_rate"):
+        for key in (
+            "clip_frac_low",
+            "clip_frac_high",
+            "nonzero_advantage_fraction",
+            "zero_std_group_fraction",
+            "kl_ref",
+            "entropy",
+            "ppo_kl",
+            "response_length_mean",
+            "truncation_rate",
+        ):
             assert m[key] == m[key], key  # present and not NaN
     # Iteration 1 samples with the weights the engine started on; iteration 2's are synced in place. Both are
     # checked against the trainer's probe logprobs.
@@ -118,7 +147,9 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
     assert all(m["weight_sync_logprob_gap"] < 1e-3 for m in metrics)
     # The resident trainer's first update took the policy engine it built ahead from the starting model (PPO's critic
     # is built at that update), and iteration 2 reused the engines kept since iteration 1 (policy and critic for PPO).
-    assert metrics[0]["trainer_engines_reused"] == 1 and metrics[1]["trainer_engines_reused"] == (2 if algo == "ppo" else 1)
+    assert metrics[0]["trainer_engines_reused"] == 1 and metrics[1]["trainer_engines_reused"] == (
+        2 if algo == "ppo" else 1
+    )
     if algo == "ppo":
         check_resident_updates_equal_one_shot(workspace, layout)
         assert (layout.checkpoint_dir(1) / "critic" / "model.safetensors").exists()
@@ -128,7 +159,9 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
     else:
         stats = [read_table(layout, "prompt_stats", it) for it in (1, 2)]
         assert stats[0]["n"].max() == 1 and stats[1].height >= stats[0].height  # snapshots only grow
-        out = rlpipe("compare-advantages", f"algo-{algo}", "--iteration", "2", "--root", str(workspace / "runs"), cwd=workspace)
+        out = rlpipe(
+            "compare-advantages", f"algo-{algo}", "--iteration", "2", "--root", str(workspace / "runs"), cwd=workspace
+        )
         for name in ("grpo", "drgrpo", "lite_ppo", "rloo", "dcpo"):
             assert name in out.stdout
         check_fork_and_diff(workspace, layout)
@@ -141,14 +174,33 @@ def check_resident_updates_equal_one_shot(workspace, layout: RunLayout):
     from safetensors.torch import load_file
 
     for it in (1, 2):
-        rlpipe("rerun", layout.run_id, "--iteration", str(it), "--stage", "optimize", "--set", "engines.resident_trainer=false",
-               "--fork", f"one-shot-{it}", "--root", str(workspace / "runs"), cwd=workspace)
+        rlpipe(
+            "rerun",
+            layout.run_id,
+            "--iteration",
+            str(it),
+            "--stage",
+            "optimize",
+            "--set",
+            "engines.resident_trainer=false",
+            "--fork",
+            f"one-shot-{it}",
+            "--root",
+            str(workspace / "runs"),
+            cwd=workspace,
+        )
         fork = RunLayout(workspace / "runs", f"one-shot-{it}")
         for sub in ("model.safetensors", "critic/model.safetensors"):
             resident, one_shot = load_file(layout.checkpoint_dir(it) / sub), load_file(fork.checkpoint_dir(it) / sub)
-            assert resident.keys() == one_shot.keys() and all(resident[k].equal(one_shot[k]) for k in resident), (it, sub)
+            assert resident.keys() == one_shot.keys() and all(resident[k].equal(one_shot[k]) for k in resident), (
+                it,
+                sub,
+            )
     for sub in ("model.safetensors", "critic/model.safetensors"):  # iteration 2 did train
-        assert not all(load_file(layout.checkpoint_dir(2) / sub)[k].equal(v) for k, v in load_file(layout.checkpoint_dir(1) / sub).items())
+        assert not all(
+            load_file(layout.checkpoint_dir(2) / sub)[k].equal(v)
+            for k, v in load_file(layout.checkpoint_dir(1) / sub).items()
+        )
 
 
 def check_fork_and_diff(workspace, layout: RunLayout):
@@ -156,15 +208,30 @@ def check_fork_and_diff(workspace, layout: RunLayout):
     origin is untouched, the fork shares the upstream files, and diff shows the changed samples."""
     root = str(workspace / "runs")
     before = {s: layout.manifest_path(s, 1).read_bytes() for s in ("rollouts", "scores", "advantages")}
-    rlpipe("rerun", layout.run_id, "--iteration", "1", "--stage", "advantages", "--set", "advantage.estimator=drgrpo",
-           "--fork", "forked", "--root", root, cwd=workspace)
+    rlpipe(
+        "rerun",
+        layout.run_id,
+        "--iteration",
+        "1",
+        "--stage",
+        "advantages",
+        "--set",
+        "advantage.estimator=drgrpo",
+        "--fork",
+        "forked",
+        "--root",
+        root,
+        cwd=workspace,
+    )
     fork = RunLayout(workspace / "runs", "forked")
     assert {s: layout.manifest_path(s, 1).read_bytes() for s in before} == before
     assert fork.manifest_path("advantages", 1).exists() and not fork.manifest_path("advantages", 2).exists()
     shared = layout.part_path("rollouts", 1, 0).stat()
     assert fork.part_path("rollouts", 1, 0).stat().st_ino == shared.st_ino  # a hard link, not a copy
     assert not (fork.run_dir / "logs" / "vllm.log").exists()  # no engine was started
-    out = rlpipe("diff", layout.run_id, "forked", "--stage", "advantages", "--iteration", "1", "--root", root, cwd=workspace)
+    out = rlpipe(
+        "diff", layout.run_id, "forked", "--stage", "advantages", "--iteration", "1", "--root", root, cwd=workspace
+    )
     assert "advantage_a" in out.stdout and "differing samples" in out.stdout
 
 
@@ -177,28 +244,69 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
     data = write_rankings(workspace)
     root = workspace / "runs"
     common = ["--set", f"preference.data={data}", "--set", "preference.heldout_fraction=0.2"]
-    rlpipe("rm-train", str(cfg), "--run-id", "rm", *common, "--set", "reward_model.steps=20", "--set", "reward_model.batch_size=16",
-           "--set", f"reward_model.out_path={workspace}/models/rm", cwd=workspace)
+    rlpipe(
+        "rm-train",
+        str(cfg),
+        "--run-id",
+        "rm",
+        *common,
+        "--set",
+        "reward_model.steps=20",
+        "--set",
+        "reward_model.batch_size=16",
+        "--set",
+        f"reward_model.out_path={workspace}/models/rm",
+        cwd=workspace,
+    )
     rm = RunLayout(root, "rm")
     summary = json.loads(rm.summary_path.read_text())
     assert "eval_accuracy_start" not in summary  # no policy was evaluated
-    assert 0.0 <= summary["rm_pairwise_accuracy"] <= 1.0 and summary["rm_heldout_pairs"] == 32 * 2  # 2 pairs per ranking
+    assert (
+        0.0 <= summary["rm_pairwise_accuracy"] <= 1.0 and summary["rm_heldout_pairs"] == 32 * 2
+    )  # 2 pairs per ranking
     assert read_table(rm, "rm_metrics", 1).height == 20
     assert read_table(rm, "preference_rankings", 0)["ranks"].to_list()[0] == [1, 2, 2]
     config = json.loads((workspace / "models/rm/config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
 
     # RL scored by that reward model (weight 1) with the rule functions kept at weight 0, in their own columns.
-    rlpipe("run", str(cfg), "--run-id", "rl-rm", "--set", "reward.kind=model", "--set", f"reward.model_path={workspace}/models/rm",
-           "--set", "reward.functions={accuracy: {weight: 0.0}, format: {weight: 0.0}}", "--set", "rl.iterations=1", "--set", "rl.eval_every=1", cwd=workspace)
+    rlpipe(
+        "run",
+        str(cfg),
+        "--run-id",
+        "rl-rm",
+        "--set",
+        "reward.kind=model",
+        "--set",
+        f"reward.model_path={workspace}/models/rm",
+        "--set",
+        "reward.functions={accuracy: {weight: 0.0}, format: {weight: 0.0}}",
+        "--set",
+        "rl.iterations=1",
+        "--set",
+        "rl.eval_every=1",
+        cwd=workspace,
+    )
     scores = read_table(RunLayout(root, "rl-rm"), "scores", 1)
     assert scores["score_model"].null_count() == 0 and scores["score_model"].n_unique() > 1
     assert (scores["reward"] - scores["score_model"]).abs().max() < 1e-12 and "score_accuracy" in scores.columns
     rhos = json.loads(RunLayout(root, "rl-rm").summary_path.read_text())["eval_reward_model_rule_spearman_by_iteration"]
     assert set(rhos) == {"0", "1"} and all(r != r or -1 <= r <= 1 for r in rhos.values())  # NaN if all judged alike
 
-    rlpipe("dpo", str(cfg), "--run-id", "dpo", *common, "--set", "dpo.steps=10", "--set", "dpo.batch_size=16",
-           "--set", f"dpo.out_path={workspace}/models/dpo", cwd=workspace)
+    rlpipe(
+        "dpo",
+        str(cfg),
+        "--run-id",
+        "dpo",
+        *common,
+        "--set",
+        "dpo.steps=10",
+        "--set",
+        "dpo.batch_size=16",
+        "--set",
+        f"dpo.out_path={workspace}/models/dpo",
+        cwd=workspace,
+    )
     dpo = RunLayout(root, "dpo")
     summary = json.loads(dpo.summary_path.read_text())
     assert 0.0 <= summary["dpo_reward_accuracy"] <= 1.0 and summary["dpo_heldout_pairs"] == 64
@@ -235,14 +343,31 @@ def test_two_trainer_ranks_give_the_one_rank_logprobs_and_update(one_iteration):
     and the updated weights agree with one rank's within 1e-5 (the minibatch's normalizers span both ranks)."""
     workspace, base = one_iteration
     root = str(workspace / "runs")
-    rlpipe("rerun", base.run_id, "--iteration", "1", "--stage", "logprobs", "--set", "engines.train_ranks=2", "--fork", "ranks2",
-           "--root", root, cwd=workspace)
+    rlpipe(
+        "rerun",
+        base.run_id,
+        "--iteration",
+        "1",
+        "--stage",
+        "logprobs",
+        "--set",
+        "engines.train_ranks=2",
+        "--fork",
+        "ranks2",
+        "--root",
+        root,
+        cwd=workspace,
+    )
     for stage in ("advantages", "optimize"):  # the stages after logprobs, in the fork (still on 2 ranks)
         rlpipe("rerun", "ranks2", "--iteration", "1", "--stage", stage, "--root", root, cwd=workspace)
     fork = RunLayout(workspace / "runs", "ranks2")
     one, two = read_table(base, "logprobs", 1), read_table(fork, "logprobs", 1)
     assert one.select("prompt_id", "sample_idx").equals(two.select("prompt_id", "sample_idx"))
-    gaps = [abs(x - y) for a, b in zip(one["old_logprobs"].to_list(), two["old_logprobs"].to_list()) for x, y in zip(a, b, strict=True)]
+    gaps = [
+        abs(x - y)
+        for a, b in zip(one["old_logprobs"].to_list(), two["old_logprobs"].to_list())
+        for x, y in zip(a, b, strict=True)
+    ]
     assert gaps and max(gaps) <= 1e-5
     assert (fork.run_dir / "logs" / "trainer-rank1.log").exists()
     gap = max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1))
@@ -259,21 +384,54 @@ def test_zero3_over_two_ranks_resumes_after_one_rank_is_killed(one_iteration):
     agree with one rank's within 1e-5; the optimizer state is saved per rank."""
     workspace, base = one_iteration
     root = str(workspace / "runs")
-    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT), "PREFECT_LOGGING_LEVEL": "WARNING",
-           CRASH_ENV: "optimize:1:rank1"}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "rerun", base.run_id, "--iteration", "1", "--stage", "optimize",
-                           "--set", "engines.train_ranks=2", "--set", "optim.zero_stage=3", "--fork", "zero3", "--root", root,
-                           "--set", "rl.iterations=1"],  # so that `resume` finishes iteration 1 and stops
-                          cwd=workspace, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(workspace / ".prefect"),
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        CRASH_ENV: "optimize:1:rank1",
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "rerun",
+            base.run_id,
+            "--iteration",
+            "1",
+            "--stage",
+            "optimize",
+            "--set",
+            "engines.train_ranks=2",
+            "--set",
+            "optim.zero_stage=3",
+            "--fork",
+            "zero3",
+            "--root",
+            root,
+            "--set",
+            "rl.iterations=1",
+        ],  # so that `resume` finishes iteration 1 and stops
+        cwd=workspace,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1 and "rank 1 of 2" in proc.stderr, proc.stderr[-2000:]
     fork = RunLayout(workspace / "runs", "zero3")
     assert not fork.checkpoint_dir(1).exists()
-    left = subprocess.run(["pgrep", "-f", "tasks.engines.workers.trainer_server"], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(
+        ["pgrep", "-f", "tasks.engines.workers.trainer_server"], capture_output=True, text=True
+    ).stdout.split()
     assert not left, left
     rlpipe("resume", "zero3", "--root", root, cwd=workspace)
     assert max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1)) <= 1e-5
     state = fork.checkpoint_dir(1) / "ds_state" / "state"
-    assert sorted(p.name for p in state.glob("*optim_states.pt")) == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    assert sorted(p.name for p in state.glob("*optim_states.pt")) == [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)
+    ]
     assert json.loads((fork.checkpoint_dir(1) / "trainer_state.json").read_text())["world_size"] == 2
 
 
@@ -282,12 +440,29 @@ def test_two_vllm_engines_give_the_one_engine_rollouts(one_iteration):
     whole prompt list, so the rollouts table is identical to the one-engine table."""
     workspace, base = one_iteration
     root = str(workspace / "runs")
-    rlpipe("rerun", base.run_id, "--iteration", "1", "--stage", "rollouts", "--set", "rollout.engines=2", "--fork", "engines2",
-           "--root", root, cwd=workspace)
+    rlpipe(
+        "rerun",
+        base.run_id,
+        "--iteration",
+        "1",
+        "--stage",
+        "rollouts",
+        "--set",
+        "rollout.engines=2",
+        "--fork",
+        "engines2",
+        "--root",
+        root,
+        cwd=workspace,
+    )
     fork = RunLayout(workspace / "runs", "engines2")
     columns = ["prompt_id", "sample_idx", "token_ids", "text", "sampler_logprobs", "finish_reason", "round"]
     one, two = read_table(base, "rollouts", 1).select(columns), read_table(fork, "rollouts", 1).select(columns)
     assert one.height > 0 and one.equals(two)
     assert (fork.run_dir / "logs" / "vllm-engine1.log").exists()
-    rounds = [v for k, v in json.loads(fork.manifest_path("rollouts", 1).read_text())["extra"].items() if k.startswith("round")]
+    rounds = [
+        v
+        for k, v in json.loads(fork.manifest_path("rollouts", 1).read_text())["extra"].items()
+        if k.startswith("round")
+    ]
     assert all(len(r["engines"]) == 2 and all(e["tokens_per_second"] > 0 for e in r["engines"]) for r in rounds)

@@ -10,8 +10,16 @@ from types import SimpleNamespace
 from schemas.requests import EngineSettings
 from tasks.engines.workers.engine_cache import EngineCache, write_state_id
 
-SETTINGS = EngineSettings(zero_stage=1, lr=1e-4, weight_decay=0.0, grad_clip=1.0, micro_batch_size=64, dtype="float32",
-                          gradient_checkpointing=False, lora=None)
+SETTINGS = EngineSettings(
+    zero_stage=1,
+    lr=1e-4,
+    weight_decay=0.0,
+    grad_clip=1.0,
+    micro_batch_size=64,
+    dtype="float32",
+    gradient_checkpointing=False,
+    lora=None,
+)
 
 
 def checkpoint_with_engine(tmp_path, cache, name="iter=1"):
@@ -42,7 +50,10 @@ def test_any_other_state_is_loaded_from_disk(tmp_path):
     ckpt, _ = checkpoint_with_engine(tmp_path, cache, "iter=2")
     assert cache.take_engine("policy", ckpt, None, SETTINGS) is None  # a fresh optimizer was asked for
     ckpt, _ = checkpoint_with_engine(tmp_path, cache, "iter=3")
-    assert cache.take_engine("policy", ckpt, os.path.join(ckpt, "ds_state"), dataclasses.replace(SETTINGS, lr=2e-4)) is None
+    assert (
+        cache.take_engine("policy", ckpt, os.path.join(ckpt, "ds_state"), dataclasses.replace(SETTINGS, lr=2e-4))
+        is None
+    )
     ckpt, _ = checkpoint_with_engine(tmp_path, cache, "iter=4")
     write_state_id(ckpt)  # the folder was rewritten by another trainer (a rerun, a resumed run)
     assert cache.take_engine("policy", ckpt, os.path.join(ckpt, "ds_state"), SETTINGS) is None
@@ -85,7 +96,9 @@ def test_an_engine_built_ahead_is_reused_only_for_its_unchanged_folder_with_a_fr
 
     built_ahead()
     assert cache.engine_module("policy", str(start)) is None  # logprobs read the starting model as a frozen one
-    assert cache.take_engine("policy", str(start), str(start / "ds_state"), SETTINGS) is None  # optimizer state asked for
+    assert (
+        cache.take_engine("policy", str(start), str(start / "ds_state"), SETTINGS) is None
+    )  # optimizer state asked for
     built_ahead()
     assert cache.take_engine("policy", str(tmp_path / "other"), None, SETTINGS) is None
     built_ahead()

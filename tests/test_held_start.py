@@ -65,7 +65,9 @@ def test_a_warm_up_that_failed_is_reported_after_the_release_with_its_error(tmp_
     server = ResidentProcess("tests.held_server", log)
     server.spawn(None, held=True)
     server.procs[0].wait(60)
-    with pytest.raises(WorkerError, match="held_server server failed to start: RuntimeError: warm-up failed on purpose"):
+    with pytest.raises(
+        WorkerError, match="held_server server failed to start: RuntimeError: warm-up failed on purpose"
+    ):
         server.call(REQUEST, SETTINGS)
     assert "warming up" in log.read_text() and not held_outputs()
 

@@ -14,8 +14,14 @@ PRINT_URL = "import os, flows.cli; print(os.environ['PREFECT_SERVER_DATABASE_CON
 
 def command_database(env: dict) -> str:
     base = {k: v for k, v in os.environ.items() if k not in (DATABASE_URL, DATABASE_OWNER, "PREFECT_API_URL")}
-    out = subprocess.run([sys.executable, "-c", PRINT_URL], env={**base, "PYTHONPATH": str(ROOT), **env}, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", PRINT_URL],
+        env={**base, "PYTHONPATH": str(ROOT), **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip().splitlines()[-1]
 

@@ -17,8 +17,16 @@ RANK, ALPHA, LR = 2, 8.0, 1e-2
 @pytest.fixture
 def tiny_model(tmp_path):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     path = tmp_path / "base"
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -36,7 +44,9 @@ def test_only_the_adapter_trains_and_one_update_equals_the_hand_computed_one(tin
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable} == {"q_proj", "v_proj"}
-    assert all(float(p.detach().abs().sum()) == 0 for n, p in trainable.items() if ".lora_B." in n)  # starts as the base model
+    assert all(
+        float(p.detach().abs().sum()) == 0 for n, p in trainable.items() if ".lora_B." in n
+    )  # starts as the base model
     with torch.no_grad():  # a non-zero B, so that A gets a gradient as well
         for n, p in trainable.items():
             if ".lora_B." in n:
@@ -58,7 +68,10 @@ def test_only_the_adapter_trains_and_one_update_equals_the_hand_computed_one(tin
     loss = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).sum()
     loss.backward()
     handle.remove()
-    x, g = seen["x"].reshape(-1, seen["x"].shape[-1]), seen["y"].grad.reshape(-1, seen["y"].shape[-1])  # (T, in), (T, out)
+    x, g = (
+        seen["x"].reshape(-1, seen["x"].shape[-1]),
+        seen["y"].grad.reshape(-1, seen["y"].shape[-1]),
+    )  # (T, in), (T, out)
     a, b, s = layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach(), ALPHA / RANK
     grad_b = s * g.T @ (x @ a.T)  # (out, r)
     grad_a = s * (g @ b).T @ x  # (r, in)
@@ -74,8 +87,11 @@ def test_only_the_adapter_trains_and_one_update_equals_the_hand_computed_one(tin
 
 def test_the_adapter_init_follows_its_seed_only(tiny_model):
     torch.manual_seed(123)  # whatever ran before
-    first = {n: p.clone() for n, p in load_causal_lm(str(tiny_model), lora=lora(seed=5), trainable=True).named_parameters()
-             if p.requires_grad}
+    first = {
+        n: p.clone()
+        for n, p in load_causal_lm(str(tiny_model), lora=lora(seed=5), trainable=True).named_parameters()
+        if p.requires_grad
+    }
     torch.manual_seed(456)
     again = dict(load_causal_lm(str(tiny_model), lora=lora(seed=5), trainable=True).named_parameters())
     other = dict(load_causal_lm(str(tiny_model), lora=lora(seed=6), trainable=True).named_parameters())
@@ -103,7 +119,9 @@ def test_adapter_off_is_the_base_model_and_the_merge_equals_the_adapter_model(ti
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))).save_pretrained(ckpt)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    ).save_pretrained(ckpt)
     merged = tmp_path / "merged"
     merge_into_folder(str(ckpt), str(merged))
     assert not (merged / "adapter_config.json").exists() and (merged / "model.safetensors").exists()
@@ -113,8 +131,12 @@ def test_adapter_off_is_the_base_model_and_the_merge_equals_the_adapter_model(ti
 
 
 def test_lora_config_errors_are_one_line(tiny_model):
-    for sets, needle in ((["lora.rank=0"], "lora.rank"), (["lora.rank=4", "lora.target_modules=[]"], "target_modules"),
-                         (["lora.rank=1024"], "lora.rank"), (["lora.rank=4", "lora.dropout=1.5"], "lora.dropout")):
+    for sets, needle in (
+        (["lora.rank=0"], "lora.rank"),
+        (["lora.rank=4", "lora.target_modules=[]"], "target_modules"),
+        (["lora.rank=1024"], "lora.rank"),
+        (["lora.rank=4", "lora.dropout=1.5"], "lora.dropout"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             build_config({}, sets)
     assert build_config({}, ["lora.rank=4"]).lora.target_modules == "all-linear"

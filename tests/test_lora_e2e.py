@@ -42,7 +42,9 @@ def test_every_preset_trains_an_adapter_for_two_iterations(tiny_sft, algo):
         assert adapter["rank"] == RANK and adapter["target_modules"] and adapter["adapter_bytes"] > 0
         assert m["trainable_params"] > 0 and 0 < m["adapter_norm"] < float("inf")
         assert m["weight_sync_logprob_gap"] < 1e-3  # vLLM with the adapter against the trainer's probe logprobs
-    assert metrics[0]["weight_sync_seconds"] == 0 and metrics[1]["weight_sync_seconds"] > 0  # iteration 2 loaded an adapter
+    assert (
+        metrics[0]["weight_sync_seconds"] == 0 and metrics[1]["weight_sync_seconds"] > 0
+    )  # iteration 2 loaded an adapter
     assert metrics[1]["adapter_norm"] != metrics[0]["adapter_norm"]
     if algo == "ppo":  # the critic trains every weight
         assert (layout.critic_dir(2) / "model.safetensors").exists()
@@ -51,7 +53,8 @@ def test_every_preset_trains_an_adapter_for_two_iterations(tiny_sft, algo):
 def test_lora_samples_with_its_adapter_and_refers_to_the_adapter_off(tiny_sft):
     """The adapter changes the model (the probe's logprobs move away from the base model's), vLLM samples with it (its
     probe gap is below the tolerance, which the base model's would not be); the reference logprobs are the base model's;
-    only the adapter's weights are trained and saved, and they count what a hand count of the model's linear layers gives."""
+    only the adapter's weights are trained and saved, and they count what a hand count of the model's linear layers
+    gives."""
     from tasks.engines.workers.sync_probe import mean_abs_gap, read_probe, trainer_logprobs
     from tasks.engines.workers.torch_logprobs import load_lm
 
@@ -64,14 +67,20 @@ def test_lora_samples_with_its_adapter_and_refers_to_the_adapter_off(tiny_sft):
     assert m["weight_sync_logprob_gap"] < 1e-3 and m["kl_ref"] > 0
     linear = [mod for name, mod in base.named_modules() if isinstance(mod, torch.nn.Linear) and "lm_head" not in name]
     assert m["trainable_params"] == sum(RANK * (x.in_features + x.out_features) for x in linear)
-    rows = read_table(layout, "logprobs", 2).join(read_table(layout, "rollouts", 2), on=["prompt_id", "sample_idx"]).head(4)
+    rows = (
+        read_table(layout, "logprobs", 2)
+        .join(read_table(layout, "rollouts", 2), on=["prompt_id", "sample_idx"])
+        .head(4)
+    )
     for prompt, response, ref in zip(rows["prompt_token_ids"], rows["token_ids"], rows["ref_logprobs"]):
         ids = list(prompt) + list(response)
-        expected = trainer_logprobs(base, [ids])[0][len(prompt) - 1:]
+        expected = trainer_logprobs(base, [ids])[0][len(prompt) - 1 :]
         assert max(abs(a - b) for a, b in zip(expected, ref, strict=True)) < 1e-4
     state = layout.checkpoint_dir(2) / "ds_state"
     model_bytes = (workspace / "models/sft" / "model.safetensors").stat().st_size
-    assert sum(f.stat().st_size for f in state.rglob("*") if f.is_file()) < model_bytes  # no frozen weights in the state
+    assert (
+        sum(f.stat().st_size for f in state.rglob("*") if f.is_file()) < model_bytes
+    )  # no frozen weights in the state
 
 
 def test_a_killed_lora_run_resumes_to_the_same_adapter(tiny_sft):
@@ -97,7 +106,9 @@ def test_export_writes_the_adapter_or_a_merged_model(tiny_sft):
     rlpipe("export", layout.run_id, str(workspace / "exported-adapter"), "--root", root, cwd=workspace)
     assert (workspace / "exported-adapter" / "adapter_config.json").exists()
     assert not (workspace / "exported-adapter" / "ds_state").exists()
-    out = rlpipe("export", layout.run_id, str(workspace / "merged"), "--merge", "--iteration", "2", "--root", root, cwd=workspace)
+    out = rlpipe(
+        "export", layout.run_id, str(workspace / "merged"), "--merge", "--iteration", "2", "--root", root, cwd=workspace
+    )
     assert "kind=merged" in out.stderr
     merged = workspace / "merged"
     assert not (merged / "adapter_config.json").exists() and (merged / "tokenizer.json").exists()
@@ -112,14 +123,40 @@ def test_sft_and_dpo_train_adapters(tiny_sft):
     """`rlpipe sft` and `rlpipe dpo` with lora.rank: the checkpoints are adapters, the exported models merged folders;
     DPO's first loss is log 2 (its reference is the starting model: the adapter starts at zero)."""
     workspace, cfg = tiny_sft
-    rlpipe("sft", str(cfg), "--run-id", "sft-lora", "--set", f"model.path={workspace}/models/sft-lora", *LORA, cwd=workspace)
+    rlpipe(
+        "sft",
+        str(cfg),
+        "--run-id",
+        "sft-lora",
+        "--set",
+        f"model.path={workspace}/models/sft-lora",
+        *LORA,
+        cwd=workspace,
+    )
     sft = RunLayout(workspace / "runs", "sft-lora")
     assert (sft.sft_checkpoint_dir / "adapter_model.safetensors").exists()
-    assert (workspace / "models/sft-lora/model.safetensors").exists() and not (workspace / "models/sft-lora/adapter_config.json").exists()
+    assert (workspace / "models/sft-lora/model.safetensors").exists() and not (
+        workspace / "models/sft-lora/adapter_config.json"
+    ).exists()
     data = write_rankings(workspace, 64)
-    rlpipe("dpo", str(cfg), "--run-id", "dpo-lora", "--set", f"preference.data={data}", "--set", "preference.heldout_fraction=0.25",
-           "--set", "dpo.steps=4", "--set", "dpo.batch_size=8", "--set", f"dpo.out_path={workspace}/models/dpo-lora", *LORA,
-           cwd=workspace)
+    rlpipe(
+        "dpo",
+        str(cfg),
+        "--run-id",
+        "dpo-lora",
+        "--set",
+        f"preference.data={data}",
+        "--set",
+        "preference.heldout_fraction=0.25",
+        "--set",
+        "dpo.steps=4",
+        "--set",
+        "dpo.batch_size=8",
+        "--set",
+        f"dpo.out_path={workspace}/models/dpo-lora",
+        *LORA,
+        cwd=workspace,
+    )
     dpo = RunLayout(workspace / "runs", "dpo-lora")
     assert (dpo.checkpoint_dir(1) / "adapter_model.safetensors").exists()
     assert (workspace / "models/dpo-lora/model.safetensors").exists()
@@ -129,8 +166,18 @@ def test_sft_and_dpo_train_adapters(tiny_sft):
 
 def test_a_target_module_the_model_lacks_is_one_line(tiny_sft):
     workspace, cfg = tiny_sft
-    proc = rlpipe("run", str(cfg), "--run-id", "lora-bad", "--set", "lora.rank=4", "--set", "lora.target_modules=[qkv_proj]",
-                  cwd=workspace, check=False)
+    proc = rlpipe(
+        "run",
+        str(cfg),
+        "--run-id",
+        "lora-bad",
+        "--set",
+        "lora.rank=4",
+        "--set",
+        "lora.target_modules=[qkv_proj]",
+        cwd=workspace,
+        check=False,
+    )
     assert proc.returncode == 1 and "lora.target_modules" in proc.stderr and "qkv_proj" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -142,8 +189,23 @@ def test_two_trainer_ranks_under_zero3_train_the_same_adapter(tiny_sft):
 
     workspace, cfg = tiny_sft
     layout = lora_run(workspace, cfg, "grpo")
-    rlpipe("rerun", layout.run_id, "--iteration", "1", "--stage", "optimize", "--set", "engines.train_ranks=2",
-           "--set", "optim.zero_stage=3", "--fork", "lora-zero3", "--root", str(workspace / "runs"), cwd=workspace)
+    rlpipe(
+        "rerun",
+        layout.run_id,
+        "--iteration",
+        "1",
+        "--stage",
+        "optimize",
+        "--set",
+        "engines.train_ranks=2",
+        "--set",
+        "optim.zero_stage=3",
+        "--fork",
+        "lora-zero3",
+        "--root",
+        str(workspace / "runs"),
+        cwd=workspace,
+    )
     fork = RunLayout(workspace / "runs", "lora-zero3")
     one, two = (load_file(x.checkpoint_dir(1) / "adapter_model.safetensors") for x in (layout, fork))
     assert one.keys() == two.keys() and max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5

@@ -116,7 +116,9 @@ def test_dcpo_bounds_match_design_at_q_0_9_and_0_01():
     assert low[0].item() == pytest.approx(0.5 + 0.5 * math.sqrt(1 - 0.64 / 0.9), abs=1e-6)
     assert high[0].item() == pytest.approx(0.5 + 0.5 * math.sqrt(1 + 0.8 / 0.9), abs=1e-6)
     # … so the new probability may range over 0.69–1.07 (docs/algorithms.md)
-    assert (0.9 * low[0]).item() == pytest.approx(0.69, abs=0.005) and (0.9 * high[0]).item() == pytest.approx(1.07, abs=0.005)
+    assert (0.9 * low[0]).item() == pytest.approx(0.69, abs=0.005) and (0.9 * high[0]).item() == pytest.approx(
+        1.07, abs=0.005
+    )
     # q = 0.01: 1 − 64 < 0 → low = ½; high = ½ + ½·sqrt(81) = 5 → probability 0.005–0.05
     assert low[1].item() == pytest.approx(0.5) and high[1].item() == pytest.approx(5.0)
     # The cap max(c, 10): q = 1e-4 would give 100.5
@@ -130,8 +132,13 @@ def test_dcpo_objective_uses_per_token_bounds():
     logp = old + torch.log(torch.tensor([1.15, 4.0]))
     loss, low, high = OBJECTIVES["dcpo"](logp, old, torch.ones(2), torch.ones(2), ClipSettings(0.16, 0.2, 3.0))
     assert loss.tolist() == pytest.approx([-1.15, -4.0], abs=1e-5) and not high.any()
-    loss, _, high = OBJECTIVES["dcpo"](old + math.log(1.3), old, torch.ones(2), torch.ones(2), ClipSettings(0.16, 0.2, 3.0))
-    assert loss[0].item() == pytest.approx(-(0.5 + 0.5 * math.sqrt(1 + 0.8 / 0.9)), abs=1e-5) and high.tolist() == [True, False]
+    loss, _, high = OBJECTIVES["dcpo"](
+        old + math.log(1.3), old, torch.ones(2), torch.ones(2), ClipSettings(0.16, 0.2, 3.0)
+    )
+    assert loss[0].item() == pytest.approx(-(0.5 + 0.5 * math.sqrt(1 + 0.8 / 0.9)), abs=1e-5) and high.tolist() == [
+        True,
+        False,
+    ]
 
 
 def test_aggregations_hand_values():
@@ -156,8 +163,14 @@ def test_value_loss_is_clipped_around_the_old_values():
     # V_old = 0, ε_v = 0.2. Token 0: V = 1, R = 1 → plain 0, clipped (0.2 − 1)² = 0.64 → ½·0.64 = 0.32.
     # Token 1: V = 0.1, R = 0.5 → plain 0.16, clipped (0.1 − 0.5)² = 0.16 → 0.08.
     values = torch.tensor([[1.0, 0.1]])
-    loss, clipped = value_loss(values, torch.zeros(1, 2), torch.tensor([[1.0, 0.5]]), torch.ones(1, 2), 0.2,
-                               MinibatchNorm(tokens=2, sequences=1))
+    loss, clipped = value_loss(
+        values,
+        torch.zeros(1, 2),
+        torch.tensor([[1.0, 0.5]]),
+        torch.ones(1, 2),
+        0.2,
+        MinibatchNorm(tokens=2, sequences=1),
+    )
     assert loss.item() == pytest.approx((0.32 + 0.08) / 2) and clipped.item() == 1.0
 
 
@@ -166,8 +179,16 @@ def test_entropy_bonus_lowers_the_loss_by_c_times_entropy():
     mask, ent = torch.ones(1, 2), torch.tensor([[0.5, 1.5]])
     norm = MinibatchNorm(tokens=2, sequences=1)
     plain, _ = policy_loss(logp, logp, logp, torch.zeros(1, 2), mask, norm, PolicyLossSettings(kl_in_loss=False))
-    bonus, _ = policy_loss(logp, logp, logp, torch.zeros(1, 2), mask, norm,
-                           PolicyLossSettings(kl_in_loss=False, entropy_coef=0.1), entropy=ent)
+    bonus, _ = policy_loss(
+        logp,
+        logp,
+        logp,
+        torch.zeros(1, 2),
+        mask,
+        norm,
+        PolicyLossSettings(kl_in_loss=False, entropy_coef=0.1),
+        entropy=ent,
+    )
     assert plain.item() == pytest.approx(0.0) and bonus.item() == pytest.approx(-0.1 * 1.0)
 
 
@@ -187,7 +208,9 @@ class TinyPolicy(torch.nn.Module):
 def _accumulate(model, ids, old, ref, adv, mask, rows_per_micro, settings):
     """Loss and gradient of one minibatch computed in micro-batches, as the trainer does."""
     model.zero_grad()
-    norm = MinibatchNorm(tokens=float(mask.sum()), sequences=float((mask.sum(-1) > 0).sum()), max_len=float(mask.shape[1]))
+    norm = MinibatchNorm(
+        tokens=float(mask.sum()), sequences=float((mask.sum(-1) > 0).sum()), max_len=float(mask.shape[1])
+    )
     total = 0.0
     for i in range(0, mask.shape[0], rows_per_micro):
         s = slice(i, i + rows_per_micro)
@@ -210,7 +233,9 @@ def test_gradient_accumulation_leaves_loss_and_gradient_unchanged(objective, agg
     old, ref, adv = base + 0.1 * torch.randn(b, t), base + 0.2 * torch.randn(b, t), torch.randn(b, t)
     mask = (torch.rand(b, t) > 0.3).float()
     mask[2] = 0.0  # an overlong-filtered sequence
-    settings = PolicyLossSettings(objective=objective, aggregation=aggregation, clip=ClipSettings(0.2, 0.28, 3.0), entropy_coef=0.01)
+    settings = PolicyLossSettings(
+        objective=objective, aggregation=aggregation, clip=ClipSettings(0.2, 0.28, 3.0), entropy_coef=0.01
+    )
     full, full_grad = _accumulate(model, ids, old, ref, adv, mask, b, settings)
     for rows in (1, 2, 4):
         acc, acc_grad = _accumulate(model, ids, old, ref, adv, mask, rows, settings)

@@ -41,10 +41,21 @@ def fake_run(tmp_path, iterations=2, run_id="r") -> tuple[RunLayout, RunConfig]:
 
     table = TableSchema("placeholder", 1, {"iteration": pl.Int32, "x": pl.Float64})
     for spec in graph.RUN_STAGES[:1] + graph.RL_ITERATION:
-        for k in ([0] if spec.scope == "run" else range(1, iterations + 1)):
-            frame = pl.DataFrame({"iteration": [k] * 3, "x": [1.5, -2.0, 0.25]}, schema={"iteration": pl.Int32, "x": pl.Float64})
-            write_stage(layout, spec.name, k, frame, fp=f"{spec.name}{k}", inputs={}, config_hash=cfg.section_hash(*spec.sections),
-                        started=time.time(), table=table)
+        for k in [0] if spec.scope == "run" else range(1, iterations + 1):
+            frame = pl.DataFrame(
+                {"iteration": [k] * 3, "x": [1.5, -2.0, 0.25]}, schema={"iteration": pl.Int32, "x": pl.Float64}
+            )
+            write_stage(
+                layout,
+                spec.name,
+                k,
+                frame,
+                fp=f"{spec.name}{k}",
+                inputs={},
+                config_hash=cfg.section_hash(*spec.sections),
+                started=time.time(),
+                table=table,
+            )
         if spec.name == "train_metrics":
             for k in range(1, iterations + 1):
                 layout.checkpoint_dir(k).mkdir(parents=True)
@@ -54,10 +65,21 @@ def fake_run(tmp_path, iterations=2, run_id="r") -> tuple[RunLayout, RunConfig]:
 
 def test_one_writer_per_run_and_a_dead_writer_leaves_no_lock(tmp_path):
     layout = RunLayout(tmp_path / "runs", "locked")
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; sys.path.insert(0, sys.argv[1]); from storage import RunLayout; from storage.lock import acquire_run_lock;"
-        "acquire_run_lock(RunLayout(sys.argv[2], 'locked'), 'run'); print('held', flush=True); time.sleep(60)"),
-        str(ROOT), str(tmp_path / "runs")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; sys.path.insert(0, sys.argv[1]); from storage import RunLayout; from "
+                "storage.lock import acquire_run_lock;"
+                "acquire_run_lock(RunLayout(sys.argv[2], 'locked'), 'run'); print('held', flush=True); time.sleep(60)"
+            ),
+            str(ROOT),
+            str(tmp_path / "runs"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(RunLocked, match=rf"run 'locked' is being written by `rlpipe run` \(pid {holder.pid} on "):
@@ -78,9 +100,15 @@ def test_a_changed_config_is_refused_unless_reconfigured_and_then_moves_outputs_
     layout, cfg = fake_run(tmp_path)
     config = tiny_config(tmp_path)
     before = layout.manifest_path("train_metrics", 2).read_bytes()
-    with pytest.raises(ConfigError, match=r"exists with another config \(optim.lr differ\), which would recompute its .*logprobs.*train_metrics"):
+    with pytest.raises(
+        ConfigError,
+        match=r"exists with another config \(optim.lr differ\), which would recompute its .*logprobs.*train_metrics",
+    ):
         prepare_run(str(config), ["optim.lr=0.5"], "r")
-    assert layout.manifest_path("train_metrics", 2).read_bytes() == before and "lr: 0.5" not in layout.config_path.read_text()
+    assert (
+        layout.manifest_path("train_metrics", 2).read_bytes() == before
+        and "lr: 0.5" not in layout.config_path.read_text()
+    )
     prepare_run(str(config), ["rl.iterations=5"], "r")  # more iterations recompute nothing: allowed
     prepare_run(str(config), ["optim.lr=0.5"], "r", reconfigure=True)
     record = json.loads(layout.superseded_log.read_text())[-1]
@@ -105,25 +133,39 @@ def test_show_and_sql_refuse_a_damaged_part_with_one_line_naming_it(tmp_path):
     for args in (("sql", "r", "select sum(x) from scores"), ("show", "r"), ("diff", "r", "r", "--stage", "scores")):
         code, lines = cli(*args, "--root", root)
         assert code == 1 and len(lines) == 1, (args, lines)
-        assert f"{part} is damaged (its sha256 differs from its manifest's)" in lines[0] and "rlpipe resume r" in lines[0]
+        assert (
+            f"{part} is damaged (its sha256 differs from its manifest's)" in lines[0] and "rlpipe resume r" in lines[0]
+        )
     part.write_bytes(bytes(data[:-20]))  # truncated
     code, lines = cli("sql", "r", "select 1", "--root", root)
     assert code == 1 and f"{part} is damaged ({len(data) - 20} bytes, its manifest says {len(data)})" in lines[0]
 
 
-@pytest.mark.parametrize("query", [
-    "select * from read_csv('/etc/passwd')", "select * from read_text('/etc/hostname')", "select * from read_blob('/etc/hostname')",
-    "select * from glob('/etc/*')", "select * from read_parquet('https://example.com/x.parquet')",
-    "select * from read_parquet('{runs}/r/config.yaml')",
-])
+@pytest.mark.parametrize(
+    "query",
+    [
+        "select * from read_csv('/etc/passwd')",
+        "select * from read_text('/etc/hostname')",
+        "select * from read_blob('/etc/hostname')",
+        "select * from glob('/etc/*')",
+        "select * from read_parquet('https://example.com/x.parquet')",
+        "select * from read_parquet('{runs}/r/config.yaml')",
+    ],
+)
 def test_sql_reads_the_runs_tables_and_nothing_else(tmp_path, query):
     fake_run(tmp_path)
     code, lines = cli("sql", "r", query.format(runs=tmp_path / "runs"), "--root", str(tmp_path / "runs"))
     assert code == 1 and len(lines) == 1 and "file system operations are disabled by configuration" in lines[0], lines
 
 
-@pytest.mark.parametrize("query, needle", [("INSTALL httpfs", "read-only"), ("SET enable_external_access = true", "read-only"),
-                                           ("select 1; LOAD httpfs", "read-only")])
+@pytest.mark.parametrize(
+    "query, needle",
+    [
+        ("INSTALL httpfs", "read-only"),
+        ("SET enable_external_access = true", "read-only"),
+        ("select 1; LOAD httpfs", "read-only"),
+    ],
+)
 def test_sql_refuses_settings_and_extensions(tmp_path, query, needle):
     fake_run(tmp_path)
     code, lines = cli("sql", "r", query, "--root", str(tmp_path / "runs"))
@@ -143,18 +185,28 @@ def test_stray_folders_are_ignored_with_a_warning(tmp_path):
         code, lines = cli(*args, "--root", root)
         assert code == 0, lines
         warnings = [ln for ln in lines if ln.startswith("warning: ignoring")]
-        assert len(warnings) == 3 and any("iter=00001.bak" in w for w in warnings) and any("my backup" in w for w in warnings)
+        assert (
+            len(warnings) == 3
+            and any("iter=00001.bak" in w for w in warnings)
+            and any("my backup" in w for w in warnings)
+        )
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("optim.lr=.inf", "optim.lr: Input should be a finite number"),
-    ("reward.functions.accuracy.weight=.nan", "Input should be a finite number"),
-    ("rl.iterations=1000000000000", "rl.iterations: Input should be less than or equal to 1000000"),
-    ("rl.iterations=1.0e+12", "rl.iterations: Input should be less than or equal to 1000000"),
-    ("rl.iterations=1e12", "rl.iterations: Input should be a valid integer"),  # YAML reads 1e12 as text
-    ("rollout.prompts_per_round=1000000000", "rollout.prompts_per_round: Input should be less than or equal to 1000000"),
-    ("rollout.max_tokens=1000000000", "rollout.max_tokens: Input should be less than or equal to 1048576"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("optim.lr=.inf", "optim.lr: Input should be a finite number"),
+        ("reward.functions.accuracy.weight=.nan", "Input should be a finite number"),
+        ("rl.iterations=1000000000000", "rl.iterations: Input should be less than or equal to 1000000"),
+        ("rl.iterations=1.0e+12", "rl.iterations: Input should be less than or equal to 1000000"),
+        ("rl.iterations=1e12", "rl.iterations: Input should be a valid integer"),  # YAML reads 1e12 as text
+        (
+            "rollout.prompts_per_round=1000000000",
+            "rollout.prompts_per_round: Input should be less than or equal to 1000000",
+        ),
+        ("rollout.max_tokens=1000000000", "rollout.max_tokens: Input should be less than or equal to 1048576"),
+    ],
+)
 def test_bounds_are_one_line(tmp_path, override, needle):
     code, lines = cli("run", str(tiny_config(tmp_path)), "--set", override)
     assert code == 1 and len(lines) == 1 and needle in lines[0], lines
@@ -175,7 +227,10 @@ def tiny_disk(tmp_path):
     """A 1 MiB filesystem (a tmpfs, mounted as root) to fill."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs root (this machine's CI runs as root)")
     yield disk
     subprocess.run(["umount", str(disk)], check=True)
@@ -189,8 +244,17 @@ def test_a_full_disk_names_the_path_and_leaves_nothing_half_written(tiny_disk):
     from schemas.tables import TableSchema
 
     with pytest.raises(DiskFullError, match=f"no space left on device writing {layout.part_path('scores', 1, 0)}"):
-        write_stage(layout, "scores", 1, big, fp="f", inputs={}, config_hash="", started=0.0,
-                    table=TableSchema("t", 1, {"x": pl.Float64}))
+        write_stage(
+            layout,
+            "scores",
+            1,
+            big,
+            fp="f",
+            inputs={},
+            config_hash="",
+            started=0.0,
+            table=TableSchema("t", 1, {"x": pl.Float64}),
+        )
     checkpoint, tmp = tiny_disk / "checkpoints/iter=00001", tiny_disk / "checkpoints/iter=00001.tmp"
     with pytest.raises(DiskFullError, match=f"no space left on device writing {checkpoint}"):
         with written(checkpoint, tmp):  # what a trainer's failed save looks like from the stage
@@ -207,15 +271,32 @@ def test_show_fits_80_columns(tmp_path):
     from tasks.analysis.show import show_run
 
     layout, _ = fake_run(tmp_path, iterations=30)
-    pl.DataFrame([{"iteration": k, "policy_version": k, "optimizer_steps": 8, "loss": 0.1, "reward_mean": 0.4, "score_accuracy_mean": 0.3,
-                   "kl_ref": 0.2, "entropy": 0.4, "clip_frac_high": 0.01, "response_length_mean": 3.1, "seconds_optimize": 1.5}
-                  for k in range(1, 31)]).with_columns(pl.col("iteration", "policy_version", "optimizer_steps").cast(pl.Int32))
+    pl.DataFrame(
+        [
+            {
+                "iteration": k,
+                "policy_version": k,
+                "optimizer_steps": 8,
+                "loss": 0.1,
+                "reward_mean": 0.4,
+                "score_accuracy_mean": 0.3,
+                "kl_ref": 0.2,
+                "entropy": 0.4,
+                "clip_frac_high": 0.01,
+                "response_length_mean": 3.1,
+                "seconds_optimize": 1.5,
+            }
+            for k in range(1, 31)
+        ]
+    ).with_columns(pl.col("iteration", "policy_version", "optimizer_steps").cast(pl.Int32))
     console = Console(width=80, record=True, file=open(os.devnull, "w"))
     import tasks.analysis.show as show
 
     printed = []
     original = show.Console
-    show.Console = lambda **kw: Console(**{**kw, "width": 80, "record": True, "file": open(os.devnull, "w")}) if kw else Console(width=80)
+    show.Console = lambda **kw: (
+        Console(**{**kw, "width": 80, "record": True, "file": open(os.devnull, "w")}) if kw else Console(width=80)
+    )
     try:
         real_print = Console.print
         Console.print = lambda self, *a, **k: (printed.append(self), real_print(self, *a, **k))[1]
@@ -230,10 +311,26 @@ def test_show_fits_80_columns(tmp_path):
 def test_the_time_plot_stacks_only_disjoint_stage_times():
     from tasks.analysis.report import SUB_TIMERS, stage_columns
 
-    columns = ["seconds_prompts", "seconds_rollouts", "seconds_generate", "weight_sync_seconds", "seconds_logprobs",
-               "seconds_logprobs_forward", "seconds_advantages", "seconds_optimize", "seconds_forward_backward", "seconds_eval"]
-    assert stage_columns(columns) == ["seconds_prompts", "seconds_rollouts", "seconds_logprobs", "seconds_advantages",
-                                      "seconds_optimize", "seconds_eval"]
+    columns = [
+        "seconds_prompts",
+        "seconds_rollouts",
+        "seconds_generate",
+        "weight_sync_seconds",
+        "seconds_logprobs",
+        "seconds_logprobs_forward",
+        "seconds_advantages",
+        "seconds_optimize",
+        "seconds_forward_backward",
+        "seconds_eval",
+    ]
+    assert stage_columns(columns) == [
+        "seconds_prompts",
+        "seconds_rollouts",
+        "seconds_logprobs",
+        "seconds_advantages",
+        "seconds_optimize",
+        "seconds_eval",
+    ]
     assert set(columns) - set(stage_columns(columns)) == set(SUB_TIMERS)
 
 
@@ -248,6 +345,13 @@ def test_progress_lines_say_steps_rate_and_time_left(tmp_path, capsys):
     assert line.startswith("progress: sft step 20/100 (20%), 2.00 steps/s, 40s left, loss 0.5"), line
     log = tmp_path / "worker.log"
     log.write_text("")
-    writer = subprocess.Popen([sys.executable, "-c", f"import time\nfor i in range(3):\n    open({str(log)!r}, 'a').write(f'noise\\nprogress: step {{i}}\\n'); time.sleep(0.3)"])
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import time\nfor i in range(3):\n    open({str(log)!r}, 'a').write(f'noise\\nprogress: step "
+            f"{{i}}\\n'); time.sleep(0.3)",
+        ]
+    )
     follow_progress(log, [writer], poll=0.1)
     assert capsys.readouterr().err.splitlines() == ["progress: step 0", "progress: step 1", "progress: step 2"]

@@ -1,6 +1,7 @@
 """No process outlives its `rlpipe run`: after a SIGKILL of the command alone (not its process group), and after a
 SIGTERM, no process it started survives (vLLM's server, with its EngineCore and workers where it runs them as processes,
-the trainer, reward workers, Prefect's temporary API server) and no socket is left; SIGTERM exits promptly with one line."""
+the trainer, reward workers, Prefect's temporary API server) and no socket is left; SIGTERM exits promptly with one
+line."""
 
 import glob
 import os
@@ -22,16 +23,32 @@ pytestmark = pytest.mark.e2e
 def workspace(tmp_path_factory):
     """The recipe's untrained model is enough: the run is stopped while it generates."""
     workspace = tmp_path_factory.mktemp("orphans")
-    cfg = tiny_config(workspace, model={"path": str(workspace / "models/base")}, rollout={"max_tokens": 40, "prompts_per_round": 64},
-                      task={"max_operand": 40})
+    cfg = tiny_config(
+        workspace,
+        model={"path": str(workspace / "models/base")},
+        rollout={"max_tokens": 40, "prompts_per_round": 64},
+        task={"max_operand": 40},
+    )
     rlpipe("init-model", "--config", str(cfg), cwd=workspace)
     return workspace, cfg
 
 
 def start_run(workspace, cfg, run_id: str) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_HOME": str(workspace / ".prefect"), "PYTHONPATH": str(ROOT), "PREFECT_LOGGING_LEVEL": "WARNING"}
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(cfg), "--run-id", run_id], cwd=workspace, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(workspace / ".prefect"),
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", str(cfg), "--run-id", run_id],
+        cwd=workspace,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def engines_running(proc: subprocess.Popen, timeout: float = 300) -> list[psutil.Process]:

@@ -32,9 +32,12 @@ def test_kwise_element_is_the_mean_of_its_pairs_and_ties_give_no_pair():
 
 
 def test_padding_is_ignored():
-    full = kwise_bradley_terry(torch.tensor([[1.0, 0.0, 0.5]]), torch.tensor([[1, 3, 2]]), torch.ones(1, 3, dtype=torch.bool))
-    padded = kwise_bradley_terry(torch.tensor([[1.0, 0.0, 0.5, 9.0]]), torch.tensor([[1, 3, 2, 1]]),
-                                 torch.tensor([[True, True, True, False]]))
+    full = kwise_bradley_terry(
+        torch.tensor([[1.0, 0.0, 0.5]]), torch.tensor([[1, 3, 2]]), torch.ones(1, 3, dtype=torch.bool)
+    )
+    padded = kwise_bradley_terry(
+        torch.tensor([[1.0, 0.0, 0.5, 9.0]]), torch.tensor([[1, 3, 2, 1]]), torch.tensor([[True, True, True, False]])
+    )
     assert padded.item() == pytest.approx(full.item())
 
 
@@ -66,7 +69,9 @@ def test_kwise_gradient_differs_from_separate_pairs_only_by_the_weighting():
 
 
 def test_pairwise_accuracy_counts_ordered_pairs():
-    correct, n = pairwise_accuracy(torch.tensor([[0.1, 0.9, 0.5]]), torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.bool))
+    correct, n = pairwise_accuracy(
+        torch.tensor([[0.1, 0.9, 0.5]]), torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.bool)
+    )
     assert (correct, n) == (1.0, 3)  # only (1 over 3): 0.9 > 0.5 is right; 0.1 < 0.9 and 0.1 < 0.5 are wrong
 
 

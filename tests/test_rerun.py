@@ -49,7 +49,9 @@ def test_supersede_moves_aside_and_records(tmp_path):
     record = supersede(layout, "scores", 3, ["reward.weights.format=0.5"])
     assert not layout.manifest_path("scores", 3).exists() and layout.manifest_path("rollouts", 3).exists()
     kept = layout.run_dir / record["kept_in"]
-    assert (kept / "scores/iter=00003/_manifest.json").exists() and (kept / "checkpoints/iter=00003/model.safetensors").exists()
+    assert (kept / "scores/iter=00003/_manifest.json").exists() and (
+        kept / "checkpoints/iter=00003/model.safetensors"
+    ).exists()
     log = json.loads((layout.run_dir / "superseded.json").read_text())
     assert log[0]["stage"] == "scores" and "scores/iter=00003" in log[0]["moved"]
     from tasks.analysis.show import superseded_stages
@@ -70,10 +72,22 @@ def test_fork_hard_links_only_what_stays_valid(tmp_path):
 
 def test_diff_frames_reports_changed_and_missing_samples():
     keys = ["prompt_id", "sample_idx"]
-    a = pl.DataFrame({"prompt_id": ["p", "p", "q"], "sample_idx": [0, 1, 0], "advantage": [1.0, -1.0, 0.0],
-                      "tokens": [[1.0], [2.0], [3.0]]})
-    b = pl.DataFrame({"prompt_id": ["p", "p", "r"], "sample_idx": [0, 1, 0], "advantage": [1.0, -0.5, 0.0],
-                      "tokens": [[1.0], [2.5], [3.0]]})
+    a = pl.DataFrame(
+        {
+            "prompt_id": ["p", "p", "q"],
+            "sample_idx": [0, 1, 0],
+            "advantage": [1.0, -1.0, 0.0],
+            "tokens": [[1.0], [2.0], [3.0]],
+        }
+    )
+    b = pl.DataFrame(
+        {
+            "prompt_id": ["p", "p", "r"],
+            "sample_idx": [0, 1, 0],
+            "advantage": [1.0, -0.5, 0.0],
+            "tokens": [[1.0], [2.5], [3.0]],
+        }
+    )
     rows, counts = diff_frames(a, b, keys)
     assert counts == {"only_in_a": 1, "only_in_b": 1, "advantage": 1, "tokens": 1}
     assert rows.select("sample_idx", "advantage_a", "advantage_b").rows() == [(1, -1.0, -0.5)]

@@ -29,8 +29,10 @@ def test_repetition_rate_by_hand():
 def test_repetition_rate_matches_a_loop():
     rng = random.Random(0)
     rows = [(rng.randint(1, 4), [rng.randint(0, 3) for _ in range(rng.randint(0, 12))]) for _ in range(300)]
-    df = pl.DataFrame({"iteration": [r[0] for r in rows], "token_ids": [r[1] for r in rows]},
-                      schema={"iteration": pl.Int32, "token_ids": pl.List(pl.Int32)})
+    df = pl.DataFrame(
+        {"iteration": [r[0] for r in rows], "token_ids": [r[1] for r in rows]},
+        schema={"iteration": pl.Int32, "token_ids": pl.List(pl.Int32)},
+    )
     got = dict(repetition_rate(df).iter_rows())
     want = repetition_loop(rows)
     assert got.keys() == want.keys()

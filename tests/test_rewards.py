@@ -24,8 +24,15 @@ FIXTURES = "tests.reward_fixtures"
 def rollouts(texts, reasons=None, prompt="p0", lengths=None):
     n = len(texts)
     return pl.DataFrame(
-        {"iteration": [1] * n, "round": [0] * n, "prompt_id": [prompt] * n, "sample_idx": list(range(n)),
-         "text": texts, "finish_reason": reasons or ["stop"] * n, "length": lengths or [3] * n},
+        {
+            "iteration": [1] * n,
+            "round": [0] * n,
+            "prompt_id": [prompt] * n,
+            "sample_idx": list(range(n)),
+            "text": texts,
+            "finish_reason": reasons or ["stop"] * n,
+            "length": lengths or [3] * n,
+        },
         schema_overrides={"iteration": pl.Int32, "round": pl.Int32, "sample_idx": pl.Int32, "length": pl.Int32},
     )
 
@@ -44,11 +51,19 @@ def test_accuracy_extracts_answers_and_compares_text_and_math():
     acc = BUILTIN_REWARDS.get("accuracy")
     assert acc(response="95", ground_truth="95") == 1.0 and acc(response="96", ground_truth="95") == 0.0
     assert acc(response="95.0", ground_truth="95") == 1.0  # math-verify equivalence
-    assert acc(response="so the total is 2+3=5\n#### 5", ground_truth="Tom has 2, buys 3.\n#### 5") == 1.0  # GSM8K on both sides
+    assert (
+        acc(response="so the total is 2+3=5\n#### 5", ground_truth="Tom has 2, buys 3.\n#### 5") == 1.0
+    )  # GSM8K on both sides
     assert acc(response="We get \\boxed{\\frac{1}{2}}.", ground_truth="0.5") == 1.0  # MATH's \boxed{}
-    assert acc(response="Paris.", ground_truth="paris") == 1.0 and acc(response="Lyon", ground_truth="Paris") == 0.0  # text answers
+    assert (
+        acc(response="Paris.", ground_truth="paris") == 1.0 and acc(response="Lyon", ground_truth="Paris") == 0.0
+    )  # text answers
     assert acc(response="7", ground_truth=None) == 0.0
-    assert final_answer("a \\boxed{x^{2}} b") == "x^{2}" and final_answer("#### 12 ") == "12" and final_answer(" 7 ") == "7"
+    assert (
+        final_answer("a \\boxed{x^{2}} b") == "x^{2}"
+        and final_answer("#### 12 ") == "12"
+        and final_answer(" 7 ") == "7"
+    )
 
 
 def test_format_takes_its_pattern_and_needs_a_stop():
@@ -68,7 +83,9 @@ def test_soft_overlong_punishment_hand_values():
 
 
 def test_score_frame_weights_and_columns():
-    df = score_frame(rollouts(["12", "13", "x"]), prompts("12"), reward({"accuracy": {"weight": 1.0}, "format": {"weight": 0.1}}), 8)
+    df = score_frame(
+        rollouts(["12", "13", "x"]), prompts("12"), reward({"accuracy": {"weight": 1.0}, "format": {"weight": 0.1}}), 8
+    )
     assert df["score_accuracy"].to_list() == [1.0, 0.0, 0.0]
     assert df["score_format"].to_list() == [1.0, 1.0, 0.0]
     assert df["reward"].to_list() == pytest.approx([1.1, 0.1, 0.0])
@@ -91,8 +108,11 @@ def test_a_function_gets_the_prompt_the_ground_truth_with_its_type_and_every_dat
 
 
 def test_a_raising_or_non_numeric_function_scores_zero_with_an_error():
-    spec = {"accuracy": {"weight": 1.0}, "boom": {"module": FIXTURES, "function": "raises"},
-            "text": {"module": FIXTURES, "function": "returns_text", "weight": 0.0}}
+    spec = {
+        "accuracy": {"weight": 1.0},
+        "boom": {"module": FIXTURES, "function": "raises"},
+        "text": {"module": FIXTURES, "function": "returns_text", "weight": 0.0},
+    }
     df = score_frame(rollouts(["12"]), prompts("12"), reward(spec), 8)
     assert df["reward"].to_list() == [1.0] and "KeyError" in df["error_boom"][0]
     assert df["error_text"][0].startswith("TypeError: returned str 'high', not a number")
@@ -104,9 +124,13 @@ def test_a_nan_reward_is_refused():
 
 
 def test_batched_functions_take_lists_and_must_return_one_score_per_sample():
-    spec = {"n": {"module": FIXTURES, "function": "lengths_batched", "batched": True},
-            "short": {"module": FIXTURES, "function": "wrong_count", "batched": True, "weight": 0.0}}
-    df = score_frame(rollouts(["a", "bb", "ccc"], lengths=[1, 2, 3]), prompts(), reward(spec, workers=2, timeout_s=5), 8)
+    spec = {
+        "n": {"module": FIXTURES, "function": "lengths_batched", "batched": True},
+        "short": {"module": FIXTURES, "function": "wrong_count", "batched": True, "weight": 0.0},
+    }
+    df = score_frame(
+        rollouts(["a", "bb", "ccc"], lengths=[1, 2, 3]), prompts(), reward(spec, workers=2, timeout_s=5), 8
+    )
     assert df["score_n"].to_list() == [1.0, 2.0, 3.0]
     assert all(e.startswith("ValueError: returned") and e.endswith("samples") for e in df["error_short"])
 
@@ -126,7 +150,8 @@ def test_reward_workers_start_early_and_do_not_run_the_parent_main_module(tmp_pa
     """The command's main module (the CLI and Prefect) runs once, in the command, not again in each spawned worker;
     workers started ahead by start_workers are the ones that score."""
     marker, script = tmp_path / "ran", tmp_path / "command.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, sys
         with open({str(marker)!r}, "a") as f:
             f.write(str(os.getpid()) + "\\n")
@@ -139,11 +164,19 @@ def test_reward_workers_start_early_and_do_not_run_the_parent_main_module(tmp_pa
             got = pool.score_samples(specs, [{{"response": "abc"}}] * 8, 5.0, 2)
             assert got["echo_length"] == [(3.0, None)] * 8, got
             assert len(started) == 2 and set(pool._POOL._processes) == started, (started, pool._POOL._processes)
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert len(marker.read_text().split()) == 1, f"the main module ran in {marker.read_text().split()}"  # the command only
+    assert len(marker.read_text().split()) == 1, (
+        f"the main module ran in {marker.read_text().split()}"
+    )  # the command only
 
 
 def test_score_frame_in_the_pool_matches_inline_scoring():
@@ -170,12 +203,30 @@ def test_a_function_from_a_file_is_loaded_and_its_source_is_fingerprinted(tmp_pa
     "source, spec, columns, needle",
     [
         (None, {"path": "{tmp}/missing.py", "function": "score"}, set(), "file not found: {tmp}/missing.py"),
-        ("def other(**_):\n    return 1\n", {"path": "{tmp}/r.py", "function": "score"}, set(), "has no function 'score' (it defines: other)"),
-        ("import nowhere_to_be_found\n", {"path": "{tmp}/r.py", "function": "score"}, set(),
-         "importing {tmp}/r.py failed: ModuleNotFoundError: No module named 'nowhere_to_be_found' (r.py, line 1)"),
-        ("def score(:\n", {"path": "{tmp}/r.py", "function": "score"}, set(), "importing {tmp}/r.py failed: SyntaxError"),
-        (None, {"module": FIXTURES, "function": "needs_unknown"}, {"difficulty"},
-         "rlpipe cannot fill parameter 'confidence'; it may take prompt, messages"),
+        (
+            "def other(**_):\n    return 1\n",
+            {"path": "{tmp}/r.py", "function": "score"},
+            set(),
+            "has no function 'score' (it defines: other)",
+        ),
+        (
+            "import nowhere_to_be_found\n",
+            {"path": "{tmp}/r.py", "function": "score"},
+            set(),
+            "importing {tmp}/r.py failed: ModuleNotFoundError: No module named 'nowhere_to_be_found' (r.py, line 1)",
+        ),
+        (
+            "def score(:\n",
+            {"path": "{tmp}/r.py", "function": "score"},
+            set(),
+            "importing {tmp}/r.py failed: SyntaxError",
+        ),
+        (
+            None,
+            {"module": FIXTURES, "function": "needs_unknown"},
+            {"difficulty"},
+            "rlpipe cannot fill parameter 'confidence'; it may take prompt, messages",
+        ),
         (None, {"module": FIXTURES, "function": "echo_length", "kwargs": {"nope": 1}}, set(), None),
         (None, {"module": FIXTURES, "function": "counting", "kwargs": {"nope": 1}}, set(), "takes no argument 'nope'"),
         (None, {"module": "no_such_module_xyz", "function": "f"}, set(), "importing module no_such_module_xyz failed"),
@@ -192,7 +243,11 @@ def test_a_broken_reference_fails_at_preflight_with_one_line(tmp_path, source, s
     with pytest.raises(RewardLoadError) as err:
         preflight(cfg, columns)
     message = str(err.value)
-    assert needle.replace("{tmp}", str(tmp_path)) in message and "\n" not in message and message.startswith("reward function 'mine'")
+    assert (
+        needle.replace("{tmp}", str(tmp_path)) in message
+        and "\n" not in message
+        and message.startswith("reward function 'mine'")
+    )
 
 
 @pytest.mark.parametrize(
@@ -232,7 +287,8 @@ import re
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """verl's signature, unchanged."""
     found = re.findall(r"-?\\d+", solution_str)
-    return float(bool(found) and found[-1] == ground_truth) + (0.5 if data_source is None and extra_info is None else 0.0)
+    bonus = 0.5 if data_source is None and extra_info is None else 0.0
+    return float(bool(found) and found[-1] == ground_truth) + bonus
 
 def trl_accuracy(completions, ground_truth, **kwargs):
     """TRL's batched signature, unchanged: conversational completions are lists of messages."""
@@ -241,8 +297,8 @@ def trl_accuracy(completions, ground_truth, **kwargs):
     return [float(t.strip() == g) for t, g in zip(texts, ground_truth)]
 
 def trl_sees(prompts, completions, completion_ids, **kwargs):
-    return [float(p[-1]["role"] == "user" and c == [{"role": "assistant", "content": c[0]["content"]}] and ids == [5, 6])
-            for p, c, ids in zip(prompts, completions, completion_ids)]
+    return [float(p[-1]["role"] == "user" and c == [{"role": "assistant", "content": c[0]["content"]}]
+                  and ids == [5, 6]) for p, c, ids in zip(prompts, completions, completion_ids)]
 '''
 
 
@@ -250,10 +306,18 @@ def trl_sees(prompts, completions, completion_ids, **kwargs):
 def test_verl_and_trl_reward_functions_run_unchanged_from_a_file(tmp_path, workers):
     path = tmp_path / "their_rewards.py"
     path.write_text(VERL_AND_TRL_REWARDS)
-    cfg = reward({"verl": {"path": str(path), "function": "compute_score"}, "trl": {"path": str(path), "function": "trl_accuracy"},
-                  "sees": {"path": str(path), "function": "trl_sees", "weight": 0.0}}, workers=workers)
+    cfg = reward(
+        {
+            "verl": {"path": str(path), "function": "compute_score"},
+            "trl": {"path": str(path), "function": "trl_accuracy"},
+            "sees": {"path": str(path), "function": "trl_sees", "weight": 0.0},
+        },
+        workers=workers,
+    )
     preflight(cfg, set())  # neither "cannot fill parameter 'solution_str'" nor "... 'completions'"
-    frame = rollouts(["the sum is 12", "12", "13"]).with_columns(pl.Series("token_ids", [[5, 6]] * 3, dtype=pl.List(pl.Int32)))
+    frame = rollouts(["the sum is 12", "12", "13"]).with_columns(
+        pl.Series("token_ids", [[5, 6]] * 3, dtype=pl.List(pl.Int32))
+    )
     chat = prompts("12").with_columns(pl.Series("messages", [[{"role": "user", "content": "6+6?"}]]))
     df = score_frame(frame, chat, cfg, 8)
     assert df["score_verl"].to_list() == [1.5, 1.5, 0.5]  # no data_source / extra_info columns: both None

@@ -21,16 +21,31 @@ def prompts_frame(answer, prompt_id="p0", text="6+6="):
 def rollouts(texts, reasons=None, prompt="p0"):
     n = len(texts)
     return pl.DataFrame(
-        {"iteration": [1] * n, "round": [0] * n, "prompt_id": [prompt] * n, "sample_idx": list(range(n)),
-         "text": texts, "finish_reason": reasons or ["stop"] * n},
+        {
+            "iteration": [1] * n,
+            "round": [0] * n,
+            "prompt_id": [prompt] * n,
+            "sample_idx": list(range(n)),
+            "text": texts,
+            "finish_reason": reasons or ["stop"] * n,
+        },
         schema_overrides={"iteration": pl.Int32, "round": pl.Int32, "sample_idx": pl.Int32},
     )
 
 
 def scores(groups):
     rows = [(1, r, p, i, x) for p, (r, xs) in groups.items() for i, x in enumerate(xs)]
-    return pl.DataFrame(rows, schema={"iteration": pl.Int32, "round": pl.Int32, "prompt_id": pl.Utf8,
-                                      "sample_idx": pl.Int32, "reward": pl.Float64}, orient="row")
+    return pl.DataFrame(
+        rows,
+        schema={
+            "iteration": pl.Int32,
+            "round": pl.Int32,
+            "prompt_id": pl.Utf8,
+            "sample_idx": pl.Int32,
+            "reward": pl.Float64,
+        },
+        orient="row",
+    )
 
 
 def test_select_groups_drops_zero_variance_and_caps_at_target():
@@ -60,10 +75,14 @@ def test_prompt_rounds_do_not_repeat_within_an_iteration_and_are_deterministic()
 
 def test_sampler_gap_is_mean_absolute_token_difference():
     lst = pl.List(pl.Float32)
-    roll = pl.DataFrame({"prompt_id": ["a", "b"], "sample_idx": [0, 0], "sampler_logprobs": [[-1.0, -2.0], [-0.5]]},
-                        schema_overrides={"sampler_logprobs": lst})
-    lp = pl.DataFrame({"prompt_id": ["a", "b"], "sample_idx": [0, 0], "old_logprobs": [[-1.5, -2.0], [-0.25]]},
-                      schema_overrides={"old_logprobs": lst})
+    roll = pl.DataFrame(
+        {"prompt_id": ["a", "b"], "sample_idx": [0, 0], "sampler_logprobs": [[-1.0, -2.0], [-0.5]]},
+        schema_overrides={"sampler_logprobs": lst},
+    )
+    lp = pl.DataFrame(
+        {"prompt_id": ["a", "b"], "sample_idx": [0, 0], "old_logprobs": [[-1.5, -2.0], [-0.25]]},
+        schema_overrides={"old_logprobs": lst},
+    )
     assert sampler_gap(roll, lp) == pytest.approx((0.5 + 0.0 + 0.25) / 3)
 
 
@@ -117,8 +136,15 @@ def test_reward_model_rule_spearman_is_recorded_when_both_columns_exist():
 
     rollouts = pl.DataFrame({"length": [2, 2, 2, 2], "truncated": [False] * 4})
     batch = pl.DataFrame({"reward_std": [0.5], "rounds_used": [1], "kept": [True]})
-    scores = pl.DataFrame({"reward": [0.1, 0.9, 0.4, 0.2], "error": [None] * 4, "score_accuracy": [0.0, 1.0, 1.0, 0.0],
-                           "score_model": [0.1, 0.9, 0.4, 0.2]}, schema_overrides={"error": pl.Utf8})
+    scores = pl.DataFrame(
+        {
+            "reward": [0.1, 0.9, 0.4, 0.2],
+            "error": [None] * 4,
+            "score_accuracy": [0.0, 1.0, 1.0, 0.0],
+            "score_model": [0.1, 0.9, 0.4, 0.2],
+        },
+        schema_overrides={"error": pl.Utf8},
+    )
     # Ranks of the model's scores 1, 4, 3, 2 against the rule's ties 1.5, 3.5, 3.5, 1.5: ρ = 0.894 (by hand:
     # Pearson of the two rank vectors, 4/√20).
     assert rollout_metrics(rollouts, scores, batch)["reward_model_rule_spearman"] == pytest.approx(4 / 20**0.5)

@@ -13,16 +13,32 @@ def prompts_frame(iteration, round_=0, n=3):
     from schemas.tables import PROMPTS
 
     return pl.DataFrame(
-        {"iteration": [iteration] * n, "round": [round_] * n, "prompt_id": [f"p{round_}-{i}" for i in range(n)],
-         "text": ["1+1="] * n, "prompt_token_ids": [[1, 5, 14, 5, 15]] * n,
-         "messages": [[{"role": "user", "content": "1+1="}]] * n, "answer": ["2"] * n},
+        {
+            "iteration": [iteration] * n,
+            "round": [round_] * n,
+            "prompt_id": [f"p{round_}-{i}" for i in range(n)],
+            "text": ["1+1="] * n,
+            "prompt_token_ids": [[1, 5, 14, 5, 15]] * n,
+            "messages": [[{"role": "user", "content": "1+1="}]] * n,
+            "answer": ["2"] * n,
+        },
         schema=PROMPTS.polars,
     )
 
 
 def write(layout, it, fp="fp1", part=0, df=None):
-    return write_stage(layout, "prompts", it, df if df is not None else prompts_frame(it, part), fp=fp,
-                       inputs={"x": "y"}, config_hash="c", started=0.0, part=part, engines={"vllm": "0.32.0"})
+    return write_stage(
+        layout,
+        "prompts",
+        it,
+        df if df is not None else prompts_frame(it, part),
+        fp=fp,
+        inputs={"x": "y"},
+        config_hash="c",
+        started=0.0,
+        part=part,
+        engines={"vllm": "0.32.0"},
+    )
 
 
 def test_manifest_records_parts_and_skip_by_fingerprint(tmp_path):

@@ -21,8 +21,16 @@ from tasks.engines.workers.token_batch import (
 
 def tiny_model(tied: bool = True):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=tied,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -51,7 +59,9 @@ def test_shared_prefix_logprobs_and_entropies_equal_the_padded_layouts(row_token
         got_lp, got_ent = response_logprobs(model, batch)
     assert batch.input_ids.shape[0] == rows  # a row per distinct prompt, or every group in one row
     assert batch.input_ids.numel() < ids.numel()
-    assert batch.counts(True)["tokens"] == sum(len(p) for p in set(map(tuple, prompts))) + sum(rlen)  # no padding counted
+    assert batch.counts(True)["tokens"] == sum(len(p) for p in set(map(tuple, prompts))) + sum(
+        rlen
+    )  # no padding counted
     for want, got in ((unalign(lp, plen, rlen), got_lp), (unalign(ent, plen, rlen), got_ent)):
         assert torch.allclose(align_responses(want, got.shape[1]), got, atol=1e-5)
     assert torch.equal(batch.mask, align_responses([[1.0] * n for n in rlen], batch.shape[1]))
@@ -61,7 +71,9 @@ def test_shared_prefix_logprobs_and_entropies_equal_the_padded_layouts(row_token
 def test_shared_prefix_gradients_equal_the_padded_layouts(row_tokens):
     prompts, responses = groups(1)
     plen, rlen = [len(p) for p in prompts], [len(r) for r in responses]
-    weights = [[0.1 * (j + 1) * (-1) ** i for j in range(n)] for i, n in enumerate(rlen)]  # a different weight per token
+    weights = [
+        [0.1 * (j + 1) * (-1) ** i for j in range(n)] for i, n in enumerate(rlen)
+    ]  # a different weight per token
     grads = []
     for shared in (False, True):
         model = tiny_model(tied=False)
@@ -87,7 +99,9 @@ def test_a_model_without_logits_to_keep_gets_every_position():
             self.inner = inner
 
         def forward(self, input_ids, attention_mask, position_ids, use_cache):
-            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+            return self.inner(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
+            )
 
     model, (prompts, responses) = tiny_model(), groups(2)
     batch = pack_shared(prompts, responses, 0)

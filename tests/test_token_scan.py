@@ -34,8 +34,10 @@ def test_gae_flat_hand_values_and_whitening():
 
 
 def test_gae_gives_an_empty_response_empty_lists_and_zero_advantage():
-    df = pl.DataFrame({"prompt_id": ["p", "p", "p"], "sample_idx": [0, 1, 2], "reward": [1.0, 0.0, 1.0],
-                       "length": [2, 0, 0]}, schema_overrides={"sample_idx": pl.Int32, "length": pl.Int32})
+    df = pl.DataFrame(
+        {"prompt_id": ["p", "p", "p"], "sample_idx": [0, 1, 2], "reward": [1.0, 0.0, 1.0], "length": [2, 0, 0]},
+        schema_overrides={"sample_idx": pl.Int32, "length": pl.Int32},
+    )
     df = df.with_columns(pl.Series("values", [[0.5, 0.25], [], None], dtype=F32))
     out = compute_advantages(df, "gae", AdvantageSettings(gamma=1.0, lam=0.5))
     assert out["returns"].to_list() == [pytest.approx([0.625, 1.0]), [], []]
@@ -45,7 +47,9 @@ def test_gae_gives_an_empty_response_empty_lists_and_zero_advantage():
 
 def test_gae_rejects_kl_lists_that_do_not_match_the_values():
     df = pl.DataFrame({"prompt_id": ["p"], "sample_idx": [0], "reward": [1.0], "length": [2]}).with_columns(
-        pl.Series("values", [[0.5, 0.25]], dtype=F32), pl.Series("old_logprobs", [[-1.0]], dtype=F32),
-        pl.Series("ref_logprobs", [[-1.0, -1.0]], dtype=F32))
+        pl.Series("values", [[0.5, 0.25]], dtype=F32),
+        pl.Series("old_logprobs", [[-1.0]], dtype=F32),
+        pl.Series("ref_logprobs", [[-1.0, -1.0]], dtype=F32),
+    )
     with pytest.raises(ValueError, match="old_logprobs and values have different lengths"):
         compute_advantages(df, "gae", AdvantageSettings(kl_beta=0.1))

@@ -1,4 +1,5 @@
-"""Experiment tracking end to end: a 2-iteration run with `tracking: [tensorboard, mlflow]`, read back with TensorBoard's
+"""Experiment tracking end to end: a 2-iteration run with `tracking: [tensorboard, mlflow]`, read back with
+TensorBoard's
 event reader and MLflow's client; killed in iteration 2 and resumed, the same MLflow run with no step twice."""
 
 import json
@@ -14,9 +15,17 @@ TRACKING = ["--set", "tracking=[tensorboard, mlflow]"]
 
 
 def test_scalars_and_params_are_what_a_chart_and_a_param_table_take():
-    assert scalars({"a": 1, "b": 2.5, "c": float("nan"), "d": "x", "e": [1.0], "f": True, "g": None}) == {"a": 1.0, "b": 2.5}
+    assert scalars({"a": 1, "b": 2.5, "c": float("nan"), "d": "x", "e": [1.0], "f": True, "g": None}) == {
+        "a": 1.0,
+        "b": 2.5,
+    }
     assert flat_params({"optim": {"lr": 0.1, "zero_stage": 1}, "tracking": ["mlflow"], "task": None, "seed": 3}) == {
-        "optim.lr": "0.1", "optim.zero_stage": "1", "tracking": '["mlflow"]', "task": "null", "seed": "3"}
+        "optim.lr": "0.1",
+        "optim.zero_stage": "1",
+        "tracking": '["mlflow"]',
+        "task": "null",
+        "seed": "3",
+    }
 
 
 def tensorboard_steps(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -34,7 +43,9 @@ def test_a_tracked_run_is_read_back_and_a_resumed_one_has_no_duplicate_steps(tin
     workspace, cfg = tiny_sft
     run_until_killed(workspace, cfg, "tracked", "optimize:2", "run", *TRACKING)
     layout = RunLayout(workspace / "runs", "tracked")
-    assert json.loads((layout.run_dir / "tracking.json").read_text())["train"] == 1  # iteration 1 logged before the kill
+    assert (
+        json.loads((layout.run_dir / "tracking.json").read_text())["train"] == 1
+    )  # iteration 1 logged before the kill
     rlpipe("run", str(cfg), "--run-id", "tracked", *TRACKING, cwd=workspace)
     state = json.loads((layout.run_dir / "tracking.json").read_text())
     rows = {it: read_table(layout, "train_metrics", it).row(0, named=True) for it in (1, 2)}
@@ -55,4 +66,7 @@ def test_a_tracked_run_is_read_back_and_a_resumed_one_has_no_duplicate_steps(tin
         assert all(math.isclose(m.value, rows[m.step][column], rel_tol=1e-6) for m in history)
     evals = client.get_metric_history(state["mlflow_run_id"], "eval/accuracy")
     summary = json.loads(layout.summary_path.read_text())
-    assert sorted((m.step, m.value) for m in evals) == [(0, summary["eval_accuracy_start"]), (2, summary["eval_accuracy_final"])]
+    assert sorted((m.step, m.value) for m in evals) == [
+        (0, summary["eval_accuracy_start"]),
+        (2, summary["eval_accuracy_final"]),
+    ]

@@ -27,7 +27,9 @@ def models(tmp_path_factory):
 
 
 def write(path, rows):
-    pl.DataFrame(rows).write_parquet(path) if str(path).endswith(".parquet") else path.write_text("\n".join(json.dumps(r) for r in rows))
+    pl.DataFrame(rows).write_parquet(path) if str(path).endswith(".parquet") else path.write_text(
+        "\n".join(json.dumps(r) for r in rows)
+    )
     return path
 
 
@@ -56,8 +58,10 @@ def case_files(tmp):
     pl.DataFrame(schema={"prompt": pl.Utf8, "answer": pl.Utf8}).write_parquet(files["empty"])
     files["junk"].write_bytes(b"not parquet")
     files["reward_syntax"].write_text("def score(response:\n")
-    files["reward_ok"].write_text("def score(response, ground_truth, **_):\n    return float(response == ground_truth)\n"
-                                  "def needs(response, confidence):\n    return 1.0\n")
+    files["reward_ok"].write_text(
+        "def score(response, ground_truth, **_):\n    return float(response == ground_truth)\n"
+        "def needs(response, confidence):\n    return 1.0\n"
+    )
     (tmp / "mine").mkdir()
     (tmp / "mine" / "train.parquet").write_bytes(files["good"].read_bytes())
     return files
@@ -69,32 +73,91 @@ CASES = [
     ("glob matches nothing", ["data.train_files={tmp}/*.csv"], "data.train_files: no file matches"),
     ("unreadable file", ["data.train_files={junk}"], "cannot read {junk} (Parquet or JSONL expected)"),
     ("empty file", ["data.train_files={empty}"], "data.train_files: {empty} is empty"),
-    ("missing prompt column", ["data.train_files={no_prompt}"], "no column 'prompt' in {no_prompt} (columns: question, answer)"),
+    (
+        "missing prompt column",
+        ["data.train_files={no_prompt}"],
+        "no column 'prompt' in {no_prompt} (columns: question, answer)",
+    ),
     ("null prompt", ["data.train_files={null_prompt}"], "{null_prompt} row 1: empty or null 'prompt'"),
-    ("prompt of the wrong type", ["data.train_files={int_prompt}"], "column 'prompt' has type Int64; expected a string or a list of chat messages"),
-    ("unknown chat role", ["data.train_files={bad_role}"], "{bad_role} row 0: 'prompt' has a role other than system, user, assistant, tool"),
+    (
+        "prompt of the wrong type",
+        ["data.train_files={int_prompt}"],
+        "column 'prompt' has type Int64; expected a string or a list of chat messages",
+    ),
+    (
+        "unknown chat role",
+        ["data.train_files={bad_role}"],
+        "{bad_role} row 0: 'prompt' has a role other than system, user, assistant, tool",
+    ),
     ("repeated ids", ["data.train_files={dup_ids}", "data.id_key=id"], "{dup_ids} row 1: null or repeated id in 'id'"),
-    ("nested answer field missing", ["data.train_files={nested}", "data.answer_key=reward_model.ground_truth"],
-     "reward_model in {nested} has no field 'ground_truth' (fields: style)"),
-    ("column shadows an argument", ["data.train_files={shadow}"], "column 'response' would shadow the reward functions' argument"),
-    ("chat messages, no chat template", ["data.train_files={chat}"], "{chat} row 0: a prompt given as chat messages needs a chat template"),
-    ("chat template forced", ["prompt.chat_template=always"], "prompt.chat_template=always but the tokenizer has no chat template"),
-    ("template placeholder", ["prompt.template='Q: {question}'"], "prompt.template: Value error, template 'Q: {question}' must contain {prompt}"),
-    ("overlong prompt refused", ["data.train_files={long}", "data.max_prompt_tokens=16", "data.overlong_prompts=error"],
-     "{long} row 0: the prompt has 83 tokens, over data.max_prompt_tokens=16"),
-    ("every prompt overlong", ["data.train_files={long}", "data.max_prompt_tokens=16"], "every prompt is longer than data.max_prompt_tokens=16"),
-    ("reward file missing", ["reward.functions={r: {path: {tmp}/none.py}}", "eval.judge=reward"], "reward function 'r': file not found: {tmp}/none.py"),
-    ("reward function missing", ["reward.functions={r: {path: {reward_ok}, function: scor}}", "eval.judge=reward"],
-     "reward function 'r': {reward_ok} has no function 'scor' (it defines: needs, score)"),
-    ("reward file does not import", ["reward.functions={r: {path: {reward_syntax}, function: score}}", "eval.judge=reward"],
-     "reward function 'r': importing {reward_syntax} failed: SyntaxError"),
-    ("reward signature", ["reward.functions={r: {path: {reward_ok}, function: needs}}", "eval.judge=reward"],
-     "rlpipe cannot fill parameter 'confidence'"),
-    ("unknown built-in reward", ["reward.functions={acurracy: {weight: 1}}", "eval.judge=reward"], "'acurracy' is not a built-in reward function"),
+    (
+        "nested answer field missing",
+        ["data.train_files={nested}", "data.answer_key=reward_model.ground_truth"],
+        "reward_model in {nested} has no field 'ground_truth' (fields: style)",
+    ),
+    (
+        "column shadows an argument",
+        ["data.train_files={shadow}"],
+        "column 'response' would shadow the reward functions' argument",
+    ),
+    (
+        "chat messages, no chat template",
+        ["data.train_files={chat}"],
+        "{chat} row 0: a prompt given as chat messages needs a chat template",
+    ),
+    (
+        "chat template forced",
+        ["prompt.chat_template=always"],
+        "prompt.chat_template=always but the tokenizer has no chat template",
+    ),
+    (
+        "template placeholder",
+        ["prompt.template='Q: {question}'"],
+        "prompt.template: Value error, template 'Q: {question}' must contain {prompt}",
+    ),
+    (
+        "overlong prompt refused",
+        ["data.train_files={long}", "data.max_prompt_tokens=16", "data.overlong_prompts=error"],
+        "{long} row 0: the prompt has 83 tokens, over data.max_prompt_tokens=16",
+    ),
+    (
+        "every prompt overlong",
+        ["data.train_files={long}", "data.max_prompt_tokens=16"],
+        "every prompt is longer than data.max_prompt_tokens=16",
+    ),
+    (
+        "reward file missing",
+        ["reward.functions={r: {path: {tmp}/none.py}}", "eval.judge=reward"],
+        "reward function 'r': file not found: {tmp}/none.py",
+    ),
+    (
+        "reward function missing",
+        ["reward.functions={r: {path: {reward_ok}, function: scor}}", "eval.judge=reward"],
+        "reward function 'r': {reward_ok} has no function 'scor' (it defines: needs, score)",
+    ),
+    (
+        "reward file does not import",
+        ["reward.functions={r: {path: {reward_syntax}, function: score}}", "eval.judge=reward"],
+        "reward function 'r': importing {reward_syntax} failed: SyntaxError",
+    ),
+    (
+        "reward signature",
+        ["reward.functions={r: {path: {reward_ok}, function: needs}}", "eval.judge=reward"],
+        "rlpipe cannot fill parameter 'confidence'",
+    ),
+    (
+        "unknown built-in reward",
+        ["reward.functions={acurracy: {weight: 1}}", "eval.judge=reward"],
+        "'acurracy' is not a built-in reward function",
+    ),
     ("judge not scored", ["eval.judge=correct"], "eval.judge 'correct' is not scored by this run"),
     ("model folder missing", ["model.path={tmp}/no-model"], "does not exist or has no config.json"),
     ("model folder without a tokenizer", ["model.path={bare}"], "model folder {bare} has no usable tokenizer"),
-    ("task writing into your data", ["task.out_dir={tmp}/mine"], "task.out_dir {tmp}/mine holds files rlpipe did not write"),
+    (
+        "task writing into your data",
+        ["task.out_dir={tmp}/mine"],
+        "task.out_dir {tmp}/mine holds files rlpipe did not write",
+    ),
 ]
 
 
@@ -110,8 +173,11 @@ def test_bad_input_is_one_line_before_any_engine(tmp_path, models, overrides, ne
             text = text.replace("{" + key + "}", value)
         return text
 
-    cfg = tiny_config(tmp_path, model={"path": str(models["char"])},
-                      data={"train_files": str(files["good"]), "eval_files": [], "id_key": None})
+    cfg = tiny_config(
+        tmp_path,
+        model={"path": str(models["char"])},
+        data={"train_files": str(files["good"]), "eval_files": [], "id_key": None},
+    )
     args = ["run", str(cfg), "--run-id", "bad"]
     for item in overrides:
         args += ["--set", fill(item)]
@@ -121,14 +187,20 @@ def test_bad_input_is_one_line_before_any_engine(tmp_path, models, overrides, ne
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert fill(needle) in " ".join(lines), result.output
     assert not list((tmp_path / "runs").glob("*/logs/*.log"))  # no engine was started
-    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"*-{os.getpid()}-*.out"))  # the held engine processes ended (resident.py)
+    assert not glob.glob(
+        os.path.join(tempfile.gettempdir(), f"*-{os.getpid()}-*.out")
+    )  # the held engine processes ended (resident.py)
 
 
 def test_sft_conversations_must_end_with_the_assistant(tmp_path, models):
     from flows.cli import app
 
     files = case_files(tmp_path)
-    cfg = tiny_config(tmp_path, model={"base_path": str(models["char"])}, sft={"files": str(files["sft_conv"]), "messages_key": "messages"})
+    cfg = tiny_config(
+        tmp_path,
+        model={"base_path": str(models["char"])},
+        sft={"files": str(files["sft_conv"]), "messages_key": "messages"},
+    )
     result = CliRunner().invoke(app, ["sft", str(cfg), "--run-id", "bad-sft"])
     assert result.exit_code == 1 and "a conversation must end with an assistant message" in result.output
 

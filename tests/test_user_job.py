@@ -19,8 +19,22 @@ pytestmark = pytest.mark.e2e
 
 EXAMPLE = "examples/word_problems"
 # Sizes for a test on two cores; everything else is the example's own config.
-SMALL = ["--set", "sft.steps=30", "--set", "rollout.prompts_per_round=16", "--set", "rollout.group_size=4",
-         "--set", "batch.target_groups=8", "--set", "eval.max_prompts=32", "--set", "rl.iterations=2", "--set", "rl.eval_every=2"]
+SMALL = [
+    "--set",
+    "sft.steps=30",
+    "--set",
+    "rollout.prompts_per_round=16",
+    "--set",
+    "rollout.group_size=4",
+    "--set",
+    "batch.target_groups=8",
+    "--set",
+    "eval.max_prompts=32",
+    "--set",
+    "rl.iterations=2",
+    "--set",
+    "rl.eval_every=2",
+]
 
 
 def read(layout: RunLayout, stage: str, iteration: int) -> pl.DataFrame:
@@ -30,7 +44,9 @@ def read(layout: RunLayout, stage: str, iteration: int) -> pl.DataFrame:
 def test_the_example_job_runs_from_its_own_files(tmp_path):
     shutil.copytree(ROOT / EXAMPLE, tmp_path / EXAMPLE, ignore=shutil.ignore_patterns("data"))
     config = f"{EXAMPLE}/config.yaml"
-    subprocess.run([sys.executable, f"{EXAMPLE}/make_data.py", "--train", "600", "--eval", "64"], cwd=tmp_path, check=True)
+    subprocess.run(
+        [sys.executable, f"{EXAMPLE}/make_data.py", "--train", "600", "--eval", "64"], cwd=tmp_path, check=True
+    )
     rlpipe("init-model", "--config", config, cwd=tmp_path)
     base = json.loads((tmp_path / "models/word-problems-base/config.json").read_text())
     assert base["architectures"] == ["Qwen2ForCausalLM"] and base["tie_word_embeddings"] is True
@@ -50,12 +66,23 @@ def test_the_example_job_runs_from_its_own_files(tmp_path):
     scores = read(run, "scores", 1)
     for name in ("correct", "shows_work", "not_repetitive", "accuracy"):  # the user's file, per sample and batched
         assert scores[f"score_{name}"].null_count() == 0 and scores[f"error_{name}"].null_count() == scores.height
-    assert (scores["reward"] - scores["score_correct"] - 0.1 * (scores["score_shows_work"] + scores["score_not_repetitive"])).abs().max() < 1e-9
+    assert (
+        scores["reward"] - scores["score_correct"] - 0.1 * (scores["score_shows_work"] + scores["score_not_repetitive"])
+    ).abs().max() < 1e-9
     for it in (1, 2):
         metrics = read(run, "train_metrics", it).row(0, named=True)
-        assert metrics["weight_sync_logprob_gap"] < 1e-3 and metrics["value_loss"] == metrics["value_loss"]  # tied Qwen2 synced; critic trained
+        assert (
+            metrics["weight_sync_logprob_gap"] < 1e-3 and metrics["value_loss"] == metrics["value_loss"]
+        )  # tied Qwen2 synced; critic trained
     assert (run.critic_dir(2) / "value_head.safetensors").exists()
     evals = json.loads(run.manifest_path("eval", 2).read_text())["extra"]
-    assert evals["prompts"] == 32 and {"mean_reward", "sampled_mean_reward", "error_rate_correct", "error_rate_not_repetitive"} <= evals.keys()
+    assert (
+        evals["prompts"] == 32
+        and {"mean_reward", "sampled_mean_reward", "error_rate_correct", "error_rate_not_repetitive"} <= evals.keys()
+    )
     summary = json.loads(run.summary_path.read_text())
-    assert summary["iterations"] == 2 and summary["eval_accuracy_start"] is not None and summary["eval_accuracy_final"] is not None
+    assert (
+        summary["iterations"] == 2
+        and summary["eval_accuracy_start"] is not None
+        and summary["eval_accuracy_final"] is not None
+    )

@@ -48,10 +48,21 @@ def test_probe_logprobs_differ_between_the_checkpoints(tmp_path):
 def test_sync_in_place_matches_the_trainer(tmp_path, tied):
     before, after = _policy_pair(tmp_path, tied)
     prompts = tmp_path / "prompts.parquet"
-    pl.DataFrame({"prompt_id": ["a", "b"], "prompt_token_ids": [[1, 7, 8], [1, 9, 10, 11]]},
-                 schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)}).write_parquet(prompts)
-    job = GenerationJob(str(prompts), str(tmp_path / "out.parquet"), n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0,
-                        stop=(), stop_token_ids=())
+    pl.DataFrame(
+        {"prompt_id": ["a", "b"], "prompt_token_ids": [[1, 7, 8], [1, 9, 10, 11]]},
+        schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
+    ).write_parquet(prompts)
+    job = GenerationJob(
+        str(prompts),
+        str(tmp_path / "out.parquet"),
+        n=2,
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=4,
+        seed=0,
+        stop=(),
+        stop_token_ids=(),
+    )
     engine = ResidentEngine(tmp_path / "vllm.log")
     settings = VLLMSettings(str(before), "float32", 0, kv_cache_gib=1, gpu_memory_utilization=0.5)
     try:

@@ -30,16 +30,27 @@ def problem(rnd: random.Random) -> dict:
         a, b = max(a, b), min(a, b)
         question = f"{name} has {a} {item} and gives away {b}. How many {item} are left?"
         work, answer, op = f"{a} - {b} = {a - b}", a - b, "subtract"
-    return {"question": question, "work": work, "answer": answer, "op": op, "difficulty": "easy" if answer < 20 else "hard"}
+    return {
+        "question": question,
+        "work": work,
+        "answer": answer,
+        "op": op,
+        "difficulty": "easy" if answer < 20 else "hard",
+    }
 
 
 def rows(problems: list[dict], split: str) -> pl.DataFrame:
-    return pl.DataFrame({
-        "data_source": ["word_problems"] * len(problems),
-        "prompt": [[{"role": "user", "content": p["question"]}] for p in problems],
-        "reward_model": [{"style": "rule", "ground_truth": str(p["answer"])} for p in problems],
-        "extra_info": [{"split": split, "index": i, "operation": p["op"], "difficulty": p["difficulty"]} for i, p in enumerate(problems)],
-    })
+    return pl.DataFrame(
+        {
+            "data_source": ["word_problems"] * len(problems),
+            "prompt": [[{"role": "user", "content": p["question"]}] for p in problems],
+            "reward_model": [{"style": "rule", "ground_truth": str(p["answer"])} for p in problems],
+            "extra_info": [
+                {"split": split, "index": i, "operation": p["op"], "difficulty": p["difficulty"]}
+                for i, p in enumerate(problems)
+            ],
+        }
+    )
 
 
 def main() -> None:
@@ -56,13 +67,22 @@ def main() -> None:
         if p["question"] not in seen:
             seen.add(p["question"])
             problems.append(p)
-    train, held_out = problems[args.eval:], problems[: args.eval]
+    train, held_out = problems[args.eval :], problems[: args.eval]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows(train, "train").write_parquet(out / "train.parquet")
     rows(held_out, "eval").write_parquet(out / "eval.parquet")
-    sft = pl.DataFrame({"messages": [[{"role": "user", "content": p["question"]},
-                                      {"role": "assistant", "content": f"{p['work']}\n#### {p['answer']}"}] for p in train]})
+    sft = pl.DataFrame(
+        {
+            "messages": [
+                [
+                    {"role": "user", "content": p["question"]},
+                    {"role": "assistant", "content": f"{p['work']}\n#### {p['answer']}"},
+                ]
+                for p in train
+            ]
+        }
+    )
     sft.write_parquet(out / "sft.parquet")
     print(f"wrote {len(train)} train, {len(held_out)} eval prompts and {sft.height} demonstrations to {out}")
 

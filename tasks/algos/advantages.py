@@ -1,4 +1,5 @@
-"""Advantage estimators as Polars expressions over the stage tables (docs/algorithms.md); GAE's sequential scan runs compiled
+"""Advantage estimators as Polars expressions over the stage tables (docs/algorithms.md); GAE's sequential scan runs
+compiled
 over the token lists' flat buffers (tasks.algos.token_scan). Pure: no I/O.
 
 Input: one row per response with prompt_id, sample_idx, reward (Float64) and length (Int32); estimators
@@ -85,7 +86,9 @@ def group_std() -> pl.Expr:
     return pl.col("_g_std")
 
 
-def _sequence_advantages(df: pl.DataFrame, s: AdvantageSettings, advantage: pl.Expr, whiten_tokens: bool = False) -> pl.DataFrame:
+def _sequence_advantages(
+    df: pl.DataFrame, s: AdvantageSettings, advantage: pl.Expr, whiten_tokens: bool = False
+) -> pl.DataFrame:
     """A per-response advantage from the group statistics, then onto the tokens."""
     out = with_group_stats(df).with_columns(advantage.alias("advantage")).drop(GROUP_STATS)
     return to_tokens(out, s, whiten_tokens=whiten_tokens)
@@ -104,8 +107,11 @@ def explode_tokens(df: pl.DataFrame, lists: list[str], keep: tuple[str, ...] = (
     # Positions from the list lengths, exploded alongside: no window over `_seq` (2× faster at 5·10^6 tokens).
     n = pl.col(lists[0]).list.len()
     return df.select(
-        pl.int_range(pl.len(), dtype=pl.UInt32).alias("_seq"), *keep, *lists,
-        pl.int_ranges(0, n, dtype=pl.Int32).alias("_t"), n.cast(pl.Int32).alias("_T"),
+        pl.int_range(pl.len(), dtype=pl.UInt32).alias("_seq"),
+        *keep,
+        *lists,
+        pl.int_ranges(0, n, dtype=pl.Int32).alias("_t"),
+        n.cast(pl.Int32).alias("_T"),
     ).explode([*lists, "_t"])
 
 
@@ -136,7 +142,9 @@ def to_tokens(df: pl.DataFrame, s: AdvantageSettings, whiten_tokens: bool = Fals
     if s.kl_beta:
         long = explode_tokens(df, ["old_logprobs", "ref_logprobs"], keep=("advantage",))
         penalty = (-s.kl_beta * kl_expr(s.kl_estimator)).alias("_pen")
-        long = long.with_columns(penalty).with_columns((pl.col("advantage") + pl.col("_pen").cum_sum(reverse=True).over("_seq")).alias("_a"))
+        long = long.with_columns(penalty).with_columns(
+            (pl.col("advantage") + pl.col("_pen").cum_sum(reverse=True).over("_seq")).alias("_a")
+        )
     else:
         long = explode_tokens(df.with_columns(pl.col("advantage").repeat_by(pl.col("length")).alias("_a")), ["_a"])
     a = whiten(pl.col("_a"), s.eps) if whiten_tokens else pl.col("_a")
@@ -181,6 +189,7 @@ def reinforce_pp_baseline(df: pl.DataFrame, s: AdvantageSettings, history=None) 
 
 # ---- DCPO: smooth advantage standardization over the prompt's history -------------------------------------
 
+
 def empty_prompt_stats() -> pl.DataFrame:
     return pl.DataFrame(schema=PROMPT_STATS.columns)
 
@@ -188,7 +197,8 @@ def empty_prompt_stats() -> pl.DataFrame:
 def step_stats(df: pl.DataFrame) -> pl.DataFrame:
     """This step's μ_new, σ_new per prompt (σ unbiased; 0 for all-equal or single-sample groups), and its extremes."""
     stats = df.group_by(KEY, maintain_order=True).agg(
-        *_group_aggregations(), pl.col("reward").min().alias("_g_min"), pl.col("reward").max().alias("_g_max"))
+        *_group_aggregations(), pl.col("reward").min().alias("_g_min"), pl.col("reward").max().alias("_g_max")
+    )
     return stats.select(KEY, pl.col("_g_mean").alias("mu_new"), pl.col("_g_std").alias("sigma_new"), "_g_min", "_g_max")
 
 
@@ -202,26 +212,36 @@ def cumulative_stats(step: pl.DataFrame, history: pl.DataFrame) -> pl.DataFrame:
     (r − μ_c)/σ_c would be a ratio of rounding errors (about ±0.5 after a few steps).
     """
     j = step.join(history.select(KEY, "n", "mean", "std", "reward_min", "reward_max"), on=KEY, how="left").with_columns(
-        pl.col("n").fill_null(0))
+        pl.col("n").fill_null(0)
+    )
     n = pl.col("n").cast(pl.Float64)
     first = pl.col("n") == 0
     low = pl.when(first).then(pl.col("_g_min")).otherwise(pl.min_horizontal("reward_min", "_g_min"))
     high = pl.when(first).then(pl.col("_g_max")).otherwise(pl.max_horizontal("reward_max", "_g_max"))
     mu = pl.when(first).then(pl.col("mu_new")).otherwise((n * pl.col("mean") + pl.col("mu_new")) / (n + 1))
-    var = (n * pl.col("std") ** 2 + pl.col("sigma_new") ** 2 + n / (n + 1) * (pl.col("mu_new") - pl.col("mean")) ** 2) / (n + 1)
+    var = (
+        n * pl.col("std") ** 2 + pl.col("sigma_new") ** 2 + n / (n + 1) * (pl.col("mu_new") - pl.col("mean")) ** 2
+    ) / (n + 1)
     sigma = pl.when(first).then(pl.col("sigma_new")).otherwise(var.sqrt())
     constant = low == high
     return j.with_columns(
-        pl.when(constant).then(low).otherwise(mu).alias("mu_c"), pl.when(constant).then(0.0).otherwise(sigma).alias("sigma_c"),
-        low.alias("low"), high.alias("high"),
+        pl.when(constant).then(low).otherwise(mu).alias("mu_c"),
+        pl.when(constant).then(0.0).otherwise(sigma).alias("sigma_c"),
+        low.alias("low"),
+        high.alias("high"),
     ).drop("mean", "std", "reward_min", "reward_max", "_g_min", "_g_max")
 
 
 def update_prompt_stats(history: pl.DataFrame, df: pl.DataFrame, iteration: int) -> pl.DataFrame:
     """The next immutable snapshot: this step's prompts updated, every other prompt carried over."""
     cum = cumulative_stats(step_stats(df), history).select(
-        KEY, (pl.col("n") + 1).cast(pl.Int32).alias("n"), pl.col("mu_c").alias("mean"), pl.col("sigma_c").alias("std"),
-        pl.col("low").alias("reward_min"), pl.col("high").alias("reward_max"), pl.lit(iteration, pl.Int32).alias("last_iteration"),
+        KEY,
+        (pl.col("n") + 1).cast(pl.Int32).alias("n"),
+        pl.col("mu_c").alias("mean"),
+        pl.col("sigma_c").alias("std"),
+        pl.col("low").alias("reward_min"),
+        pl.col("high").alias("reward_max"),
+        pl.lit(iteration, pl.Int32).alias("last_iteration"),
     )
     kept = history.join(cum.select(KEY), on=KEY, how="anti")
     return pl.concat([kept, cum]).sort(KEY)
@@ -267,19 +287,26 @@ def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     nonempty = offsets[1:] > offsets[:-1]
     first = np.zeros(df.height)
     first[nonempty] = advantages[offsets[:-1][nonempty]]
-    return df.with_columns(from_flat("token_advantages", advantages, offsets), from_flat("returns", returns, offsets),
-                           pl.Series("advantage", first))
+    return df.with_columns(
+        from_flat("token_advantages", advantages, offsets),
+        from_flat("returns", returns, offsets),
+        pl.Series("advantage", first),
+    )
 
 
 class AdvantageInputError(UserError, ValueError):
     pass
 
 
-def compute_advantages(df: pl.DataFrame, estimator: str, s: AdvantageSettings, history: pl.DataFrame | None = None) -> pl.DataFrame:
+def compute_advantages(
+    df: pl.DataFrame, estimator: str, s: AdvantageSettings, history: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """The one entry point of every estimator. One rule for non-finite rewards, whatever the estimator: refused,
     naming the prompt (each estimator would spread a NaN differently: a group, a batch, every token)."""
     bad = df.filter(~pl.col("reward").is_finite() | pl.col("reward").is_null()).head(1)
     if bad.height:
-        raise AdvantageInputError(f"advantages: prompt {bad['prompt_id'][0]!r} has a non-finite reward ({bad['reward'][0]}); "
-                                  "rewards must be finite numbers")
+        raise AdvantageInputError(
+            f"advantages: prompt {bad['prompt_id'][0]!r} has a non-finite reward ({bad['reward'][0]}); "
+            "rewards must be finite numbers"
+        )
     return ADVANTAGE_ESTIMATORS.get(estimator)(df, s, history)

@@ -93,7 +93,12 @@ def _first_token(mask):
 
 
 OBJECTIVES: Registry = Registry("policy objective")
-for _name, _fn in (("clip", clip_objective), ("gspo", gspo_objective), ("gspo_token", gspo_token_objective), ("dcpo", dcpo_objective)):
+for _name, _fn in (
+    ("clip", clip_objective),
+    ("gspo", gspo_objective),
+    ("gspo_token", gspo_token_objective),
+    ("dcpo", dcpo_objective),
+):
     OBJECTIVES.register(_name)(_fn)
 
 # ---- Aggregation: normalizers span the optimizer minibatch ----------------------------------------------
@@ -180,7 +185,9 @@ def tis_weights(old_logp, sampler_logp, cap: float):
     return torch.clamp(torch.exp(old_logp - sampler_logp), max=cap).detach()
 
 
-def policy_loss(logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: PolicyLossSettings, entropy=None, token_weights=None):
+def policy_loss(
+    logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: PolicyLossSettings, entropy=None, token_weights=None
+):
     """Objective (× `token_weights`, e.g. TIS, when given) + β·KL (when KL is in the loss) − c_ent·H, aggregated with
     minibatch normalizers.
 

@@ -35,10 +35,10 @@ def spearman(frame: pl.DataFrame, a: str, b: str) -> float:
 
 def sampler_gap(rollouts: pl.DataFrame, logprobs: pl.DataFrame) -> float:
     """Mean |log π_sampler − log π_old| over response tokens: how far vLLM's numbers are from the trainer's."""
-    joined = logprobs.join(rollouts.select("prompt_id", "sample_idx", "sampler_logprobs"), on=["prompt_id", "sample_idx"])
-    diff = joined.select(
-        (pl.col("sampler_logprobs").explode() - pl.col("old_logprobs").explode()).abs().mean()
-    ).item()
+    joined = logprobs.join(
+        rollouts.select("prompt_id", "sample_idx", "sampler_logprobs"), on=["prompt_id", "sample_idx"]
+    )
+    diff = joined.select((pl.col("sampler_logprobs").explode() - pl.col("old_logprobs").explode()).abs().mean()).item()
     return float(diff) if diff is not None else float("nan")
 
 

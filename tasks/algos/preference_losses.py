@@ -40,8 +40,13 @@ class DPOStats:
     rejected_rewards: torch.Tensor  # (B,)
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float) -> DPOStats:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> DPOStats:
     """L = −log σ(β·[(log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))]); every input is a (B,)
     sequence logprob, the sum over response tokens."""
     chosen = beta * (policy_chosen - ref_chosen)

@@ -15,7 +15,7 @@ def flat_lists(column: pl.Series) -> tuple[np.ndarray, np.ndarray]:
         column = column.fill_null(pl.lit([], dtype=column.dtype))
     arr = column.rechunk().to_arrow()
     offsets = arr.offsets.to_numpy().astype(np.int64, copy=False)
-    values = arr.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]  # a sliced array starts past 0
+    values = arr.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]  # a sliced array starts past 0
     return values, offsets - offsets[0]
 
 

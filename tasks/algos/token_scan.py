@@ -63,15 +63,30 @@ def _scale_in_place(x, shift, scale):  # pragma: no cover - compiled
         x[i] = (np.float64(x[i]) - shift) * scale
 
 
-def gae_flat(values: np.ndarray, offsets: np.ndarray, rewards: np.ndarray, token_rewards: np.ndarray | None,
-             gamma: float, lam: float, eps: float) -> tuple[np.ndarray, np.ndarray]:
+def gae_flat(
+    values: np.ndarray,
+    offsets: np.ndarray,
+    rewards: np.ndarray,
+    token_rewards: np.ndarray | None,
+    gamma: float,
+    lam: float,
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray]:
     """(whitened advantages, returns), flat float32 over `offsets`; rewards has one entry per response and
     token_rewards (per token, e.g. the KL penalty) may be None."""
     advantages = np.empty(values.shape[0], np.float32)
     returns = np.empty(values.shape[0], np.float32)
     extra = np.empty(0, np.float64) if token_rewards is None else np.ascontiguousarray(token_rewards, np.float64)
-    total, squares = _gae_pass(np.ascontiguousarray(values), extra, np.ascontiguousarray(rewards, np.float64),
-                      offsets, float(gamma), float(lam), advantages, returns)
+    total, squares = _gae_pass(
+        np.ascontiguousarray(values),
+        extra,
+        np.ascontiguousarray(rewards, np.float64),
+        offsets,
+        float(gamma),
+        float(lam),
+        advantages,
+        returns,
+    )
     n = values.shape[0]
     if n:  # whiten: (A − mean)/(std + ε), std unbiased (0 for a single token)
         mean = total / n

@@ -34,11 +34,14 @@ def estimator_summary(df: pl.DataFrame, reference: pl.Series, aggregation: str, 
     """df: one estimator's advantages (prompt_id, sample_idx, advantage, length), in the same row order as
     `reference` (grpo's advantages). Returns the headline numbers and the weight per length bucket."""
     weights = df.with_columns(
-        (pl.col("advantage").abs() * token_normaliser(aggregation, max_len)).alias("weight"), length_bucket().alias("bucket")
+        (pl.col("advantage").abs() * token_normaliser(aggregation, max_len)).alias("weight"),
+        length_bucket().alias("bucket"),
     )
     by_bucket = (
-        weights.group_by("bucket").agg(pl.col("weight").mean(), pl.col("length").min().alias("_order"), pl.len().alias("responses"))
-        .sort("_order").drop("_order")
+        weights.group_by("bucket")
+        .agg(pl.col("weight").mean(), pl.col("length").min().alias("_order"), pl.len().alias("responses"))
+        .sort("_order")
+        .drop("_order")
     )
     adv = df["advantage"]
     corr = pl.DataFrame({"a": adv, "b": reference}).select(pl.corr("a", "b")).item()

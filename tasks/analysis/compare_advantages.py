@@ -44,14 +44,19 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
     entries = [ADVANTAGE_ESTIMATORS.entry(e) for e in estimators]  # an unknown name: one line listing the choices
     critics = [e.name for e in entries if e.needs_critic]
     if critics:
-        raise ConfigError(f"{critics[0]} needs a critic's values for every response; compare-advantages covers the critic-free estimators")
+        raise ConfigError(
+            f"{critics[0]} needs a critic's values for every response; compare-advantages covers the critic-free "
+            f"estimators"
+        )
     aggregation = aggregation or ctx.cfg.loss.aggregation
     if aggregation not in get_args(Aggregation):
         raise ConfigError(f"unknown aggregation {aggregation!r}: choose from {', '.join(get_args(Aggregation))}")
     if read_manifest(ctx.layout, "scores", iteration, verify=False) is None:
         raise NotFound(f"run {run_id!r} has no scores for iteration {iteration}")
     # What it reads, each part checked against its manifest.
-    verified_parts(ctx.layout, [(stage, k) for k in range(1, iteration + 1) for stage in ("scores", "rollouts", "prompt_stats")])
+    verified_parts(
+        ctx.layout, [(stage, k) for k in range(1, iteration + 1) for stage in ("scores", "rollouts", "prompt_stats")]
+    )
     df = advantage_inputs(ctx, iteration, kept_only=False).sort("prompt_id", "sample_idx")
     settings = AdvantageSettings(eps=ctx.cfg.advantage.eps)
     history = _history(ctx, iteration) if any(e.keeps_prompt_state for e in entries) else None
@@ -68,7 +73,9 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
 def _print(results: dict, run_id: str, iteration: int, df: pl.DataFrame, aggregation: str) -> None:
     out = Console()
     groups = df["prompt_id"].n_unique()
-    head = Table(title=f"{run_id} iteration {iteration}: {df.height} responses in {groups} groups (all rounds, before filtering)")
+    head = Table(
+        title=f"{run_id} iteration {iteration}: {df.height} responses in {groups} groups (all rounds, before filtering)"
+    )
     for col in ("estimator", "non-zero A", "mean |A|", "corr with grpo"):
         head.add_column(col, justify="right")
     for name, r in results.items():

@@ -24,7 +24,9 @@ class QueryError(UserError, ValueError):
 
 def warn_strays(layout, console: Console) -> None:
     for path in layout.strays():
-        console.print(f"[yellow]warning:[/] ignoring {path} (not a stage folder rlpipe wrote)", highlight=False, soft_wrap=True)
+        console.print(
+            f"[yellow]warning:[/] ignoring {path} (not a stage folder rlpipe wrote)", highlight=False, soft_wrap=True
+        )
 
 
 def connect(run_ids: list[str], root: str, console: Console | None = None):
@@ -47,7 +49,8 @@ def connect(run_ids: list[str], root: str, console: Console | None = None):
                 stages.setdefault(stage, []).append((run_id, files))
     for stage, runs in stages.items():
         selects = [
-            f"SELECT *, '{rid}' AS run_id FROM read_parquet({[str(f) for f in files]!r}, union_by_name=true, hive_partitioning=false)"
+            f"SELECT *, '{rid}' AS run_id FROM read_parquet({[str(f) for f in files]!r}, union_by_name=true, "
+            f"hive_partitioning=false)"
             for rid, files in runs
         ]
         con.execute(f'CREATE VIEW "{stage}" AS ' + " UNION ALL BY NAME ".join(selects))

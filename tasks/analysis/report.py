@@ -19,7 +19,12 @@ LINE_PLOTS = [
     ("entropy", "Policy entropy", "nats/token", ["entropy"]),
     ("clip_fraction", "Clipped token fraction", "fraction", ["clip_frac_low", "clip_frac_high"]),
     ("response_length", "Response length", "tokens", ["response_length_mean", "response_length_max"]),
-    ("nonzero_advantages", "Samples with a non-zero advantage", "fraction", ["nonzero_advantage_fraction", "zero_std_group_fraction"]),
+    (
+        "nonzero_advantages",
+        "Samples with a non-zero advantage",
+        "fraction",
+        ["nonzero_advantage_fraction", "zero_std_group_fraction"],
+    ),
 ]
 
 
@@ -44,8 +49,12 @@ def _line_plot(path: Path, title: str, ylabel: str, series: dict[str, tuple[list
 # Stage wall times are disjoint (each stage runs after the last), so they stack into the iteration's time; these engine
 # timers are inside stages (generation and weight sync in rollouts, the forward passes in logprobs, forward and
 # backward in optimize), so they are drawn apart, never stacked on their own stage.
-SUB_TIMERS = {"seconds_generate": "vLLM generate (in rollouts)", "weight_sync_seconds": "weight sync (in rollouts)",
-              "seconds_logprobs_forward": "logprobs forward (in logprobs)", "seconds_forward_backward": "forward+backward (in optimize)"}
+SUB_TIMERS = {
+    "seconds_generate": "vLLM generate (in rollouts)",
+    "weight_sync_seconds": "weight sync (in rollouts)",
+    "seconds_logprobs_forward": "logprobs forward (in logprobs)",
+    "seconds_forward_backward": "forward+backward (in optimize)",
+}
 
 
 def stage_columns(columns: list[str]) -> list[str]:
@@ -59,7 +68,9 @@ def stage_columns(columns: list[str]) -> list[str]:
 def _stage_seconds_plot(path: Path, seconds: pl.DataFrame) -> None:
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 5.5), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
     colours = plt.get_cmap("tab10").colors
     x, base = seconds["iteration"].to_list(), [0.0] * seconds.height
     for i, col in enumerate(stage_columns(seconds.columns)):
@@ -113,8 +124,12 @@ def write_report(run_id: str, root: str = "runs") -> Path:
         accuracy["train accuracy reward"] = (x, metrics["score_accuracy_mean"].to_list())
     _line_plot(out_dir / "accuracy.png", "Accuracy", "fraction", accuracy)
     figures.insert(1, ("accuracy", "Accuracy"))
-    _line_plot(out_dir / "repetition.png", "Repeated token bigrams within a response", "fraction",
-               {"repetition_rate": (repetition["iteration"].to_list(), repetition["repetition_rate"].to_list())})
+    _line_plot(
+        out_dir / "repetition.png",
+        "Repeated token bigrams within a response",
+        "fraction",
+        {"repetition_rate": (repetition["iteration"].to_list(), repetition["repetition_rate"].to_list())},
+    )
     figures.append(("repetition", "Repetition"))
     seconds = metrics.select("iteration", *[c for c in metrics.columns if c.startswith("seconds_") or c in SUB_TIMERS])
     seconds = seconds.join(evals.select("iteration", "seconds_eval"), on="iteration", how="left")
@@ -133,15 +148,21 @@ def _html(run_id: str, metrics: pl.DataFrame, evals: pl.DataFrame, flags: list[F
         f"<td>{esc(f.evidence)}</td></tr>"
         for f in flags
     )
-    eval_rows = "".join(f"<tr><td>{it}</td><td>{acc:.3f}</td></tr>" for it, acc in evals.select("iteration", "accuracy").iter_rows())
-    images = "".join(f"<figure><img src='report/{stem}.png' alt='{esc(title)}'><figcaption>{esc(title)}</figcaption></figure>"
-                     for stem, title in figures)
+    eval_rows = "".join(
+        f"<tr><td>{it}</td><td>{acc:.3f}</td></tr>" for it, acc in evals.select("iteration", "accuracy").iter_rows()
+    )
+    images = "".join(
+        f"<figure><img src='report/{stem}.png' alt='{esc(title)}'><figcaption>{esc(title)}</figcaption></figure>"
+        for stem, title in figures
+    )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>rlpipe report: {esc(run_id)}</title>
-<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:4px 8px}}
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} td,th{{border:1px solid
+#ccc;padding:4px 8px}}
 tr.raised td{{background:#fdd}} figure{{display:inline-block;margin:8px}}</style></head>
 <body><h1>rlpipe report: {esc(run_id)}</h1>
-<p>{metrics.height} iterations with train metrics (iterations {metrics['iteration'].min()}–{metrics['iteration'].max()}).</p>
+<p>{metrics.height} iterations with train metrics (iterations
+{metrics["iteration"].min()}–{metrics["iteration"].max()}).</p>
 <h2>Reward-hacking flags</h2>
 <table><tr><th>check</th><th>status</th><th>evidence</th></tr>{flag_rows}</table>
 <h2>Eval (greedy, rule-judged)</h2>

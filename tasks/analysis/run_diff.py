@@ -21,14 +21,19 @@ def diff_frames(a: pl.DataFrame, b: pl.DataFrame, keys: list[str]) -> tuple[pl.D
         "only_in_a": joined.filter(~pl.any_horizontal(*(pl.col(f"{c}__b").is_not_null() for c in shared))).height,
         "only_in_b": joined.filter(~pl.any_horizontal(*(pl.col(c).is_not_null() for c in shared))).height,
     }
-    both = joined.filter(pl.any_horizontal(*(pl.col(c).is_not_null() for c in shared)) & pl.any_horizontal(*(pl.col(f"{c}__b").is_not_null() for c in shared)))
+    both = joined.filter(
+        pl.any_horizontal(*(pl.col(c).is_not_null() for c in shared))
+        & pl.any_horizontal(*(pl.col(f"{c}__b").is_not_null() for c in shared))
+    )
     flags = {c: ~pl.col(c).eq_missing(pl.col(f"{c}__b")) for c in shared}
     marked = both.with_columns(**{f"_diff_{c}": e for c, e in flags.items()})
     for c in shared:
         counts[c] = int(marked[f"_diff_{c}"].sum())
     changed = [c for c in shared if counts[c]]
     rows = marked.filter(pl.any_horizontal(*(pl.col(f"_diff_{c}") for c in changed))) if changed else marked.head(0)
-    return rows.select(*keys, *(x for c in changed for x in (pl.col(c).alias(f"{c}_a"), pl.col(f"{c}__b").alias(f"{c}_b")))), counts
+    return rows.select(
+        *keys, *(x for c in changed for x in (pl.col(c).alias(f"{c}_a"), pl.col(f"{c}__b").alias(f"{c}_b")))
+    ), counts
 
 
 def _cell(v) -> str:

@@ -17,8 +17,15 @@ from schemas.errors import NotFound
 from tasks.analysis.query import warn_strays
 
 # (train_metrics column, short header) for the 80-column view.
-KEY_METRICS = [("reward_mean", "reward"), ("score_accuracy_mean", "acc"), ("kl_ref", "kl_ref"), ("entropy", "entropy"),
-               ("clip_frac_high", "clip_hi"), ("response_length_mean", "len"), ("seconds_optimize", "s_opt")]
+KEY_METRICS = [
+    ("reward_mean", "reward"),
+    ("score_accuracy_mean", "acc"),
+    ("kl_ref", "kl_ref"),
+    ("entropy", "entropy"),
+    ("clip_frac_high", "clip_hi"),
+    ("response_length_mean", "len"),
+    ("seconds_optimize", "s_opt"),
+]
 
 
 def superseded_stages(layout) -> set[tuple[str, int]]:
@@ -58,7 +65,9 @@ def stage_states(layout) -> dict[str, dict[int, tuple[str, float]]]:
             m = read_manifest(layout, stage, it, verify=False)
             out.setdefault(stage, {})[it] = ("complete", float(m["wall_seconds"])) if m else ("missing", 0.0)
     # A damaged part: one line naming it, and how to repair it.
-    verified_parts(layout, [(stage, it) for stage, its in out.items() for it, (state, _) in its.items() if state == "complete"])
+    verified_parts(
+        layout, [(stage, it) for stage, its in out.items() for it, (state, _) in its.items() if state == "complete"]
+    )
     for stage, it in superseded:
         out.setdefault(stage, {}).setdefault(it, ("superseded", 0.0))
     return out
@@ -120,8 +129,15 @@ def eval_table(layout) -> Table:
         if m and "accuracy" in m["extra"]:
             e = m["extra"]
             pk = next((v for k, v in e.items() if k.startswith("pass_at_")), float("nan"))
-            table.add_row(str(it), f"{e['accuracy']:.4f}", f"{pk:.4f}", f"{e.get('mean_reward', float('nan')):.4f}",
-                          f"{e.get('mean_length', float('nan')):.1f}", str(e["prompts"]), f"{m['wall_seconds']:.0f}")
+            table.add_row(
+                str(it),
+                f"{e['accuracy']:.4f}",
+                f"{pk:.4f}",
+                f"{e.get('mean_reward', float('nan')):.4f}",
+                f"{e.get('mean_length', float('nan')):.1f}",
+                str(e["prompts"]),
+                f"{m['wall_seconds']:.0f}",
+            )
     return table
 
 

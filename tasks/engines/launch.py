@@ -60,9 +60,14 @@ def rank_envs(ranks: int, devices: list[int] | None = None, hostfile: str | None
     visible = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
     if ranks == 1 or hostfile:  # DeepSpeed's launcher sets the rank variables on every host
         return [visible] * ranks
-    base = {**visible, "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // ranks))}
+    base = {
+        **visible,
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_WORLD_SIZE": str(ranks),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // ranks)),
+    }
     return [{**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(ranks)]
 
 
@@ -91,12 +96,25 @@ def multi_node_launch(cmd: list[str], hostfile: str, ranks: int, env: dict) -> t
 
     slots = hostfile_slots(hostfile)
     if slots != ranks:
-        raise WorkerError(f"engines.hostfile {hostfile} has {slots} slots in all and engines.train_ranks is {ranks}: make them equal")
+        raise WorkerError(
+            f"engines.hostfile {hostfile} has {slots} slots in all and engines.train_ranks is {ranks}: make them equal"
+        )
     fd, env_file = tempfile.mkstemp(prefix="rlpipe-ds-env-")
     with os.fdopen(fd, "w") as f:  # mkstemp: readable by this user only (it holds the socket's key)
         f.write("".join(f"{k}={v}\n" for k, v in {**env, "PYTHONPATH": worker_env()["PYTHONPATH"]}.items()))
-    runner = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--master_port", str(free_port()),
-              "--no_local_rank", "--module", cmd[2], *cmd[3:]]
+    runner = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        hostfile,
+        "--master_port",
+        str(free_port()),
+        "--no_local_rank",
+        "--module",
+        cmd[2],
+        *cmd[3:],
+    ]
     return runner, {**env, "DS_ENV_FILE": env_file}
 
 
@@ -105,8 +123,14 @@ def rank_log(log: Path, rank: int) -> Path:
     return log if rank == 0 else log.with_name(f"{log.stem}-rank{rank}{log.suffix}")
 
 
-def start_ranks(cmd: list[str], log: Path, envs: list[dict], hostfile: str | None = None, outputs: list[Path] | None = None,
-                stdin=None) -> list[subprocess.Popen]:
+def start_ranks(
+    cmd: list[str],
+    log: Path,
+    envs: list[dict],
+    hostfile: str | None = None,
+    outputs: list[Path] | None = None,
+    stdin=None,
+) -> list[subprocess.Popen]:
     """Start `cmd` once per rank environment on this machine, or, with a hostfile, once as DeepSpeed's multi-node
     launcher (which starts and watches every rank, and ends them all when one fails). Each rank's output goes to its
     log, or to `outputs[rank]` when given."""
@@ -116,8 +140,17 @@ def start_ranks(cmd: list[str], log: Path, envs: list[dict], hostfile: str | Non
     procs = []
     for r, env in enumerate(envs):
         with open(outputs[r] if outputs else rank_log(log, r), "ab") as out:
-            procs.append(subprocess.Popen(cmd, stdin=stdin, stdout=out, stderr=subprocess.STDOUT, env=worker_env(env), cwd=os.getcwd(),
-                                          preexec_fn=die_with_parent))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdin=stdin,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=worker_env(env),
+                    cwd=os.getcwd(),
+                    preexec_fn=die_with_parent,
+                )
+            )
     return procs
 
 
@@ -131,7 +164,8 @@ def failed_rank(procs: list[subprocess.Popen]) -> int | None:
 
 
 def failure_line(name: str, procs: list[subprocess.Popen], log: Path, r: int, what: str = "failed") -> str:
-    """One line for a failed worker or server: rank r (when there are several), its signal or last error line, its log."""
+    """One line for a failed worker or server: rank r (when there are several), its signal or last error line, its
+    log."""
     code = procs[r].poll() if procs else None
     which = f" (rank {r} of {len(procs)})" if len(procs) > 1 else ""
     cause = f"killed by signal {-code}" if code is not None and code < 0 else last_error_line(rank_log(log, r))
@@ -162,12 +196,24 @@ def worker_env(extra: dict | None = None) -> dict:
     sources, so two environments on one machine (a second clone) rebuilt it for each other, ~30-60 s every switch."""
     root = Path(__file__).resolve().parents[2]
     extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions")
-    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "TORCH_EXTENSIONS_DIR": extensions,
-            **(extra or {})}
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "TORCH_EXTENSIONS_DIR": extensions,
+        **(extra or {}),
+    }
 
 
-def run_worker(module: str, request, scratch: Path, log: Path, env: dict | None = None, ranks: int = 1,
-               devices: list[int] | None = None, hostfile: str | None = None) -> dict:
+def run_worker(
+    module: str,
+    request,
+    scratch: Path,
+    log: Path,
+    env: dict | None = None,
+    ranks: int = 1,
+    devices: list[int] | None = None,
+    hostfile: str | None = None,
+) -> dict:
     """Run the worker module (a path from tasks.engines.workers) on `request` (a schemas.requests dataclass) as `ranks`
     data-parallel processes; return the JSON rank 0 wrote, or raise WorkerError. Its `progress:` lines are shown in
     the terminal as they come."""
@@ -180,8 +226,12 @@ def run_worker(module: str, request, scratch: Path, log: Path, env: dict | None 
     resp_path = req_path.with_name(req_path.name.replace(".request.", ".response."))
     resp_path.unlink(missing_ok=True)
     req_path.write_text(json.dumps({"request": to_wire(request), "response_path": str(resp_path)}))
-    procs = start_ranks([sys.executable, "-m", module, str(req_path)], log,
-                        [{**(env or {}), **e} for e in rank_envs(ranks, devices, hostfile)], hostfile)
+    procs = start_ranks(
+        [sys.executable, "-m", module, str(req_path)],
+        log,
+        [{**(env or {}), **e} for e in rank_envs(ranks, devices, hostfile)],
+        hostfile,
+    )
     failed = follow_progress(log, procs)
     if failed is not None or not resp_path.exists():
         raise WorkerError(failure_line(f"{name} worker", procs, log, failed or 0))

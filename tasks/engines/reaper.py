@@ -37,8 +37,11 @@ def owned_files(owner: int) -> list[str]:
     """The files a command leaves while it runs: its servers' Unix sockets and held servers' outputs
     (tasks/engines/resident.py), its API database copy (with SQLite's -wal and -shm)."""
     temp = tempfile.gettempdir()
-    return (glob.glob(os.path.join(temp, f"*-{owner}-*.sock")) + glob.glob(os.path.join(temp, f"*-{owner}-*.out"))
-            + glob.glob(api_database_path(owner, "*") + "*"))
+    return (
+        glob.glob(os.path.join(temp, f"*-{owner}-*.sock"))
+        + glob.glob(os.path.join(temp, f"*-{owner}-*.out"))
+        + glob.glob(api_database_path(owner, "*") + "*")
+    )
 
 
 def remove_files(paths: list[str]) -> None:
@@ -95,8 +98,15 @@ def start_reaper() -> None:
         return
     os.environ[OWNER_ENV] = str(os.getpid())
     env = {k: v for k, v in worker_env().items() if k != OWNER_ENV}  # the reaper is not its own target
-    subprocess.Popen([sys.executable, "-m", "tasks.engines.reaper", str(os.getpid())], env=env, start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+    subprocess.Popen(
+        [sys.executable, "-m", "tasks.engines.reaper", str(os.getpid())],
+        env=env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+    )
 
 
 def _wait_for(owner: int) -> None:

@@ -1,6 +1,7 @@
 """Resident engine processes: a worker kept alive across requests, spoken to over a local Unix socket.
 
-The client starts `python -m tasks.engines.workers.<name> --serve SOCKET SETTINGS` (a typed request on the wire) on first use, and again after
+The client starts `python -m tasks.engines.workers.<name> --serve SOCKET SETTINGS` (a typed request on the wire) on
+first use, and again after
 the process died. Stage tasks send it paths and small settings; the data still travels as Parquet on disk.
 Correctness never depends on the process's memory: every request names the checkpoint it starts from, and a
 server reuses what it holds only when that is provably the same state (see each server's docstring).
@@ -29,12 +30,27 @@ HELD = "--held"  # a server's last argument instead of its settings: spawned hel
 
 
 class ResidentProcess:
-    """A resident server: `ranks` data-parallel processes (tasks/engines/workers/data_parallel.py) of which rank 0 owns the
+    """A resident server: `ranks` data-parallel processes (tasks/engines/workers/data_parallel.py) of which rank 0 owns
+    the
     socket and passes every message on to the others; `env` and `devices` (CUDA ids) go to all of them."""
 
-    def __init__(self, module: str, log: Path, ranks: int = 1, devices: list[int] | None = None, env: dict | None = None,
-                 hostfile: str | None = None):
-        self.module, self.log, self.ranks, self.devices, self.env, self.hostfile = module, log, ranks, devices, env or {}, hostfile
+    def __init__(
+        self,
+        module: str,
+        log: Path,
+        ranks: int = 1,
+        devices: list[int] | None = None,
+        env: dict | None = None,
+        hostfile: str | None = None,
+    ):
+        self.module, self.log, self.ranks, self.devices, self.env, self.hostfile = (
+            module,
+            log,
+            ranks,
+            devices,
+            env or {},
+            hostfile,
+        )
         self.name = module.rsplit(".", 1)[-1]
         self.procs: list[subprocess.Popen] = []
         self.conn = None
@@ -42,7 +58,8 @@ class ResidentProcess:
         self.released = False
 
     def _died(self, what: str) -> WorkerError:
-        """The group after one of its processes died or failed: all of them ended, the error names the rank that caused it."""
+        """The group after one of its processes died or failed: all of them ended, the error names the rank that caused
+        it."""
         if self.conn is not None:
             self.conn.close()
         rank = end_group(self.procs) or 0
@@ -58,7 +75,8 @@ class ResidentProcess:
         `held`: the processes only import their libraries (vLLM's alone is ~10 s), writing to a file of their own,
         then wait for their settings; a second `spawn` (or the first request) hands them over, and only then do they
         open their log and start the engine. A command spawns them held before it checks its input, so those seconds
-        overlap the checks; on bad input `close` ends them, and no engine ever started. (Not with a hostfile: DeepSpeed's
+        overlap the checks; on bad input `close` ends them, and no engine ever started. (Not with a hostfile:
+        DeepSpeed's
         launcher starts those ranks when they are released.)"""
         if self.procs:
             if self.waiting_for_release and not held:
@@ -69,7 +87,10 @@ class ResidentProcess:
         # In the temp dir, not the run folder: a Unix socket's path is limited to about 107 bytes.
         self.sock = os.path.join(tempfile.gettempdir(), f"{self.name}-{os.getpid()}-{secrets.token_hex(4)}.sock")
         self.key = secrets.token_bytes(16)
-        envs = [{**self.env, "RLPIPE_AUTHKEY": self.key.hex(), **e} for e in rank_envs(self.ranks, self.devices, self.hostfile)]
+        envs = [
+            {**self.env, "RLPIPE_AUTHKEY": self.key.hex(), **e}
+            for e in rank_envs(self.ranks, self.devices, self.hostfile)
+        ]
         cmd = [sys.executable, "-m", self.module, "--serve", self.sock]
         self.released = False
         if held:
@@ -114,7 +135,9 @@ class ResidentProcess:
                 raise self._died("server failed to start")
             if time.time() >= next_note:  # a start takes tens of seconds (vLLM loads and warms up): say so
                 self._progress(f"starting {self.name}: {time.time() - started:.0f}s so far [log: {self.log}]")
-                next_note += 10 * (1 + int((time.time() - next_note) // 10))  # spawned early: one line, not a catch-up burst
+                next_note += 10 * (
+                    1 + int((time.time() - next_note) // 10)
+                )  # spawned early: one line, not a catch-up burst
             time.sleep(0.2)
         if time.time() - started >= 10:
             self._progress(f"{self.name} started in {time.time() - started:.0f}s")
@@ -143,7 +166,9 @@ class ResidentProcess:
         except (EOFError, OSError):
             raise self._died("server died") from None
         if "error" in resp:
-            if self.ranks > 1:  # the group ends on a failure (its ranks may be in different places); the next call restarts it
+            if (
+                self.ranks > 1
+            ):  # the group ends on a failure (its ranks may be in different places); the next call restarts it
                 raise self._died("failed")
             raise WorkerError(f"{self.name} failed: {resp['error']} [log: {self.log}]")
         return resp

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from schemas.requests import EngineSettings, LoraSettings, LogprobsRequest, TrainerWarmStart, UpdateRequest
+from schemas.requests import EngineSettings, LogprobsRequest, LoraSettings, TrainerWarmStart, UpdateRequest
 from storage import read_manifest
 from tasks.engines.launch import run_worker
 from tasks.engines.resident import ResidentProcess, resident
@@ -18,16 +18,28 @@ ONE_SHOT_MODULES = {LogprobsRequest: LOGPROBS_WORKER, UpdateRequest: TRAIN_WORKE
 def call_trainer(ctx: RunContext, request: LogprobsRequest | UpdateRequest, log_name: str) -> dict:
     e = ctx.cfg.engines
     if not e.resident_trainer:
-        return run_worker(ONE_SHOT_MODULES[type(request)], request, ctx.layout.scratch_dir, ctx.layout.log_path(log_name),
-                          ranks=e.train_ranks, devices=e.trainer_devices, hostfile=e.hostfile)
+        return run_worker(
+            ONE_SHOT_MODULES[type(request)],
+            request,
+            ctx.layout.scratch_dir,
+            ctx.layout.log_path(log_name),
+            ranks=e.train_ranks,
+            devices=e.trainer_devices,
+            hostfile=e.hostfile,
+        )
     return resident_trainer(ctx).call(request, label=log_name)
 
 
 def resident_trainer(ctx: RunContext) -> ResidentProcess:
     """This process's resident trainer for the run (started by its first request, or earlier by `spawn`)."""
     e, log = ctx.cfg.engines, ctx.layout.log_path("trainer")
-    return resident(TRAINER_SERVER, ctx.layout.run_id,
-                    lambda: ResidentProcess(TRAINER_SERVER, log, ranks=e.train_ranks, devices=e.trainer_devices, hostfile=e.hostfile))
+    return resident(
+        TRAINER_SERVER,
+        ctx.layout.run_id,
+        lambda: ResidentProcess(
+            TRAINER_SERVER, log, ranks=e.train_ranks, devices=e.trainer_devices, hostfile=e.hostfile
+        ),
+    )
 
 
 def trainer_warm_start(ctx: RunContext) -> TrainerWarmStart | None:
@@ -37,4 +49,8 @@ def trainer_warm_start(ctx: RunContext) -> TrainerWarmStart | None:
     if read_manifest(ctx.layout, "train_metrics", 1, verify=False) is not None:
         return None
     cfg = ctx.cfg
-    return TrainerWarmStart(cfg.model.path, cfg.model.dtype, EngineSettings.for_policy(cfg.optim, cfg.model, LoraSettings.from_config(cfg.lora, cfg.seed)))
+    return TrainerWarmStart(
+        cfg.model.path,
+        cfg.model.dtype,
+        EngineSettings.for_policy(cfg.optim, cfg.model, LoraSettings.from_config(cfg.lora, cfg.seed)),
+    )

@@ -16,7 +16,9 @@ from tasks.engines.workers import VLLM_SERVER
 
 class ResidentEngine(ResidentProcess):
     def __init__(self, log: Path, devices: list[int] | None = None):
-        super().__init__(VLLM_SERVER, log, env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else None)
+        super().__init__(
+            VLLM_SERVER, log, env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else None
+        )
 
     def generate(self, request: GenerateRequest, settings: VLLMSettings) -> dict:
         """Run the request's jobs with its weights; `settings` start the engine when none is running."""

@@ -21,6 +21,7 @@ BUILTIN_REWARDS: Registry = Registry("reward function")
 # math-verify warns on every call that its timeouts are off; they are off on purpose (see accuracy()).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
+
 def last_boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} (braces balanced), or None."""
     start = text.rfind("\\boxed{")

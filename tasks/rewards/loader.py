@@ -71,7 +71,10 @@ class FunctionSpec:
 
 
 def specs_from_config(reward: RewardConfig) -> dict[str, FunctionSpec]:
-    return {name: FunctionSpec(name, f.path, f.module, f.function, f.batched, dict(f.kwargs)) for name, f in reward.functions.items()}
+    return {
+        name: FunctionSpec(name, f.path, f.module, f.function, f.batched, dict(f.kwargs))
+        for name, f in reward.functions.items()
+    }
 
 
 _MODULES: dict[tuple, object] = {}
@@ -97,7 +100,9 @@ def _module_from_file(spec: FunctionSpec):
     try:
         loader_spec.loader.exec_module(module)
     except Exception as exc:  # the user's module: any error it raises on import
-        raise RewardLoadError(f"reward function {spec.name!r}: importing {spec.path} failed: {_describe(exc, spec.path)}") from None
+        raise RewardLoadError(
+            f"reward function {spec.name!r}: importing {spec.path} failed: {_describe(exc, spec.path)}"
+        ) from None
     _MODULES[key] = module
     return module
 
@@ -124,13 +129,17 @@ def load_function(spec: FunctionSpec) -> Callable:
         try:
             module = importlib.import_module(spec.module)
         except Exception as exc:  # ModuleNotFoundError, or the module's own import-time error
-            raise RewardLoadError(f"reward function {spec.name!r}: importing module {spec.module} failed: {_describe(exc)}") from None
+            raise RewardLoadError(
+                f"reward function {spec.name!r}: importing module {spec.module} failed: {_describe(exc)}"
+            ) from None
     attr = spec.function or spec.name
     fn = getattr(module, attr, None)
     if not callable(fn):
         defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise RewardLoadError(f"reward function {spec.name!r}: {spec.path or spec.module} has no function {attr!r} "
-                              f"(it defines: {', '.join(defined) or 'none'})")
+        raise RewardLoadError(
+            f"reward function {spec.name!r}: {spec.path or spec.module} has no function {attr!r} "
+            f"(it defines: {', '.join(defined) or 'none'})"
+        )
     return fn
 
 
@@ -148,7 +157,9 @@ def accepted_arguments(fn: Callable) -> frozenset[str] | None:
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
-    return frozenset(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+    return frozenset(
+        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
 
 
 def check_signature(spec: FunctionSpec, fn: Callable, columns: set[str]) -> None:
@@ -164,16 +175,26 @@ def check_signature(spec: FunctionSpec, fn: Callable, columns: set[str]) -> None
     for p in params:
         required = p.default is inspect.Parameter.empty
         if p.kind is inspect.Parameter.POSITIONAL_ONLY and required:
-            raise RewardLoadError(f"reward function {spec.name!r} ({spec.where}): parameter {p.name!r} is positional-only; "
-                                  "rlpipe passes keyword arguments")
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and required and p.name not in available:
-            raise RewardLoadError(f"reward function {spec.name!r} ({spec.where}): rlpipe cannot fill parameter {p.name!r}; "
-                                  f"it may take {', '.join(REWARD_ARGUMENTS + ALIAS_ARGUMENTS)}, the dataset's columns "
-                                  f"({', '.join(sorted(columns)) or 'none'}), its kwargs, and TRL's completions and prompts")
+            raise RewardLoadError(
+                f"reward function {spec.name!r} ({spec.where}): parameter {p.name!r} is positional-only; "
+                "rlpipe passes keyword arguments"
+            )
+        if (
+            p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            and required
+            and p.name not in available
+        ):
+            raise RewardLoadError(
+                f"reward function {spec.name!r} ({spec.where}): rlpipe cannot fill parameter {p.name!r}; "
+                f"it may take {', '.join(REWARD_ARGUMENTS + ALIAS_ARGUMENTS)}, the dataset's columns "
+                f"({', '.join(sorted(columns)) or 'none'}), its kwargs, and TRL's completions and prompts"
+            )
     accepted = accepted_arguments(fn)
     unused = sorted(set(spec.kwargs) - accepted) if accepted is not None else []
     if unused:
-        raise RewardLoadError(f"reward function {spec.name!r} ({spec.where}) takes no argument {unused[0]!r} (set in its kwargs)")
+        raise RewardLoadError(
+            f"reward function {spec.name!r} ({spec.where}) takes no argument {unused[0]!r} (set in its kwargs)"
+        )
 
 
 def source_hash(specs: dict[str, FunctionSpec]) -> str:

@@ -190,8 +190,13 @@ def why_workers_die(specs: list[FunctionSpec]) -> str:
     code = "import sys; from tasks.rewards.pool import worker_start_check; worker_start_check(sys.argv[1])"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
-        proc = subprocess.run([sys.executable, "-c", code, json.dumps([asdict(s) for s in specs])], env=env,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, json.dumps([asdict(s) for s in specs])],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return f"the check could not run: {exc}"
     lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
@@ -200,7 +205,9 @@ def why_workers_die(specs: list[FunctionSpec]) -> str:
     return lines[-1] if lines else f"exit {proc.returncode}"
 
 
-def score_samples(specs: list[FunctionSpec], samples: list[dict], timeout_s: float, workers: int) -> dict[str, list[Result]]:
+def score_samples(
+    specs: list[FunctionSpec], samples: list[dict], timeout_s: float, workers: int
+) -> dict[str, list[Result]]:
     """{function name: [(score, error) per sample]}, in sample order. `samples` hold the keyword arguments of each
     call (tasks/rewards/scoring.py builds them)."""
     if workers == 0 or not samples:

@@ -33,24 +33,48 @@ def prompt_arguments(prompts: pl.DataFrame, answer_key: str | None) -> dict[str,
     messages = prompts["messages"].to_list() if "messages" in prompts.columns else [None] * n
     answers = prompts["answer"].to_list() if "answer" in prompts.columns else [None] * n
     out = {}
-    for pid, text, msgs, answer, extra in zip(prompts["prompt_id"].to_list(), prompts["text"].to_list(), messages, answers, extras):
+    for pid, text, msgs, answer, extra in zip(
+        prompts["prompt_id"].to_list(), prompts["text"].to_list(), messages, answers, extras
+    ):
         truth = nested_value(extra, answer_key) if extra is not None and answer_key else answer
-        out[pid] = {"data_source": None, "extra_info": None, **(extra or {}), "prompt": text,
-                    "messages": msgs if msgs is not None else [{"role": "user", "content": text}],
-                    "ground_truth": truth, "prompt_id": pid, "chat": msgs is not None}
+        out[pid] = {
+            "data_source": None,
+            "extra_info": None,
+            **(extra or {}),
+            "prompt": text,
+            "messages": msgs if msgs is not None else [{"role": "user", "content": text}],
+            "ground_truth": truth,
+            "prompt_id": pid,
+            "chat": msgs is not None,
+        }
     return out
 
 
-def sample_arguments(shared: dict, text: str, reason: str, length: int, token_ids: list | None, max_tokens: int) -> dict:
+def sample_arguments(
+    shared: dict, text: str, reason: str, length: int, token_ids: list | None, max_tokens: int
+) -> dict:
     """The keyword arguments of one response's call: rlpipe's names, and verl's and TRL's for the same values."""
     args = {k: v for k, v in shared.items() if k != "chat"}
     completion = [{"role": "assistant", "content": text}] if shared["chat"] else text
-    return {**args, "response": text, "finish_reason": reason, "length": length, "max_tokens": max_tokens,
-            "solution_str": text, "completion": completion, "completion_ids": token_ids}
+    return {
+        **args,
+        "response": text,
+        "finish_reason": reason,
+        "length": length,
+        "max_tokens": max_tokens,
+        "solution_str": text,
+        "completion": completion,
+        "completion_ids": token_ids,
+    }
 
 
-def score_frame(rollouts: pl.DataFrame, prompts: pl.DataFrame, reward: RewardConfig, max_tokens: int,
-                answer_key: str | None = "answer") -> pl.DataFrame:
+def score_frame(
+    rollouts: pl.DataFrame,
+    prompts: pl.DataFrame,
+    reward: RewardConfig,
+    max_tokens: int,
+    answer_key: str | None = "answer",
+) -> pl.DataFrame:
     """One row per rollout: `score_<fn>` and `error_<fn>` per function, the weighted `reward`, and `error`.
 
     Functions run in the reward pool (tasks/rewards/pool.py): one that raises or exceeds reward.timeout_s scores 0
@@ -59,7 +83,9 @@ def score_frame(rollouts: pl.DataFrame, prompts: pl.DataFrame, reward: RewardCon
     specs = specs_from_config(reward)
     shared = prompt_arguments(prompts, answer_key)
     lengths = rollouts["length"].to_list() if "length" in rollouts.columns else [0] * rollouts.height
-    keys = list(zip(rollouts["prompt_id"].to_list(), rollouts["text"].to_list(), rollouts["finish_reason"].to_list(), lengths))
+    keys = list(
+        zip(rollouts["prompt_id"].to_list(), rollouts["text"].to_list(), rollouts["finish_reason"].to_list(), lengths)
+    )
     ids = rollouts["token_ids"].to_list() if "token_ids" in rollouts.columns else [None] * rollouts.height
     # Each distinct sample is scored once: a group's G responses to one prompt are often the same text, and a reward
     # depends only on its arguments (math-verify on 1,024 demo responses: about 1 s, most of it repeats).
@@ -67,8 +93,10 @@ def score_frame(rollouts: pl.DataFrame, prompts: pl.DataFrame, reward: RewardCon
     for key, token_ids in zip(keys, ids):
         first.setdefault(key, token_ids)
     distinct = list(first)
-    samples = [sample_arguments(shared[pid], text, reason, n, first[(pid, text, reason, n)], max_tokens)
-               for pid, text, reason, n in distinct]
+    samples = [
+        sample_arguments(shared[pid], text, reason, n, first[(pid, text, reason, n)], max_tokens)
+        for pid, text, reason, n in distinct
+    ]
     scored = score_samples(list(specs.values()), samples, reward.timeout_s, reward.workers)
     position = {k: i for i, k in enumerate(distinct)}
     cols: dict[str, pl.Series] = {}

@@ -14,7 +14,13 @@ import polars as pl
 
 from schemas.errors import NotFound
 from storage import StageOutput, fingerprint, read_manifest, read_stage, write_stage
-from tasks.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages, empty_prompt_stats, update_prompt_stats
+from tasks.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageSettings,
+    compute_advantages,
+    empty_prompt_stats,
+    update_prompt_stats,
+)
 from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task, upstream_fingerprint
 from tasks.stages.kl_control import kl_beta
 from tasks.stages.spec import StageSpec
@@ -63,13 +69,23 @@ def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp:
     def compute():
         df = advantage_inputs(ctx, iteration)
         if estimator.needs_critic and df["values"].null_count():
-            raise ValueError(f"advantage.estimator={estimator.name} needs critic values, but the logprobs stage wrote none")
+            raise ValueError(
+                f"advantage.estimator={estimator.name} needs critic values, but the logprobs stage wrote none"
+            )
         out = compute_advantages(df, estimator.name, settings, history)
         if estimator.keeps_prompt_state:
             snapshot = update_prompt_stats(history, df, iteration)
             config_hash = ctx.cfg.section_hash(*STATS_SPEC.sections)
-            write_stage(ctx.layout, "prompt_stats", iteration, snapshot, fp=fingerprint("prompt_stats", config_hash, inputs),
-                        inputs=inputs, config_hash=config_hash, started=time.time())
+            write_stage(
+                ctx.layout,
+                "prompt_stats",
+                iteration,
+                snapshot,
+                fp=fingerprint("prompt_stats", config_hash, inputs),
+                inputs=inputs,
+                config_hash=config_hash,
+                started=time.time(),
+            )
         nonzero = float((out["advantage"] != 0).mean())
         return Computed(
             out.select("iteration", *KEYS, "reward", "advantage", "token_advantages", "returns"),
@@ -80,12 +96,23 @@ def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp:
 
 
 def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
-    return advantages_task.fn(root, run_id, iteration, upstream_fingerprint(root, run_id, "logprobs", iteration),
-                              upstream_fingerprint(root, run_id, "batch", iteration))
+    return advantages_task.fn(
+        root,
+        run_id,
+        iteration,
+        upstream_fingerprint(root, run_id, "logprobs", iteration),
+        upstream_fingerprint(root, run_id, "batch", iteration),
+    )
 
 
 # Reads the previous iteration's train_metrics too (the adaptive KL's β) and prompt_stats (DCPO's history).
-SPEC = StageSpec("advantages", reads=("logprobs", "scores", "batch", "rollouts", "prompt_stats", "train_metrics"),
-                 sections=("advantage", "kl"), scope="iteration", also_writes=("prompt_stats",), recompute=recompute)
+SPEC = StageSpec(
+    "advantages",
+    reads=("logprobs", "scores", "batch", "rollouts", "prompt_stats", "train_metrics"),
+    sections=("advantage", "kl"),
+    scope="iteration",
+    also_writes=("prompt_stats",),
+    recompute=recompute,
+)
 # DCPO's per-prompt history, advantages' second table.
 STATS_SPEC = StageSpec("prompt_stats", reads=("advantages",), sections=SPEC.sections, scope="iteration")

@@ -25,13 +25,18 @@ def reward_summary_markdown(scores: pl.DataFrame) -> str:
 def samples_markdown(prompts: pl.DataFrame, rollouts: pl.DataFrame, scores: pl.DataFrame, n: int = 3) -> str:
     """The first n rollouts of the iteration with their prompt, answer, response and reward."""
     keys = ["prompt_id", "sample_idx"]
-    rows = (rollouts.select(*keys, "text", "finish_reason").head(n)
-            .join(scores.select(*keys, "reward"), on=keys)
-            .join(prompts.select("prompt_id", pl.col("text").alias("prompt"), "answer"), on="prompt_id"))
+    rows = (
+        rollouts.select(*keys, "text", "finish_reason")
+        .head(n)
+        .join(scores.select(*keys, "reward"), on=keys)
+        .join(prompts.select("prompt_id", pl.col("text").alias("prompt"), "answer"), on="prompt_id")
+    )
     out = []
     for r in rows.iter_rows(named=True):
-        out.append(f"**{r['prompt_id']} #{r['sample_idx']}** prompt `{r['prompt']}` answer `{r['answer']}` → "
-                   f"`{r['text']}` ({r['finish_reason']}), reward {r['reward']:.3f}")
+        out.append(
+            f"**{r['prompt_id']} #{r['sample_idx']}** prompt `{r['prompt']}` answer `{r['answer']}` → "
+            f"`{r['text']}` ({r['finish_reason']}), reward {r['reward']:.3f}"
+        )
     return "\n\n".join(out)
 
 
@@ -50,9 +55,17 @@ def artifacts_task(storage_root: str, run_id: str, iteration: int) -> None:
     key = f"{run_id}-iter-{iteration}".lower().replace("_", "-").replace(".", "-")
     metrics = read_stage(layout, "train_metrics", iteration).row(0, named=True)
     scores = read_stage(layout, "scores", iteration)
-    samples = samples_markdown(read_stage(layout, "prompts", iteration), read_stage(layout, "rollouts", iteration), scores)
-    body = "\n\n".join([
-        "## Metrics", metrics_markdown(metrics), "## Reward distribution (every rollout of the iteration)",
-        reward_summary_markdown(scores), "## Sample rollouts", samples,
-    ])
+    samples = samples_markdown(
+        read_stage(layout, "prompts", iteration), read_stage(layout, "rollouts", iteration), scores
+    )
+    body = "\n\n".join(
+        [
+            "## Metrics",
+            metrics_markdown(metrics),
+            "## Reward distribution (every rollout of the iteration)",
+            reward_summary_markdown(scores),
+            "## Sample rollouts",
+            samples,
+        ]
+    )
     create_markdown_artifact(body, key=key, description=f"{run_id} iteration {iteration}: metrics, rewards, samples")

@@ -25,8 +25,11 @@ def select_groups(scores: pl.DataFrame, target_groups: int, drop_zero_variance: 
     groups = (
         scores.group_by("prompt_id", maintain_order=True)
         .agg(
-            pl.col("iteration").first(), pl.col("round").first(), pl.len().cast(pl.Int32).alias("group_size"),
-            pl.col("reward").mean().alias("reward_mean"), pl.col("reward").std(ddof=1).fill_null(0.0).alias("reward_std"),
+            pl.col("iteration").first(),
+            pl.col("round").first(),
+            pl.len().cast(pl.Int32).alias("group_size"),
+            pl.col("reward").mean().alias("reward_mean"),
+            pl.col("reward").std(ddof=1).fill_null(0.0).alias("reward_std"),
             (pl.col("reward").max() - pl.col("reward").min()).alias("_spread"),
         )
         .sort("round", maintain_order=True)
@@ -38,14 +41,19 @@ def select_groups(scores: pl.DataFrame, target_groups: int, drop_zero_variance: 
     )
     return groups.with_columns(
         (~pl.col("_zero") & (pl.col("_rank") <= target_groups)).alias("kept"),
-        pl.when(pl.col("_zero")).then(pl.lit("zero_variance"))
-        .when(pl.col("_rank") > target_groups).then(pl.lit("over_target"))
-        .otherwise(pl.lit("")).alias("filter_reason"),
+        pl.when(pl.col("_zero"))
+        .then(pl.lit("zero_variance"))
+        .when(pl.col("_rank") > target_groups)
+        .then(pl.lit("over_target"))
+        .otherwise(pl.lit(""))
+        .alias("filter_reason"),
     ).drop("_spread", "_zero", "_rank")
 
 
 @stage_task("batch")
-def batch_task(storage_root: str, run_id: str, iteration: int, round_: int, scores_fps: list[str]) -> StageOutput | None:
+def batch_task(
+    storage_root: str, run_id: str, iteration: int, round_: int, scores_fps: list[str]
+) -> StageOutput | None:
     """Returns the batch StageOutput when done, or None when another round of sampling is needed."""
     ctx = load_run(storage_root, run_id, SPEC)
     b = ctx.cfg.batch
@@ -64,9 +72,13 @@ def batch_task(storage_root: str, run_id: str, iteration: int, round_: int, scor
     def compute():
         frame = groups.with_columns(pl.lit(round_ + 1, pl.Int32).alias("rounds_used"))
         dropped = float((groups["filter_reason"] == "zero_variance").mean())
-        return Computed(frame, extra={"rounds_used": round_ + 1, "kept_groups": kept, "zero_variance_fraction": dropped})
+        return Computed(
+            frame, extra={"rounds_used": round_ + 1, "kept_groups": kept, "zero_variance_fraction": dropped}
+        )
 
-    return run_stage(ctx, iteration, inputs={f"scores_round{i}": fp for i, fp in enumerate(scores_fps)}, compute=compute)
+    return run_stage(
+        ctx, iteration, inputs={f"scores_round{i}": fp for i, fp in enumerate(scores_fps)}, compute=compute
+    )
 
 
 def recompute(root: str, run_id: str, iteration: int) -> StageOutput | None:

@@ -88,8 +88,17 @@ def run_stage(
     started = time.time()
     out = compute()
     return write_stage(
-        ctx.layout, stage, iteration, out.frame, fp=fp, inputs=inputs, config_hash=config_hash,
-        started=started, part=part, engines=out.engines, extra=out.extra,
+        ctx.layout,
+        stage,
+        iteration,
+        out.frame,
+        fp=fp,
+        inputs=inputs,
+        config_hash=config_hash,
+        started=started,
+        part=part,
+        engines=out.engines,
+        extra=out.extra,
     )
 
 
@@ -139,14 +148,25 @@ def scratch_file(ctx: RunContext, name: str) -> Path:
     return ctx.layout.scratch_dir / name
 
 
-def score_frame_worker(ctx: RunContext, kind: str, model_path: str, micro_batch_size: int, frame: pl.DataFrame, name: str,
-                       log: str | None = None) -> pl.DataFrame:
+def score_frame_worker(
+    ctx: RunContext,
+    kind: str,
+    model_path: str,
+    micro_batch_size: int,
+    frame: pl.DataFrame,
+    name: str,
+    log: str | None = None,
+) -> pl.DataFrame:
     """Score one table with the scoring worker (kind rm_score or seq_logprobs): `frame` goes in, the table it writes
     comes back (both scratch files, removed after); its log is logs/{log or name}.log."""
     data_path, out_path = scratch_file(ctx, f"{name}.in.parquet"), scratch_file(ctx, f"{name}.out.parquet")
     frame.write_parquet(data_path)
-    run_worker(SCORE_WORKER, ScoreRequest(kind, model_path, str(data_path), str(out_path), micro_batch_size), ctx.layout.scratch_dir,
-               ctx.layout.log_path(log or name))
+    run_worker(
+        SCORE_WORKER,
+        ScoreRequest(kind, model_path, str(data_path), str(out_path), micro_batch_size),
+        ctx.layout.scratch_dir,
+        ctx.layout.log_path(log or name),
+    )
     out = pl.read_parquet(out_path)
     data_path.unlink(), out_path.unlink()
     return out
@@ -156,5 +176,9 @@ def score_frame_worker(ctx: RunContext, kind: str, model_path: str, micro_batch_
 def plan_task(storage_root: str, run_id: str) -> dict:
     """The loop bounds of a run, read from its saved config (flows stay free of data code)."""
     cfg = load_run(storage_root, run_id).cfg
-    return {"iterations": cfg.rl.iterations, "eval_every": cfg.rl.eval_every, "ptx": cfg.loss.ptx_coef > 0,
-            "model_path": cfg.model.path}
+    return {
+        "iterations": cfg.rl.iterations,
+        "eval_every": cfg.rl.eval_every,
+        "ptx": cfg.loss.ptx_coef > 0,
+        "model_path": cfg.model.path,
+    }

@@ -37,7 +37,9 @@ def dataset_task(storage_root: str, run_id: str) -> StageOutput:
         table, stats = build_prompt_dataset(d, ctx.cfg.prompt, load_tokenizer(ctx.cfg.model.path), ctx.cfg.seed)
         return Computed(table, extra=stats)
 
-    inputs = {"train_files": files_fingerprint(d.train_files, "data.train_files") if d.train_files else "",
-              "eval_files": files_fingerprint(d.eval_files, "data.eval_files") if d.eval_files else "",
-              "tokenizer": tokenizer_fingerprint(ctx.cfg.model.path)}
+    inputs = {
+        "train_files": files_fingerprint(d.train_files, "data.train_files") if d.train_files else "",
+        "eval_files": files_fingerprint(d.eval_files, "data.eval_files") if d.eval_files else "",
+        "tokenizer": tokenizer_fingerprint(ctx.cfg.model.path),
+    }
     return run_stage(ctx, 0, inputs=inputs, compute=compute)

@@ -21,16 +21,28 @@ KEYS = ["prompt_id", "pair_idx"]
 
 
 REF_SPEC = StageSpec("ref_logprobs", reads=("preference_pairs",), sections=("dpo", "model", "prompt"), scope="run")
-TRAIN_SPEC = StageSpec("dpo_metrics", reads=("preference_pairs", "ref_logprobs"), sections=("dpo", "model", "lora", "prompt"), scope="run",
-                       also_writes=("checkpoints",))
-EVAL_SPEC = StageSpec("dpo_eval", reads=("preference_pairs", "ref_logprobs", "dpo_metrics"), sections=("dpo", "model", "prompt"),
-                      scope="run")
+TRAIN_SPEC = StageSpec(
+    "dpo_metrics",
+    reads=("preference_pairs", "ref_logprobs"),
+    sections=("dpo", "model", "lora", "prompt"),
+    scope="run",
+    also_writes=("checkpoints",),
+)
+EVAL_SPEC = StageSpec(
+    "dpo_eval",
+    reads=("preference_pairs", "ref_logprobs", "dpo_metrics"),
+    sections=("dpo", "model", "prompt"),
+    scope="run",
+)
 
 
 def sequence_logprobs(ctx: RunContext, model_path: str, pairs: pl.DataFrame, name: str) -> pl.DataFrame:
     """prompt_id, pair_idx, chosen_logp, rejected_logp of `pairs` under the model at `model_path`."""
-    data = with_token_ids(ctx, pairs.select(*KEYS, "prompt_token_ids", "chosen", "rejected"),
-                          {"chosen": "chosen_token_ids", "rejected": "rejected_token_ids"})
+    data = with_token_ids(
+        ctx,
+        pairs.select(*KEYS, "prompt_token_ids", "chosen", "rejected"),
+        {"chosen": "chosen_token_ids", "rejected": "rejected_token_ids"},
+    )
     return score_frame_worker(ctx, "seq_logprobs", model_path, ctx.cfg.dpo.micro_batch_size, data, name)
 
 
@@ -42,8 +54,7 @@ def ref_logprobs_task(storage_root: str, run_id: str, pairs_fp: str) -> StageOut
         pairs = read_stage(ctx.layout, "preference_pairs", 0)
         return Computed(sequence_logprobs(ctx, ctx.cfg.model.path, pairs, "ref_logprobs"))
 
-    return run_stage(ctx, 0, compute=compute,
-                     inputs={"pairs": pairs_fp, "ref": model_fingerprint(ctx.cfg.model.path)})
+    return run_stage(ctx, 0, compute=compute, inputs={"pairs": pairs_fp, "ref": model_fingerprint(ctx.cfg.model.path)})
 
 
 @stage_task("dpo_optimize")
@@ -52,17 +63,33 @@ def dpo_optimize_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str
     d = ctx.cfg.dpo
 
     def compute():
-        ref = read_stage(ctx.layout, "ref_logprobs", 0).rename({"chosen_logp": "ref_chosen_logp", "rejected_logp": "ref_rejected_logp"})
-        train = read_stage(ctx.layout, "preference_pairs", 0).filter(pl.col("split") == "train").join(ref, on=KEYS, validate="1:1")
+        ref = read_stage(ctx.layout, "ref_logprobs", 0).rename(
+            {"chosen_logp": "ref_chosen_logp", "rejected_logp": "ref_rejected_logp"}
+        )
+        train = (
+            read_stage(ctx.layout, "preference_pairs", 0)
+            .filter(pl.col("split") == "train")
+            .join(ref, on=KEYS, validate="1:1")
+        )
         train = with_token_ids(ctx, train, {"chosen": "chosen_token_ids", "rejected": "rejected_token_ids"})
         final, resp, metrics = train_preference_model(ctx, "dpo", train, d, d.beta, d.nll_coef)
         return Computed(
-            metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
-            extra={"checkpoint": str(final), "exported_to": d.out_path, "train_seconds": resp["train_seconds"], "pairs": train.height},
+            metrics,
+            engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
+            extra={
+                "checkpoint": str(final),
+                "exported_to": d.out_path,
+                "train_seconds": resp["train_seconds"],
+                "pairs": train.height,
+            },
         )
 
-    out = run_stage(ctx, 1, compute=compute,
-                    inputs={"pairs": pairs_fp, "ref": ref_fp, "policy": model_fingerprint(ctx.cfg.model.path)})
+    out = run_stage(
+        ctx,
+        1,
+        compute=compute,
+        inputs={"pairs": pairs_fp, "ref": ref_fp, "policy": model_fingerprint(ctx.cfg.model.path)},
+    )
     ensure_exported(ctx.layout.checkpoint_dir(1), d.out_path)
     return out
 
@@ -77,10 +104,13 @@ def dpo_eval_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str, dp
         policy = sequence_logprobs(ctx, str(ctx.layout.checkpoint_dir(1)), held, "dpo_eval")
         df = policy.join(read_stage(ctx.layout, "ref_logprobs", 0), on=KEYS, suffix="_ref", validate="1:1")
         rewards = [
-            df.select(*KEYS, (beta * (pl.col(f"{s}_logp") - pl.col(f"{s}_logp_ref"))).alias("score")) for s in ("chosen", "rejected")
+            df.select(*KEYS, (beta * (pl.col(f"{s}_logp") - pl.col(f"{s}_logp_ref"))).alias("score"))
+            for s in ("chosen", "rejected")
         ]
         out = pair_eval_frame(*rewards)
         margin = float((out["chosen_score"] - out["rejected_score"]).mean())
-        return Computed(out, extra={"reward_accuracy": float(out["correct"].mean()), "reward_margin": margin, "pairs": out.height})
+        return Computed(
+            out, extra={"reward_accuracy": float(out["correct"].mean()), "reward_margin": margin, "pairs": out.height}
+        )
 
     return run_stage(ctx, 1, compute=compute, inputs={"pairs": pairs_fp, "ref": ref_fp, "dpo": dpo_fp})

@@ -26,8 +26,12 @@ from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint, weights_after
 
 # Reads the weights after the iteration: the checkpoint train_metrics (or dpo_metrics) marks complete.
-SPEC = StageSpec("eval", reads=("dataset", "train_metrics"), sections=("eval", "rollout", "reward", "data", "model", "lora", "optim"),
-                 scope="iteration")
+SPEC = StageSpec(
+    "eval",
+    reads=("dataset", "train_metrics"),
+    sections=("eval", "rollout", "reward", "data", "model", "lora", "optim"),
+    scope="iteration",
+)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -49,22 +53,28 @@ def judged(ctx: RunContext, responses: pl.DataFrame, held_out: pl.DataFrame, nam
     return scored.with_columns((pl.col(judge) >= e.judge_threshold).alias("correct"))
 
 
-def eval_table(held_out: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFrame, k: int, iteration: int) -> pl.DataFrame:
+def eval_table(
+    held_out: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFrame, k: int, iteration: int
+) -> pl.DataFrame:
     """One row per held-out prompt from the greedy and sampled responses, each already judged (`correct`, `reward`)."""
     g = greedy.select(
-        "prompt_id", pl.col("text").alias("greedy_text"), pl.col("correct").alias("greedy_correct"),
-        pl.col("length").alias("greedy_length"), pl.col("reward").alias("greedy_reward"),
+        "prompt_id",
+        pl.col("text").alias("greedy_text"),
+        pl.col("correct").alias("greedy_correct"),
+        pl.col("length").alias("greedy_length"),
+        pl.col("reward").alias("greedy_reward"),
     )
     s = sampled.group_by("prompt_id").agg(
-        pl.len().cast(pl.Int32).alias("n_samples"), pl.col("correct").sum().cast(pl.Int32).alias("n_correct"),
+        pl.len().cast(pl.Int32).alias("n_samples"),
+        pl.col("correct").sum().cast(pl.Int32).alias("n_correct"),
         pl.col("reward").mean().alias("sampled_reward_mean"),
     )
     out = held_out.select("prompt_id", pl.col("answer").fill_null("")).join(g, on="prompt_id").join(s, on="prompt_id")
     return out.with_columns(
         pl.lit(iteration, pl.Int32).alias("iteration"),
-        pl.struct("n_samples", "n_correct").map_elements(
-            lambda r: pass_at_k(r["n_samples"], r["n_correct"], k), return_dtype=pl.Float64
-        ).alias("pass_at_k"),
+        pl.struct("n_samples", "n_correct")
+        .map_elements(lambda r: pass_at_k(r["n_samples"], r["n_correct"], k), return_dtype=pl.Float64)
+        .alias("pass_at_k"),
     )
 
 
@@ -72,9 +82,12 @@ def eval_summary(ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sample
     e = ctx.cfg.eval
     both = pl.concat([greedy.select(pl.col("^error_.*$")), sampled.select(pl.col("^error_.*$"))])
     summary = {
-        "accuracy": float(df["greedy_correct"].mean()), f"pass_at_{e.pass_k}": float(df["pass_at_k"].mean()),
-        "mean_reward": float(df["greedy_reward"].mean()), "sampled_mean_reward": float(sampled["reward"].mean()),
-        "mean_length": float(df["greedy_length"].mean()), "prompts": df.height,
+        "accuracy": float(df["greedy_correct"].mean()),
+        f"pass_at_{e.pass_k}": float(df["pass_at_k"].mean()),
+        "mean_reward": float(df["greedy_reward"].mean()),
+        "sampled_mean_reward": float(sampled["reward"].mean()),
+        "mean_length": float(df["greedy_length"].mean()),
+        "prompts": df.height,
         **{f"{c.replace('error_', 'error_rate_')}": float(both[c].is_not_null().mean()) for c in both.columns},
     }
     if ctx.cfg.reward.kind == "model":  # does the reward model still rank like the judge on unseen prompts?
@@ -83,8 +96,9 @@ def eval_summary(ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sample
 
 
 @stage_task("eval")
-def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics",
-              interim: bool = False) -> StageOutput | None:
+def eval_task(
+    storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics", interim: bool = False
+) -> StageOutput | None:
     """None when the run has no held-out prompts (data.eval_files empty and data.eval_fraction 0). `interim`: an eval
     during training, on eval.interim_prompts held-out prompts when that is set."""
     ctx = load_run(storage_root, run_id, SPEC)
@@ -101,7 +115,9 @@ def eval_task(storage_root: str, run_id: str, iteration: int, weights_stage: str
         held_out = held_out.head(limit) if limit else held_out
         jobs = [sampling_job(ctx, 1, 0.0, ctx.cfg.seed), sampling_job(ctx, e.samples, e.temperature, ctx.cfg.seed + 1)]
         (greedy, sampled), resp = generate(ctx, weights.path, held_out, jobs, f"eval-{iteration:05d}")
-        greedy, sampled = (judged(ctx, f, held_out, f"eval-rm-{name}") for f, name in ((greedy, "greedy"), (sampled, "sampled")))
+        greedy, sampled = (
+            judged(ctx, f, held_out, f"eval-rm-{name}") for f, name in ((greedy, "greedy"), (sampled, "sampled"))
+        )
         df = eval_table(held_out, greedy, sampled, e.pass_k, iteration)
         return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=eval_summary(ctx, df, greedy, sampled))
 

@@ -27,10 +27,26 @@ PROMPT_STATS = advantages.STATS_SPEC
 # Once per run, before any iteration (iteration 0).
 RUN_STAGES = (dataset.SPEC, sft.SPEC, sft.TRAIN_SPEC)
 # One RL iteration, in data order; prompt_stats is advantages' second table; eval reads the iteration's checkpoint.
-RL_ITERATION = (prompts.SPEC, rollouts.SPEC, scores.SPEC, batch.SPEC, logprobs.SPEC, advantages.SPEC, PROMPT_STATS,
-                optimize.SPEC, evaluate.SPEC)
-PREFERENCE_STAGES = (preference_data.SPEC, preference_data.PAIRS_SPEC, dpo.REF_SPEC, dpo.TRAIN_SPEC, dpo.EVAL_SPEC,
-                     reward_model.TRAIN_SPEC, reward_model.EVAL_SPEC)
+RL_ITERATION = (
+    prompts.SPEC,
+    rollouts.SPEC,
+    scores.SPEC,
+    batch.SPEC,
+    logprobs.SPEC,
+    advantages.SPEC,
+    PROMPT_STATS,
+    optimize.SPEC,
+    evaluate.SPEC,
+)
+PREFERENCE_STAGES = (
+    preference_data.SPEC,
+    preference_data.PAIRS_SPEC,
+    dpo.REF_SPEC,
+    dpo.TRAIN_SPEC,
+    dpo.EVAL_SPEC,
+    reward_model.TRAIN_SPEC,
+    reward_model.EVAL_SPEC,
+)
 STAGES = RUN_STAGES + RL_ITERATION + PREFERENCE_STAGES
 
 
@@ -49,7 +65,7 @@ def rerunnable() -> list[StageSpec]:
 def downstream_tables(name: str) -> list[str]:
     """The tables of one iteration that recomputing `name` makes stale: it and everything after it in data order."""
     names = [s.name for s in RL_ITERATION]
-    return names[names.index(stage(name).name):]
+    return names[names.index(stage(name).name) :]
 
 
 def with_readers(names: set[str]) -> set[str]:

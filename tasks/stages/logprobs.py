@@ -12,7 +12,15 @@ import polars as pl
 from schemas.requests import LogprobsRequest
 from storage import StageOutput, read_stage
 from tasks.engines.trainer_client import call_trainer
-from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task, upstream_fingerprint
+from tasks.stages.common import (
+    Computed,
+    RunContext,
+    load_run,
+    run_stage,
+    scratch_file,
+    stage_task,
+    upstream_fingerprint,
+)
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import critic_after, starting_weights, weights_after
 
@@ -32,20 +40,38 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str)
         inp, out = scratch_file(ctx, "logprobs.in.parquet"), scratch_file(ctx, "logprobs.out.parquet")
         samples.write_parquet(inp)
         critic = critic_after(ctx, iteration - 1) if ctx.cfg.uses_critic else None
-        request = LogprobsRequest(policy.path, ref.path, str(inp), str(out), ctx.cfg.optim.micro_batch_size, ctx.cfg.model.dtype,
-                                  critic.path if critic else None, bool(critic and critic.fresh))
+        request = LogprobsRequest(
+            policy.path,
+            ref.path,
+            str(inp),
+            str(out),
+            ctx.cfg.optim.micro_batch_size,
+            ctx.cfg.model.dtype,
+            critic.path if critic else None,
+            bool(critic and critic.fresh),
+        )
         resp = call_trainer(ctx, request, f"logprobs-{iteration:05d}")
         df = pl.read_parquet(out).with_columns(pl.lit(iteration, pl.Int32).alias("iteration"))
         inp.unlink(), out.unlink()
         return Computed(df, extra=resp)
 
-    return run_stage(ctx, iteration, salt="critic" if ctx.cfg.uses_critic else "",
-                     inputs={"batch": batch_fp, "policy": policy.fingerprint, "ref": ref.fingerprint}, compute=compute)
+    return run_stage(
+        ctx,
+        iteration,
+        salt="critic" if ctx.cfg.uses_critic else "",
+        inputs={"batch": batch_fp, "policy": policy.fingerprint, "ref": ref.fingerprint},
+        compute=compute,
+    )
 
 
 def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
     return logprobs_task.fn(root, run_id, iteration, upstream_fingerprint(root, run_id, "batch", iteration))
 
 
-SPEC = StageSpec("logprobs", reads=("batch", "rollouts"), sections=("optim", "model", "advantage"), scope="iteration",
-                 recompute=recompute)
+SPEC = StageSpec(
+    "logprobs",
+    reads=("batch", "rollouts"),
+    sections=("optim", "model", "advantage"),
+    scope="iteration",
+    recompute=recompute,
+)

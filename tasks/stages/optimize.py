@@ -37,7 +37,9 @@ def training_frame(ctx: RunContext, iteration: int) -> pl.DataFrame:
     """What the trainer needs per sample. `loss_mask` is 0 for a truncated response under DAPO's overlong
     filtering (it stays in the batch, so its group's advantages are unchanged, but gives no gradient)."""
     keys = ["prompt_id", "sample_idx"]
-    rollouts = kept_rollouts(ctx, iteration).select(*keys, "prompt_token_ids", "token_ids", "sampler_logprobs", "truncated")
+    rollouts = kept_rollouts(ctx, iteration).select(
+        *keys, "prompt_token_ids", "token_ids", "sampler_logprobs", "truncated"
+    )
     logprobs = read_stage(ctx.layout, "logprobs", iteration).select(*keys, "old_logprobs", "ref_logprobs", "values")
     adv = read_stage(ctx.layout, "advantages", iteration).select(*keys, "token_advantages", "returns")
     df = rollouts.join(logprobs, on=keys, validate="1:1").join(adv, on=keys, validate="1:1")
@@ -50,7 +52,9 @@ def ptx_fingerprint(ctx: RunContext) -> str:
     policy's tokenizer); its fingerprint is an input of every update, so changed demonstrations retrain."""
     manifest = read_manifest(ctx.layout, "sft_data", 0)
     if manifest is None:
-        raise NotFound(f"loss.ptx_coef > 0 needs the run's sft_data stage, which is missing (run {ctx.layout.run_id!r})")
+        raise NotFound(
+            f"loss.ptx_coef > 0 needs the run's sft_data stage, which is missing (run {ctx.layout.run_id!r})"
+        )
     return manifest["fingerprint"]
 
 
@@ -67,8 +71,9 @@ def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> CriticRequest 
         return None
     c, prev = ctx.cfg.critic, critic_after(ctx, iteration - 1)
     out_dir = tmp / ctx.layout.critic_dir(iteration).relative_to(ctx.layout.checkpoint_dir(iteration))
-    return CriticRequest(prev.path, prev.fresh, None if prev.fresh else f"{prev.path}/ds_state", str(out_dir), c.lr,
-                         c.value_clip, c.coef)
+    return CriticRequest(
+        prev.path, prev.fresh, None if prev.fresh else f"{prev.path}/ds_state", str(out_dir), c.lr, c.value_clip, c.coef
+    )
 
 
 def prune_optimizer_states(layout, iteration: int, keep: int | None) -> None:
@@ -88,10 +93,14 @@ def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
     sampler to the policy (0 when the engine started on it), and the sampler's logprob gap to the trainer on the
     checkpoint's probe (NaN when it has none), and the largest replica's peak resident memory so far."""
     gaps = [r["sync_logprob_gap"] for r in rounds if r.get("sync_logprob_gap") is not None]
-    return {"seconds_generate": float(sum(r.get("generate_seconds", 0.0) for r in rounds)),
-            "weight_sync_seconds": float(sum(r.get("sync_seconds", 0.0) for r in rounds)),
-            "weight_sync_logprob_gap": float(max(gaps)) if gaps else float("nan"),
-            "sampler_peak_rss_gib": float(max((r.get("sampler_peak_rss_gib", float("nan")) for r in rounds), default=float("nan")))}
+    return {
+        "seconds_generate": float(sum(r.get("generate_seconds", 0.0) for r in rounds)),
+        "weight_sync_seconds": float(sum(r.get("sync_seconds", 0.0) for r in rounds)),
+        "weight_sync_logprob_gap": float(max(gaps)) if gaps else float("nan"),
+        "sampler_peak_rss_gib": float(
+            max((r.get("sampler_peak_rss_gib", float("nan")) for r in rounds), default=float("nan"))
+        ),
+    }
 
 
 def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
@@ -109,8 +118,16 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
                 out.update(rollout_engine_metrics([v for k, v in extra.items() if k.startswith("round")]))
             if stage == "logprobs" and "forward_seconds" in extra:
                 out["seconds_logprobs_forward"] = float(extra["forward_seconds"])
-                out["logprobs_peak_rss_gib"] = float(extra.get("peak_rss_gib", float("nan")))  # the trainer's, after logprobs
-                out.update({f"logprobs_{k}": float(v) for k, v in extra.items() if k.startswith("forward_") and k != "forward_seconds"})
+                out["logprobs_peak_rss_gib"] = float(
+                    extra.get("peak_rss_gib", float("nan"))
+                )  # the trainer's, after logprobs
+                out.update(
+                    {
+                        f"logprobs_{k}": float(v)
+                        for k, v in extra.items()
+                        if k.startswith("forward_") and k != "forward_seconds"
+                    }
+                )
     return out
 
 
@@ -131,12 +148,21 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         tmp = temp_dir_for(final)
         prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
         if prev_state and not Path(prev_state).exists():
-            raise NotFound(f"the optimizer state of checkpoint {policy.version} was removed (engines.keep_optimizer_states="
-                           f"{ctx.cfg.engines.keep_optimizer_states}): iteration {iteration} cannot be redone from it")
+            raise NotFound(
+                f"the optimizer state of checkpoint {policy.version} was removed (engines.keep_optimizer_states="
+                f"{ctx.cfg.engines.keep_optimizer_states}): iteration {iteration} cannot be redone from it"
+            )
         request = UpdateRequest(
-            model_path=policy.path, tmp_dir=str(tmp), data_path=str(data_path), resume_state=prev_state,
-            seed=ctx.cfg.seed + iteration, engine=EngineSettings.for_policy(o, ctx.cfg.model, policy_lora(ctx)), ppo_epochs=o.ppo_epochs,
-            minibatches=o.minibatches, warmup_steps=o.warmup_steps, first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
+            model_path=policy.path,
+            tmp_dir=str(tmp),
+            data_path=str(data_path),
+            resume_state=prev_state,
+            seed=ctx.cfg.seed + iteration,
+            engine=EngineSettings.for_policy(o, ctx.cfg.model, policy_lora(ctx)),
+            ppo_epochs=o.ppo_epochs,
+            minibatches=o.minibatches,
+            warmup_steps=o.warmup_steps,
+            first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
             loss=LossSettings.from_config(lc, kl.estimator, kl.placement == "loss", beta, ctx.cfg.rollout.max_tokens),
             critic=critic_request(ctx, iteration, tmp),
             ptx=PtxRequest(lc.ptx_coef, lc.ptx_batch, str(ptx_file(ctx))) if lc.ptx_coef else None,
@@ -146,37 +172,65 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         commit_dir(tmp, final)
         data_path.unlink()
         prune_optimizer_states(ctx.layout, iteration, ctx.cfg.engines.keep_optimizer_states)
-        rollouts, advantages = read_stage(ctx.layout, "rollouts", iteration), read_stage(ctx.layout, "advantages", iteration)
+        rollouts, advantages = (
+            read_stage(ctx.layout, "rollouts", iteration),
+            read_stage(ctx.layout, "advantages", iteration),
+        )
         logprobs = read_stage(ctx.layout, "logprobs", iteration)
         critic_metrics = {"explained_variance": explained_variance(advantages, logprobs)} if ctx.cfg.uses_critic else {}
         row = {
-            "iteration": iteration, "policy_version": iteration, **resp["metrics"], **critic_metrics, "kl_beta": beta,
+            "iteration": iteration,
+            "policy_version": iteration,
+            **resp["metrics"],
+            **critic_metrics,
+            "kl_beta": beta,
             "loss_masked_fraction": masked,
-            **rollout_metrics(rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)),
+            **rollout_metrics(
+                rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)
+            ),
             **advantage_metrics(advantages),
             "sampler_logprob_gap": sampler_gap(rollouts, logprobs),
-            "seconds_optimize": resp["train_seconds"], **stage_metrics(ctx, iteration),
+            "seconds_optimize": resp["train_seconds"],
+            **stage_metrics(ctx, iteration),
             "trainer_engines_reused": float(resp.get("reused_engine", 0)),
         }
         frame = pl.DataFrame([row]).with_columns(
-            pl.col("iteration", "policy_version").cast(pl.Int32), pl.col("optimizer_steps").cast(pl.Int32),
+            pl.col("iteration", "policy_version").cast(pl.Int32),
+            pl.col("optimizer_steps").cast(pl.Int32),
             pl.col("loss").cast(pl.Float64),
         )
         return Computed(
-            frame, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
+            frame,
+            engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
             extra={"checkpoint": str(final), **({"adapter": describe(str(final))} if is_adapter(final) else {})},
         )
 
-    return run_stage(ctx, iteration, salt=f"beta={beta:.12g}", compute=compute,
-                     inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint, "ptx": ptx_fp})
+    return run_stage(
+        ctx,
+        iteration,
+        salt=f"beta={beta:.12g}",
+        compute=compute,
+        inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint, "ptx": ptx_fp},
+    )
 
 
 def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
-    return optimize_task.fn(root, run_id, iteration, upstream_fingerprint(root, run_id, "advantages", iteration),
-                            upstream_fingerprint(root, run_id, "logprobs", iteration))
+    return optimize_task.fn(
+        root,
+        run_id,
+        iteration,
+        upstream_fingerprint(root, run_id, "advantages", iteration),
+        upstream_fingerprint(root, run_id, "logprobs", iteration),
+    )
 
 
 # The update: its table is train_metrics, its other output the checkpoint (whose manifest is train_metrics').
-SPEC = StageSpec("train_metrics", reads=("advantages", "logprobs", "rollouts", "scores", "batch", "sft_data"),
-                 sections=("optim", "loss", "kl", "critic", "model", "lora", "rollout", "advantage"), scope="iteration",
-                 also_writes=("checkpoints",), aliases=("optimize",), recompute=recompute)
+SPEC = StageSpec(
+    "train_metrics",
+    reads=("advantages", "logprobs", "rollouts", "scores", "batch", "sft_data"),
+    sections=("optim", "loss", "kl", "critic", "model", "lora", "rollout", "advantage"),
+    scope="iteration",
+    also_writes=("checkpoints",),
+    aliases=("optimize",),
+    recompute=recompute,
+)

@@ -33,8 +33,12 @@ from tasks.stages.rollouts import generate, sampling_job
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint
 
-SPEC = StageSpec("preference_rankings", reads=("dataset",), scope="run",
-                 sections=("preference", "prompt", "rollout", "reward", "eval", "model", "lora", "data", "optim"))
+SPEC = StageSpec(
+    "preference_rankings",
+    reads=("dataset",),
+    scope="run",
+    sections=("preference", "prompt", "rollout", "reward", "eval", "model", "lora", "data", "optim"),
+)
 PAIRS_SPEC = StageSpec("preference_pairs", reads=("preference_rankings",), sections=(), scope="run")
 
 
@@ -46,11 +50,17 @@ def generated_rankings(ctx: RunContext) -> Computed:
     scored = judged(ctx, samples, train, "preference-rm")
     judge = "reward" if ctx.cfg.eval.judge == "reward" else f"score_{ctx.cfg.eval.judge}"
     ranked = scored.select("prompt_id", pl.col("text").alias("response"), pl.col(judge).alias("reward")).join(
-        train.select("prompt_id", pl.col("text").alias("prompt"), "prompt_token_ids"), on="prompt_id", how="left")
+        train.select("prompt_id", pl.col("text").alias("prompt"), "prompt_token_ids"), on="prompt_id", how="left"
+    )
     rankings = rankings_from_samples(ranked)
     rankings = assign_splits(rankings, p.heldout_fraction, ctx.cfg.seed)
-    extra = {"source": "generated", "prompts": train.height, "samples": samples.height, "rankings": rankings.height,
-             "sample_accuracy": float(scored["correct"].mean())}
+    extra = {
+        "source": "generated",
+        "prompts": train.height,
+        "samples": samples.height,
+        "rankings": rankings.height,
+        "sample_accuracy": float(scored["correct"].mean()),
+    }
     return Computed(rankings, engines={"vllm": resp["vllm_version"]}, extra=extra)
 
 
@@ -67,8 +77,10 @@ def preference_rankings_task(storage_root: str, run_id: str) -> StageOutput:
         return generated_rankings(ctx)
 
     if p.data:
-        inputs = {"data": sha256_file(Path(p.data))[:20] if Path(p.data).is_file() else "missing",
-                  "model": model_fingerprint(ctx.cfg.model.path)}
+        inputs = {
+            "data": sha256_file(Path(p.data))[:20] if Path(p.data).is_file() else "missing",
+            "model": model_fingerprint(ctx.cfg.model.path),
+        }
         salt = ""
     else:
         inputs = {"model": model_fingerprint(ctx.cfg.model.path), "dataset": dataset_fingerprint(ctx)[0]}

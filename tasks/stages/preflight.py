@@ -28,8 +28,10 @@ def check_context(model_path: str, longest_prompt: int, max_tokens: int) -> None
     config = json.loads((Path(model_path) / "config.json").read_text())
     context = config.get("max_position_embeddings") or config.get("n_positions")
     if context and longest_prompt + max_tokens > context:
-        raise ContextLengthError(f"rollout.max_tokens={max_tokens} plus the longest prompt ({longest_prompt} tokens) exceeds "
-                                 f"the model's context of {context}")
+        raise ContextLengthError(
+            f"rollout.max_tokens={max_tokens} plus the longest prompt ({longest_prompt} tokens) exceeds "
+            f"the model's context of {context}"
+        )
 
 
 def check_lora(cfg, model_path: str) -> None:
@@ -68,7 +70,9 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         check_context(cfg.model.path, dataset.extra["longest_prompt_tokens"], cfg.rollout.max_tokens)
         train = dataset.extra["prompts"]["train"]
         if flow == "rl" and cfg.rollout.prompts_per_round > train:
-            raise ContextLengthError(f"rollout.prompts_per_round={cfg.rollout.prompts_per_round} is more than the {train} train prompts "
-                                     "of data.train_files")
+            raise ContextLengthError(
+                f"rollout.prompts_per_round={cfg.rollout.prompts_per_round} is more than the {train} train prompts "
+                "of data.train_files"
+            )
     if flow == "rl" and cfg.loss.ptx_coef:
         sft_data_task.fn(storage_root, run_id, cfg.model.path)

@@ -25,7 +25,8 @@ def sample_prompts(dataset: pl.DataFrame, n: int, seed: int, iteration: int, rou
     start = (round_ * n) % max(1, dataset.height)
     picked = [order[(start + i) % dataset.height] for i in range(min(n, dataset.height))]
     return dataset[picked].select(
-        pl.lit(iteration, pl.Int32).alias("iteration"), pl.lit(round_, pl.Int32).alias("round"),
+        pl.lit(iteration, pl.Int32).alias("iteration"),
+        pl.lit(round_, pl.Int32).alias("round"),
         pl.exclude("split"),
     )
 
@@ -40,6 +41,8 @@ def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int = 0
     dataset_fp, _ = dataset_fingerprint(ctx)
 
     def compute():
-        return Computed(sample_prompts(split_of(ctx, "train"), ctx.cfg.rollout.prompts_per_round, ctx.cfg.seed, iteration, round_))
+        return Computed(
+            sample_prompts(split_of(ctx, "train"), ctx.cfg.rollout.prompts_per_round, ctx.cfg.seed, iteration, round_)
+        )
 
     return run_stage(ctx, iteration, part=round_, inputs={"round": str(round_), "dataset": dataset_fp}, compute=compute)

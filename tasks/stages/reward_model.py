@@ -32,9 +32,16 @@ from tasks.stages.common import (
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint
 
-TRAIN_SPEC = StageSpec("rm_metrics", reads=("preference_rankings",), sections=("reward_model", "model", "prompt"), scope="run",
-                       also_writes=("checkpoints",))
-EVAL_SPEC = StageSpec("rm_eval", reads=("preference_pairs", "rm_metrics"), sections=("reward_model", "model", "prompt"), scope="run")
+TRAIN_SPEC = StageSpec(
+    "rm_metrics",
+    reads=("preference_rankings",),
+    sections=("reward_model", "model", "prompt"),
+    scope="run",
+    also_writes=("checkpoints",),
+)
+EVAL_SPEC = StageSpec(
+    "rm_eval", reads=("preference_pairs", "rm_metrics"), sections=("reward_model", "model", "prompt"), scope="run"
+)
 
 
 def with_token_ids(ctx: RunContext, frame: pl.DataFrame, columns: dict[str, str]) -> pl.DataFrame:
@@ -45,26 +52,44 @@ def with_token_ids(ctx: RunContext, frame: pl.DataFrame, columns: dict[str, str]
     for text, ids in columns.items():
         values = frame[text].to_list()
         if isinstance(frame.schema[text], pl.List):
-            out[ids] = pl.Series(ids, [[formatter.response_ids(r) for r in rs] for rs in values], dtype=pl.List(LIST_I32))
+            out[ids] = pl.Series(
+                ids, [[formatter.response_ids(r) for r in rs] for rs in values], dtype=pl.List(LIST_I32)
+            )
         else:
             out[ids] = pl.Series(ids, [formatter.response_ids(r) for r in values], dtype=LIST_I32)
     return frame.with_columns(**out)
 
 
-def train_preference_model(ctx: RunContext, kind: str, data: pl.DataFrame, settings, beta: float = 0.0, nll_coef: float = 0.0
-                           ) -> tuple[Path, dict, pl.DataFrame]:
+def train_preference_model(
+    ctx: RunContext, kind: str, data: pl.DataFrame, settings, beta: float = 0.0, nll_coef: float = 0.0
+) -> tuple[Path, dict, pl.DataFrame]:
     """Run a DeepSpeed preference trainer (kind rm or dpo) from model.path into checkpoints/iter=1, renamed into place
     and exported to settings.out_path; returns (checkpoint, worker response, per-step metrics)."""
     data_path, metrics_path = scratch_file(ctx, f"{kind}.in.parquet"), scratch_file(ctx, f"{kind}.metrics.parquet")
     data.write_parquet(data_path)
     final = ctx.layout.checkpoint_dir(1)
     tmp = temp_dir_for(final)
-    request = PreferenceTrainRequest(kind, ctx.cfg.model.path, str(tmp), str(data_path), str(metrics_path), ctx.cfg.seed,
-                                     EngineSettings.for_preferences(settings, ctx.cfg.model, policy_lora(ctx) if kind == "dpo" else None),
-                                     Schedule(settings.steps, settings.batch_size, settings.warmup_steps), beta, nll_coef)
-    resp = run_worker(PREFERENCE_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path(f"{kind}_train"),
-                      ranks=ctx.cfg.engines.train_ranks, devices=ctx.cfg.engines.trainer_devices,
-                      hostfile=ctx.cfg.engines.hostfile)
+    request = PreferenceTrainRequest(
+        kind,
+        ctx.cfg.model.path,
+        str(tmp),
+        str(data_path),
+        str(metrics_path),
+        ctx.cfg.seed,
+        EngineSettings.for_preferences(settings, ctx.cfg.model, policy_lora(ctx) if kind == "dpo" else None),
+        Schedule(settings.steps, settings.batch_size, settings.warmup_steps),
+        beta,
+        nll_coef,
+    )
+    resp = run_worker(
+        PREFERENCE_WORKER,
+        request,
+        ctx.layout.scratch_dir,
+        ctx.layout.log_path(f"{kind}_train"),
+        ranks=ctx.cfg.engines.train_ranks,
+        devices=ctx.cfg.engines.trainer_devices,
+        hostfile=ctx.cfg.engines.hostfile,
+    )
     commit_dir(tmp, final)
     export_checkpoint(final, settings.out_path)
     metrics = pl.read_parquet(metrics_path)
@@ -88,13 +113,19 @@ def rm_optimize_task(storage_root: str, run_id: str, rankings_fp: str) -> StageO
         train = with_token_ids(ctx, train, {"responses": "response_token_ids"})
         final, resp, metrics = train_preference_model(ctx, "rm", train, r)
         return Computed(
-            metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
-            extra={"checkpoint": str(final), "exported_to": r.out_path, "train_seconds": resp["train_seconds"],
-                   "rankings": train.height},
+            metrics,
+            engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
+            extra={
+                "checkpoint": str(final),
+                "exported_to": r.out_path,
+                "train_seconds": resp["train_seconds"],
+                "rankings": train.height,
+            },
         )
 
-    out = run_stage(ctx, 1, compute=compute,
-                    inputs={"rankings": rankings_fp, "base": model_fingerprint(ctx.cfg.model.path)})
+    out = run_stage(
+        ctx, 1, compute=compute, inputs={"rankings": rankings_fp, "base": model_fingerprint(ctx.cfg.model.path)}
+    )
     ensure_exported(ctx.layout.checkpoint_dir(1), r.out_path)
     return out
 
@@ -102,17 +133,30 @@ def rm_optimize_task(storage_root: str, run_id: str, rankings_fp: str) -> StageO
 def heldout_sides(pairs: pl.DataFrame) -> pl.DataFrame:
     """Held-out pairs as one row per (pair, side): prompt_id, pair_idx, side, prompt, prompt_token_ids, response."""
     held = pairs.filter(pl.col("split") == "heldout")
-    return pl.concat([
-        held.select("prompt_id", "pair_idx", pl.lit(side).alias("side"), "prompt", "prompt_token_ids", pl.col(side).alias("response"))
-        for side in ("chosen", "rejected")
-    ])
+    return pl.concat(
+        [
+            held.select(
+                "prompt_id",
+                "pair_idx",
+                pl.lit(side).alias("side"),
+                "prompt",
+                "prompt_token_ids",
+                pl.col(side).alias("response"),
+            )
+            for side in ("chosen", "rejected")
+        ]
+    )
 
 
 def pair_eval_frame(chosen_score: pl.DataFrame, rejected_score: pl.DataFrame) -> pl.DataFrame:
     """Two frames (prompt_id, pair_idx, score) → one row per pair with `correct` = chosen scores higher."""
     keys = ["prompt_id", "pair_idx"]
-    df = chosen_score.rename({"score": "chosen_score"}).join(rejected_score.rename({"score": "rejected_score"}), on=keys, validate="1:1")
-    return df.select(*keys, "chosen_score", "rejected_score", (pl.col("chosen_score") > pl.col("rejected_score")).alias("correct"))
+    df = chosen_score.rename({"score": "chosen_score"}).join(
+        rejected_score.rename({"score": "rejected_score"}), on=keys, validate="1:1"
+    )
+    return df.select(
+        *keys, "chosen_score", "rejected_score", (pl.col("chosen_score") > pl.col("rejected_score")).alias("correct")
+    )
 
 
 @stage_task("rm_eval")
@@ -120,9 +164,12 @@ def rm_eval_task(storage_root: str, run_id: str, pairs_fp: str, rm_fp: str) -> S
     ctx = load_run(storage_root, run_id, EVAL_SPEC)
 
     def compute():
-        sides = with_token_ids(ctx, heldout_sides(read_stage(ctx.layout, "preference_pairs", 0)), {"response": "response_token_ids"})
-        scored = score_frame_worker(ctx, "rm_score", str(ctx.layout.checkpoint_dir(1)), ctx.cfg.reward_model.micro_batch_size, sides,
-                                    "rm_eval").select("prompt_id", "pair_idx", "side", "score")
+        sides = with_token_ids(
+            ctx, heldout_sides(read_stage(ctx.layout, "preference_pairs", 0)), {"response": "response_token_ids"}
+        )
+        scored = score_frame_worker(
+            ctx, "rm_score", str(ctx.layout.checkpoint_dir(1)), ctx.cfg.reward_model.micro_batch_size, sides, "rm_eval"
+        ).select("prompt_id", "pair_idx", "side", "score")
         df = pair_eval_frame(*(scored.filter(pl.col("side") == s).drop("side") for s in ("chosen", "rejected")))
         return Computed(df, extra={"pairwise_accuracy": float(df["correct"].mean()), "pairs": df.height})
 

@@ -16,7 +16,15 @@ from storage import StageOutput, read_stage
 from tasks.engines.launch import WorkerError
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
-from tasks.stages.common import Computed, RunContext, load_run, run_stage, scratch_file, stage_task, upstream_part_fingerprints
+from tasks.stages.common import (
+    Computed,
+    RunContext,
+    load_run,
+    run_stage,
+    scratch_file,
+    stage_task,
+    upstream_part_fingerprints,
+)
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import weights_after
 
@@ -25,8 +33,16 @@ def sampling_job(ctx: RunContext, n: int, temperature: float, seed: int, top_p: 
     """One generation pass's sampling settings: the run's generation limit and stop conditions (the files are added
     by `generate`)."""
     r = ctx.cfg.rollout
-    return {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": r.max_tokens, "seed": seed,
-            "stop": tuple(r.stop), "stop_token_ids": tuple(r.stop_token_ids), "min_tokens": r.min_tokens}
+    return {
+        "n": n,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_tokens": r.max_tokens,
+        "seed": seed,
+        "stop": tuple(r.stop),
+        "stop_token_ids": tuple(r.stop_token_ids),
+        "min_tokens": r.min_tokens,
+    }
 
 
 def shard_bounds(rows: int, shards: int) -> list[tuple[int, int]]:
@@ -41,7 +57,9 @@ def shard_bounds(rows: int, shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list[dict], log_name: str) -> tuple[list[pl.DataFrame], dict]:
+def generate(
+    ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list[dict], log_name: str
+) -> tuple[list[pl.DataFrame], dict]:
     """Run the resident vLLM engines over `jobs` for the prompts' token ids (formatted once, in the `dataset` stage);
     return one frame per job, each row with its prompt_token_ids.
 
@@ -55,19 +73,29 @@ def generate(ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list
         inp = scratch_file(ctx, f"{log_name}.prompts{k}.parquet")
         prompts.slice(start, end - start).select("prompt_id", "prompt_token_ids").write_parquet(inp)
         outs = [scratch_file(ctx, f"{log_name}.out{i}-{k}.parquet") for i in range(len(jobs))]
-        request = GenerateRequest(model_path, tuple(GenerationJob(str(inp), str(o), **{**j, "seed": j["seed"] + start})
-                                                    for j, o in zip(jobs, outs)))
+        request = GenerateRequest(
+            model_path,
+            tuple(GenerationJob(str(inp), str(o), **{**j, "seed": j["seed"] + start}) for j, o in zip(jobs, outs)),
+        )
         calls.append((engines[k], request, inp, outs))
     with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own process: they generate at the same time
         resp = merge_engine_responses(list(pool.map(lambda c: c[0].generate(c[1], settings), calls)))
     gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
     if gap is not None and not gap <= limit:
-        raise WorkerError(f"the sampler's weights do not match the trainer's: mean logprob gap {gap:.3g} on the "
-                          f"probe sequences of {model_path} (rollout.max_sync_logprob_gap = {limit:g})")
+        raise WorkerError(
+            f"the sampler's weights do not match the trainer's: mean logprob gap {gap:.3g} on the "
+            f"probe sequences of {model_path} (rollout.max_sync_logprob_gap = {limit:g})"
+        )
     frames = []
     for i in range(len(jobs)):
-        frames.append(pl.concat([pl.read_parquet(outs[i]).join(pl.read_parquet(inp), on="prompt_id", how="left")
-                                 for _, _, inp, outs in calls]))
+        frames.append(
+            pl.concat(
+                [
+                    pl.read_parquet(outs[i]).join(pl.read_parquet(inp), on="prompt_id", how="left")
+                    for _, _, inp, outs in calls
+                ]
+            )
+        )
     for _, _, inp, outs in calls:
         for o in outs:
             o.unlink()
@@ -81,12 +109,14 @@ def start_rollout_engines(ctx: RunContext, model_path: str | None) -> list:
     vLLM until a later call gives them their weights: ResidentProcess.spawn). Call it from the thread that lives as
     long as they should (see ResidentProcess.spawn): the replicas then start at once."""
     r = ctx.cfg.rollout
-    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed, ctx.cfg.lora) if model_path else None
+    settings = (
+        VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed, ctx.cfg.lora) if model_path else None
+    )
     devices, tp = ctx.cfg.engines.rollout_devices, r.tensor_parallel_size
     engines = []
     for k in range(r.engines):
         log = ctx.layout.log_path("vllm" if k == 0 else f"vllm-engine{k}")
-        engine = resident_engine(ctx.layout.run_id, log, k, devices[k * tp:(k + 1) * tp] if devices else None)
+        engine = resident_engine(ctx.layout.run_id, log, k, devices[k * tp : (k + 1) * tp] if devices else None)
         if engine.conn is None:
             engine.spawn(settings, held=settings is None)
         engines.append(engine)
@@ -97,15 +127,28 @@ def merge_engine_responses(resps: list[dict]) -> dict:
     """One response for the replicas' answers: the slowest start and sync, the worst probe gap, each job's wall seconds
     (the replicas ran at once) and total tokens, and per replica its generation seconds and tokens/s."""
     gaps = [x["sync_logprob_gap"] for x in resps if x["sync_logprob_gap"] is not None]
-    jobs = [{"generate_seconds": max(t["generate_seconds"] for t in timings), "tokens": sum(t["tokens"] for t in timings)}
-            for timings in zip(*(x["jobs"] for x in resps))]
-    per_engine = [{"generate_seconds": sum(t["generate_seconds"] for t in x["jobs"]), "tokens": sum(t["tokens"] for t in x["jobs"])}
-                  for x in resps]
+    jobs = [
+        {"generate_seconds": max(t["generate_seconds"] for t in timings), "tokens": sum(t["tokens"] for t in timings)}
+        for timings in zip(*(x["jobs"] for x in resps))
+    ]
+    per_engine = [
+        {
+            "generate_seconds": sum(t["generate_seconds"] for t in x["jobs"]),
+            "tokens": sum(t["tokens"] for t in x["jobs"]),
+        }
+        for x in resps
+    ]
     for e in per_engine:
         e["tokens_per_second"] = e["tokens"] / e["generate_seconds"] if e["generate_seconds"] > 0 else 0.0
-    return {"engine_start_seconds": max(x["engine_start_seconds"] for x in resps), "sync_seconds": max(x["sync_seconds"] for x in resps),
-            "sync_logprob_gap": max(gaps) if gaps else None, "jobs": jobs, "vllm_version": resps[0]["vllm_version"],
-            "per_engine": per_engine, "peak_rss_gib": max(x.get("peak_rss_gib", 0.0) for x in resps)}
+    return {
+        "engine_start_seconds": max(x["engine_start_seconds"] for x in resps),
+        "sync_seconds": max(x["sync_seconds"] for x in resps),
+        "sync_logprob_gap": max(gaps) if gaps else None,
+        "jobs": jobs,
+        "vllm_version": resps[0]["vllm_version"],
+        "per_engine": per_engine,
+        "peak_rss_gib": max(x.get("peak_rss_gib", 0.0) for x in resps),
+    }
 
 
 @stage_task("rollouts")
@@ -116,21 +159,34 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
 
     def compute():
         prompts = read_stage(ctx.layout, "prompts", iteration).filter(pl.col("round") == round_)
-        job = sampling_job(ctx, r.group_size, r.temperature, ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101, r.top_p)
+        job = sampling_job(
+            ctx, r.group_size, r.temperature, ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101, r.top_p
+        )
         (df,), resp = generate(ctx, policy.path, prompts, [job], f"rollouts-{iteration:05d}-{round_}")
         df = df.with_columns(
-            pl.lit(iteration, pl.Int32).alias("iteration"), pl.lit(round_, pl.Int32).alias("round"),
+            pl.lit(iteration, pl.Int32).alias("iteration"),
+            pl.lit(round_, pl.Int32).alias("round"),
             pl.lit(policy.version, pl.Int32).alias("policy_version"),
         )
         timing = resp["jobs"][0]
         return Computed(
-            df, engines={"vllm": resp["vllm_version"]},
-            extra={f"round{round_}": {"engine_start_seconds": resp["engine_start_seconds"],
-                                      "sync_seconds": resp["sync_seconds"], "sync_logprob_gap": resp["sync_logprob_gap"],
-                                      "sampler_peak_rss_gib": resp["peak_rss_gib"], **timing, "engines": resp["per_engine"]}},
+            df,
+            engines={"vllm": resp["vllm_version"]},
+            extra={
+                f"round{round_}": {
+                    "engine_start_seconds": resp["engine_start_seconds"],
+                    "sync_seconds": resp["sync_seconds"],
+                    "sync_logprob_gap": resp["sync_logprob_gap"],
+                    "sampler_peak_rss_gib": resp["peak_rss_gib"],
+                    **timing,
+                    "engines": resp["per_engine"],
+                }
+            },
         )
 
-    return run_stage(ctx, iteration, part=round_, inputs={"prompts": prompts_fp, "policy": policy.fingerprint}, compute=compute)
+    return run_stage(
+        ctx, iteration, part=round_, inputs={"prompts": prompts_fp, "policy": policy.fingerprint}, compute=compute
+    )
 
 
 @stage_task("release_engines")
@@ -142,10 +198,14 @@ def release_engines_task() -> None:
 def recompute(root: str, run_id: str, iteration: int) -> list[StageOutput]:
     """Every round again, from the saved prompts (then the engine is released: a rerun is one command)."""
     try:
-        return [rollouts_task.fn(root, run_id, iteration, r, fp)
-                for r, fp in enumerate(upstream_part_fingerprints(root, run_id, "prompts", iteration))]
+        return [
+            rollouts_task.fn(root, run_id, iteration, r, fp)
+            for r, fp in enumerate(upstream_part_fingerprints(root, run_id, "prompts", iteration))
+        ]
     finally:
         release_engines_task.fn()
 
 
-SPEC = StageSpec("rollouts", reads=("prompts",), sections=("rollout", "model", "lora"), scope="round", recompute=recompute)
+SPEC = StageSpec(
+    "rollouts", reads=("prompts",), sections=("rollout", "model", "lora"), scope="round", recompute=recompute
+)

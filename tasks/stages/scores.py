@@ -1,7 +1,8 @@
 """Stage `scores`: rule rewards (and, with reward.kind=model, a trained reward model) for every rollout of
 one round.
 
-Reads `rollouts` and `prompts` (the prompt, ground truth and dataset columns the functions receive) of the round; writes `scores`: `score_<fn>` and
+Reads `rollouts` and `prompts` (the prompt, ground truth and dataset columns the functions receive) of the round; writes
+`scores`: `score_<fn>` and
 `error_<fn>` per reward function, `score_model` for the reward model, the weighted `reward` and a combined
 `error`. The fingerprint includes a hash of the reward functions' source (and the reward model's identity),
 so fixing a reward function and rerunning re-scores.
@@ -36,21 +37,28 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, rol
         prompts = read_stage(ctx.layout, "prompts", iteration)
         scores = score_frame(rollouts, prompts, ctx.cfg.reward, ctx.cfg.rollout.max_tokens, ctx.cfg.data.answer_key)
         if ctx.cfg.reward.kind == "model":
-            scores = add_model_score(scores, reward_model_scores(ctx, rollouts, f"rm-score-{iteration:05d}-{round_}"),
-                                     ctx.cfg.reward.model_weight)
+            scores = add_model_score(
+                scores,
+                reward_model_scores(ctx, rollouts, f"rm-score-{iteration:05d}-{round_}"),
+                ctx.cfg.reward.model_weight,
+            )
         return Computed(scores)
 
     inputs = {"rollouts": rollouts_fp}
     if ctx.cfg.reward.kind == "model":
         inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
-    return run_stage(ctx, iteration, part=round_, salt=source_hash(specs_from_config(ctx.cfg.reward)), inputs=inputs, compute=compute)
+    return run_stage(
+        ctx, iteration, part=round_, salt=source_hash(specs_from_config(ctx.cfg.reward)), inputs=inputs, compute=compute
+    )
 
 
 def reward_model_scores(ctx: RunContext, rollouts: pl.DataFrame, name: str) -> pl.Series:
     """The reward model's score of each rollout, on exactly the tokens sampled (prompt, then the response with its
     EOS when it stopped), in batches in a torch worker."""
     data = rollouts.select("prompt_token_ids", pl.col("token_ids").alias("response_token_ids"))
-    return score_frame_worker(ctx, "rm_score", ctx.cfg.reward.model_path, ctx.cfg.optim.micro_batch_size, data, name, log="rm_score")["score"]
+    return score_frame_worker(
+        ctx, "rm_score", ctx.cfg.reward.model_path, ctx.cfg.optim.micro_batch_size, data, name, log="rm_score"
+    )["score"]
 
 
 def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float) -> pl.DataFrame:
@@ -64,8 +72,16 @@ def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float
 
 def recompute(root: str, run_id: str, iteration: int) -> list[StageOutput]:
     """Every round again, from the saved rollouts (a fixed reward function re-scores without generating)."""
-    return [scores_task.fn(root, run_id, iteration, r, fp) for r, fp in enumerate(upstream_part_fingerprints(root, run_id, "rollouts", iteration))]
+    return [
+        scores_task.fn(root, run_id, iteration, r, fp)
+        for r, fp in enumerate(upstream_part_fingerprints(root, run_id, "rollouts", iteration))
+    ]
 
 
-SPEC = StageSpec("scores", reads=("rollouts", "prompts"), sections=("reward", "rollout", "data", "optim"), scope="round",
-                 recompute=recompute)
+SPEC = StageSpec(
+    "scores",
+    reads=("rollouts", "prompts"),
+    sections=("reward", "rollout", "data", "optim"),
+    scope="round",
+    recompute=recompute,
+)

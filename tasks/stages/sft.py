@@ -25,8 +25,13 @@ from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint, tokenizer_fingerprint
 
 SPEC = StageSpec("sft_data", reads=(), sections=("sft", "prompt", "data", "model"), scope="run")
-TRAIN_SPEC = StageSpec("sft_metrics", reads=("sft_data",), sections=("sft", "model", "lora", "optim"), scope="run",
-                       also_writes=("checkpoints/sft",))
+TRAIN_SPEC = StageSpec(
+    "sft_metrics",
+    reads=("sft_data",),
+    sections=("sft", "model", "lora", "optim"),
+    scope="run",
+    also_writes=("checkpoints/sft",),
+)
 
 
 @stage_task("sft_data")
@@ -38,8 +43,11 @@ def sft_data_task(storage_root: str, run_id: str, tokenizer_path: str | None = N
         table, stats = build_sft_examples(s, ctx.cfg.prompt, load_tokenizer(path), ctx.cfg.data.max_prompt_tokens)
         return Computed(table, extra=stats)
 
-    inputs = {"files": files_fingerprint(s.files, "sft.files") if s.files else "", "tokenizer": tokenizer_fingerprint(path),
-              "max_prompt_tokens": str(ctx.cfg.data.max_prompt_tokens)}
+    inputs = {
+        "files": files_fingerprint(s.files, "sft.files") if s.files else "",
+        "tokenizer": tokenizer_fingerprint(path),
+        "max_prompt_tokens": str(ctx.cfg.data.max_prompt_tokens),
+    }
     return run_stage(ctx, 0, inputs=inputs, compute=compute)
 
 
@@ -53,18 +61,32 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
         data_path, metrics_path = scratch_file(ctx, "sft.in.parquet"), scratch_file(ctx, "sft.metrics.parquet")
         read_stage(ctx.layout, "sft_data", 0).select("prompt_token_ids", "response_token_ids").write_parquet(data_path)
         tmp = temp_dir_for(final)
-        request = SFTRequest(m.base_path, str(tmp), str(data_path), str(metrics_path), ctx.cfg.seed,
-                             EngineSettings.for_sft(s, ctx.cfg.optim, m, policy_lora(ctx)), Schedule(s.steps, s.batch_size, s.warmup_steps))
-        resp = run_worker(TRAIN_WORKER, request, ctx.layout.scratch_dir, ctx.layout.log_path("sft"),
-                          ranks=ctx.cfg.engines.train_ranks, devices=ctx.cfg.engines.trainer_devices,
-                          hostfile=ctx.cfg.engines.hostfile)
+        request = SFTRequest(
+            m.base_path,
+            str(tmp),
+            str(data_path),
+            str(metrics_path),
+            ctx.cfg.seed,
+            EngineSettings.for_sft(s, ctx.cfg.optim, m, policy_lora(ctx)),
+            Schedule(s.steps, s.batch_size, s.warmup_steps),
+        )
+        resp = run_worker(
+            TRAIN_WORKER,
+            request,
+            ctx.layout.scratch_dir,
+            ctx.layout.log_path("sft"),
+            ranks=ctx.cfg.engines.train_ranks,
+            devices=ctx.cfg.engines.trainer_devices,
+            hostfile=ctx.cfg.engines.hostfile,
+        )
         commit_dir(tmp, final)
         export = Path(m.path)
         export_checkpoint(final, export)
         metrics = pl.read_parquet(metrics_path)
         data_path.unlink(), metrics_path.unlink()
         return Computed(
-            metrics, engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
+            metrics,
+            engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
             extra={"checkpoint": str(final), "exported_to": str(export), "train_seconds": resp["train_seconds"]},
         )
 

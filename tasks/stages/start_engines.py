@@ -37,4 +37,3 @@ def start_engines(storage_root: str, run_id: str, held: bool = False) -> None:
         resident_trainer(ctx).spawn(None if held else trainer_warm_start(ctx), held=held)
     if not held:  # the functions passed the checks
         start_workers(list(specs_from_config(ctx.cfg.reward).values()), ctx.cfg.reward.workers)
-

@@ -25,23 +25,36 @@ def collect_summary(storage_root: str, run_id: str) -> dict:
     k = ctx.cfg.eval.pass_k
     cfg = ctx.cfg
     task = f"{cfg.task.name} ({', '.join(cfg.data.train_files)})" if cfg.task else ", ".join(cfg.data.train_files)
-    summary = {"run_id": run_id, "model": cfg.model.path, "task": task, "iterations": iterations,
-               "stage_seconds_total": {s: round(v, 2) for s, v in sorted(walls.items())}}
+    summary = {
+        "run_id": run_id,
+        "model": cfg.model.path,
+        "task": task,
+        "iterations": iterations,
+        "stage_seconds_total": {s: round(v, 2) for s, v in sorted(walls.items())},
+    }
     if evals:  # a reward-model run has no eval of a policy
-        summary.update({
-            "eval_prompts": evals[final_it]["prompts"],
-            "eval_accuracy_start": evals.get(0, {}).get("accuracy"),
-            "eval_accuracy_final": evals[final_it]["accuracy"],
-            f"eval_pass_at_{k}_start": evals.get(0, {}).get(f"pass_at_{k}"),
-            f"eval_pass_at_{k}_final": evals[final_it].get(f"pass_at_{k}"),
-            "eval_mean_length_start": evals.get(0, {}).get("mean_length"),
-            "eval_mean_length_final": evals[final_it].get("mean_length"),
-            "eval_by_iteration": {str(it): e.get("accuracy") for it, e in sorted(evals.items())},
-            # Interim evals (eval.interim_prompts) see fewer prompts than the first and the last.
-            "eval_prompts_by_iteration": {str(it): e.get("prompts") for it, e in sorted(evals.items())},
-            "eval_seconds_by_iteration": {str(it): round(float(manifests[it]["wall_seconds"]), 1) for it in sorted(evals)},
-        })
-        rhos = {str(it): e["reward_model_rule_spearman"] for it, e in sorted(evals.items()) if "reward_model_rule_spearman" in e}
+        summary.update(
+            {
+                "eval_prompts": evals[final_it]["prompts"],
+                "eval_accuracy_start": evals.get(0, {}).get("accuracy"),
+                "eval_accuracy_final": evals[final_it]["accuracy"],
+                f"eval_pass_at_{k}_start": evals.get(0, {}).get(f"pass_at_{k}"),
+                f"eval_pass_at_{k}_final": evals[final_it].get(f"pass_at_{k}"),
+                "eval_mean_length_start": evals.get(0, {}).get("mean_length"),
+                "eval_mean_length_final": evals[final_it].get("mean_length"),
+                "eval_by_iteration": {str(it): e.get("accuracy") for it, e in sorted(evals.items())},
+                # Interim evals (eval.interim_prompts) see fewer prompts than the first and the last.
+                "eval_prompts_by_iteration": {str(it): e.get("prompts") for it, e in sorted(evals.items())},
+                "eval_seconds_by_iteration": {
+                    str(it): round(float(manifests[it]["wall_seconds"]), 1) for it in sorted(evals)
+                },
+            }
+        )
+        rhos = {
+            str(it): e["reward_model_rule_spearman"]
+            for it, e in sorted(evals.items())
+            if "reward_model_rule_spearman" in e
+        }
         if rhos:  # RL scored by a reward model: its agreement with the rule on the held-out prompts
             summary["eval_reward_model_rule_spearman_by_iteration"] = rhos
     if iterations:
@@ -60,5 +73,3 @@ def summary_task(storage_root: str, run_id: str, extra: dict | None = None) -> d
     summary = {**previous, **collect_summary(storage_root, run_id), **(extra or {})}
     write_json_atomic(layout.summary_path, summary)
     return summary
-
-

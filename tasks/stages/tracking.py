@@ -83,7 +83,9 @@ def _mlflow_run(client, state: dict, layout: RunLayout, config: dict) -> str:
         return state["mlflow_run_id"]
     experiment = client.get_experiment_by_name("rlpipe")
     experiment_id = experiment.experiment_id if experiment else client.create_experiment("rlpipe")
-    run = client.create_run(experiment_id, run_name=layout.run_id, tags={"rlpipe.run_dir": str(layout.run_dir.resolve())})
+    run = client.create_run(
+        experiment_id, run_name=layout.run_id, tags={"rlpipe.run_dir": str(layout.run_dir.resolve())}
+    )
     params = [Param(k, v[:6000]) for k, v in flat_params(config).items()]
     for i in range(0, len(params), 100):  # MLflow's batch limit for params
         client.log_batch(run.info.run_id, params=params[i : i + 100])

@@ -40,7 +40,9 @@ def tokenizer_fingerprint(path: str | Path) -> str:
     if not (path / "config.json").exists():
         raise ModelPathError(f"model path {path} does not exist or has no config.json")
     h = hashlib.sha256()
-    for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix not in (".safetensors", ".bin", ".pt", ".pth")):
+    for f in sorted(
+        p for p in path.iterdir() if p.is_file() and p.suffix not in (".safetensors", ".bin", ".pt", ".pth")
+    ):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:20]
 
@@ -75,19 +77,26 @@ def critic_after(ctx: RunContext, iteration: int) -> CriticWeights:
 
 
 def export_run(run_id: str, storage_root: str, out: str, iteration: int | None = None, merge: bool = False) -> dict:
-    """`rlpipe export`: the policy after `iteration` updates (default: the last complete one) as a model folder at `out`,
+    """`rlpipe export`: the policy after `iteration` updates (default: the last complete one) as a model folder at
+    `out`,
     without optimizer state. An adapter checkpoint (LoRA) is written as its PEFT folder, or with `merge` merged into the
     base model's weights: a plain Hugging Face folder that vLLM and transformers load with no peft installed."""
     from tasks.engines.workers.lora import is_adapter
     from tasks.stages.common import export_checkpoint, load_run
 
     ctx = load_run(storage_root, run_id)
-    done = [it for it in ctx.layout.checkpoint_iterations() if read_manifest(ctx.layout, "train_metrics", it, verify=False)]
+    done = [
+        it for it in ctx.layout.checkpoint_iterations() if read_manifest(ctx.layout, "train_metrics", it, verify=False)
+    ]
     if iteration is None:
         if not done:
             raise ModelPathError(f"run {run_id!r} has no complete checkpoint to export")
         iteration = done[-1]
     weights = weights_after(ctx, iteration)
     export_checkpoint(Path(weights.path), out, merge=merge)
-    return {"iteration": iteration, "checkpoint": weights.path, "out": out,
-            "kind": ("merged" if merge else "adapter") if is_adapter(weights.path) else "full"}
+    return {
+        "iteration": iteration,
+        "checkpoint": weights.path,
+        "out": out,
+        "kind": ("merged" if merge else "adapter") if is_adapter(weights.path) else "full",
+    }

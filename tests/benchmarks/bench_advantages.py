@@ -35,15 +35,19 @@ def _best_of(fn, repeats: int) -> tuple[float, object]:
 
 def group_inputs(n: int, group_size: int = 8, max_len: int = 16, seed: int = 0) -> pl.DataFrame:
     rng = np.random.default_rng(seed)
-    return pl.DataFrame({
-        "prompt_id": [f"p{i // group_size:07d}" for i in range(n)],
-        "sample_idx": np.arange(n, dtype=np.int32) % group_size,
-        "reward": rng.integers(0, 2, n).astype(np.float64),
-        "length": rng.integers(1, max_len + 1, n).astype(np.int32),
-    })
+    return pl.DataFrame(
+        {
+            "prompt_id": [f"p{i // group_size:07d}" for i in range(n)],
+            "sample_idx": np.arange(n, dtype=np.int32) % group_size,
+            "reward": rng.integers(0, 2, n).astype(np.float64),
+            "length": rng.integers(1, max_len + 1, n).astype(np.int32),
+        }
+    )
 
 
-def verl_style_grpo(index: list[str], scores: torch.Tensor, response_mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def verl_style_grpo(
+    index: list[str], scores: torch.Tensor, response_mask: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     """verl's structure: dicts per group, Python loops; returns (B, T) token advantages."""
     id2score, id2mean, id2std = defaultdict(list), {}, {}
     with torch.no_grad():
@@ -70,17 +74,23 @@ def bench_group(n: int, repeats: int = 2) -> dict:
     base_s, base = _best_of(lambda: verl_style_grpo(index, scores, mask), 1 if n >= 10**6 else repeats)
     ours_s, ours = _best_of(lambda: grpo(df, settings), repeats)
     np.testing.assert_allclose(ours["advantage"].to_numpy(), base[:, 0].numpy(), atol=1e-4)
-    return result_row(f"advantages_group_1e{round(np.log10(n))}", "python loop, verl structure", n / base_s, n / ours_s, "responses/s")
+    return result_row(
+        f"advantages_group_1e{round(np.log10(n))}", "python loop, verl structure", n / base_s, n / ours_s, "responses/s"
+    )
 
 
 def gae_inputs(n: int, length: int, seed: int = 0) -> tuple[pl.DataFrame, torch.Tensor, torch.Tensor]:
     rng = np.random.default_rng(seed)
     values = rng.normal(size=(n, length)).astype(np.float32)
     rewards = rng.integers(0, 2, n).astype(np.float64)
-    df = pl.DataFrame({
-        "prompt_id": [f"p{i:07d}" for i in range(n)], "reward": rewards,
-        "length": np.full(n, length, np.int32), "values": pl.Series(values).cast(pl.List(pl.Float32)),  # as in `logprobs`
-    })
+    df = pl.DataFrame(
+        {
+            "prompt_id": [f"p{i:07d}" for i in range(n)],
+            "reward": rewards,
+            "length": np.full(n, length, np.int32),
+            "values": pl.Series(values).cast(pl.List(pl.Float32)),  # as in `logprobs`
+        }
+    )
     return df, torch.from_numpy(values), torch.from_numpy(rewards).float()
 
 

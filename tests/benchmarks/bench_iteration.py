@@ -42,13 +42,20 @@ def iteration_profile(resident: bool) -> pl.DataFrame:
     from tests.benchmarks.trl_match import run_iterations
 
     run_id = "resident" if resident else "one-shot"
-    layout, ends = run_iterations(TINY_CONFIG, [f"storage_root={ROOT}", f"engines.resident_trainer={str(resident).lower()}"],
-                                  run_id, ITERATIONS)
+    layout, ends = run_iterations(
+        TINY_CONFIG, [f"storage_root={ROOT}", f"engines.resident_trainer={str(resident).lower()}"], run_id, ITERATIONS
+    )
     rows = []
     for k in range(2, ITERATIONS + 1):
         m = read_stage(layout, "train_metrics", k).row(0, named=True)
-        rows.append({"iteration": k, "wall": ends[k - 1] - ends[k - 2], **{c: m[c] for c in ENGINE_SECONDS},
-                     **{c: m[c] for c in m if c.startswith("seconds_") and c not in ENGINE_SECONDS}})
+        rows.append(
+            {
+                "iteration": k,
+                "wall": ends[k - 1] - ends[k - 2],
+                **{c: m[c] for c in ENGINE_SECONDS},
+                **{c: m[c] for c in m if c.startswith("seconds_") and c not in ENGINE_SECONDS},
+            }
+        )
     return pl.DataFrame(rows)
 
 
@@ -66,11 +73,26 @@ def run() -> list[dict]:
     resident, restarts = (overhead_fraction(profiles[m]) for m in ("resident", "one-shot"))
     defaults, floor = prefect_floor.measure(defaults=True), prefect_floor.measure(defaults=False)
     wall = profiles["resident"]["wall"].mean()
-    print(f"Prefect's own cost: {floor:.3f}s per flow run of 8 no-op tasks (Prefect's defaults: {defaults:.3f}s) = "
-          f"{floor / wall:.3f} of a resident iteration ({wall:.2f}s); overhead fraction {resident:.2f}")
+    print(
+        f"Prefect's own cost: {floor:.3f}s per flow run of 8 no-op tasks (Prefect's defaults: {defaults:.3f}s) = "
+        f"{floor / wall:.3f} of a resident iteration ({wall:.2f}s); overhead fraction {resident:.2f}"
+    )
     # The ratio of this benchmark is the overhead fraction itself (lower is better), not an advantage.
-    return [{"benchmark": "iteration_overhead", "baseline": "one-shot trainer workers (restart per stage)",
-             "baseline_value": restarts, "rlpipe_value": resident, "unit": "fraction of iteration wall",
-             "ratio": resident},
-            {"benchmark": "prefect_floor", "baseline": "Prefect's defaults (database file, heartbeats)", "baseline_value": defaults,
-             "rlpipe_value": floor, "unit": "seconds per flow run of 8 no-op tasks", "ratio": defaults / floor}]
+    return [
+        {
+            "benchmark": "iteration_overhead",
+            "baseline": "one-shot trainer workers (restart per stage)",
+            "baseline_value": restarts,
+            "rlpipe_value": resident,
+            "unit": "fraction of iteration wall",
+            "ratio": resident,
+        },
+        {
+            "benchmark": "prefect_floor",
+            "baseline": "Prefect's defaults (database file, heartbeats)",
+            "baseline_value": defaults,
+            "rlpipe_value": floor,
+            "unit": "seconds per flow run of 8 no-op tasks",
+            "ratio": defaults / floor,
+        },
+    ]

@@ -40,14 +40,34 @@ def run() -> list[dict]:
     rl = in_fresh_process("rlpipe", CONFIG, [], "rlpipe", ITERATIONS)
     trl = in_fresh_process("trl", CONFIG, [], str(root / "trl-model"), ITERATIONS)
     for name, side in (("rlpipe", rl), ("TRL", trl)):
-        print(f"e2e_long {name}: {side.samples} samples, {side.tokens} generated tokens ({side.tokens / side.samples:.1f} a "
-              f"response) in {side.wall:.1f}s = {side.samples / side.wall:.2f} samples/s, {side.tokens / side.wall:.0f} tokens/s; "
-              f"start-up {side.startup:.1f}s; round ends {[round(t, 1) for t in side.round_ends]}")
+        print(
+            f"e2e_long {name}: {side.samples} samples, {side.tokens} generated tokens "
+            f"({side.tokens / side.samples:.1f} a "
+            f"response) in {side.wall:.1f}s = {side.samples / side.wall:.2f} samples/s, "
+            f"{side.tokens / side.wall:.0f} tokens/s; "
+            f"start-up {side.startup:.1f}s; round ends {[round(t, 1) for t in side.round_ends]}"
+        )
     print("e2e_long: the model has not learned the task (random weights from its recipe); both sides start from it.")
-    return [result_row("e2e_long_vs_trl", BASELINE, trl.samples / trl.wall, rl.samples / rl.wall, "samples/s"),
-            result_row("e2e_long_tokens_vs_trl", BASELINE, trl.tokens / trl.wall, rl.tokens / rl.wall, "generated tokens/s"),
-            # These two rows' ratio is rlpipe's own figure against its target (lower is better), not an advantage.
-            {"benchmark": "startup_seconds", "baseline": BASELINE, "baseline_value": trl.startup, "rlpipe_value": rl.startup,
-             "unit": "seconds (ratio: rlpipe's / TRL's)", "ratio": rl.startup / trl.startup},
-            {"benchmark": "iteration_overhead_long", "baseline": "target", "baseline_value": 0.15, "rlpipe_value": rl.overhead,
-             "unit": "fraction of iteration wall", "ratio": rl.overhead}]
+    return [
+        result_row("e2e_long_vs_trl", BASELINE, trl.samples / trl.wall, rl.samples / rl.wall, "samples/s"),
+        result_row(
+            "e2e_long_tokens_vs_trl", BASELINE, trl.tokens / trl.wall, rl.tokens / rl.wall, "generated tokens/s"
+        ),
+        # These two rows' ratio is rlpipe's own figure against its target (lower is better), not an advantage.
+        {
+            "benchmark": "startup_seconds",
+            "baseline": BASELINE,
+            "baseline_value": trl.startup,
+            "rlpipe_value": rl.startup,
+            "unit": "seconds (ratio: rlpipe's / TRL's)",
+            "ratio": rl.startup / trl.startup,
+        },
+        {
+            "benchmark": "iteration_overhead_long",
+            "baseline": "target",
+            "baseline_value": 0.15,
+            "rlpipe_value": rl.overhead,
+            "unit": "fraction of iteration wall",
+            "ratio": rl.overhead,
+        },
+    ]

@@ -4,7 +4,8 @@ rate and once with `lora.rank` set at the learning rate LoRA wants (LORA below),
 one after the other (two 2-thread processes on 2 cores would slow each other).
 
 Rows (ratio: rlpipe-with-LoRA's advantage, greater is better):
-- lora_trainer_memory_ratio: the resident trainer's peak resident memory (train_metrics.trainer_peak_rss_gib, the largest
+- lora_trainer_memory_ratio: the resident trainer's peak resident memory (train_metrics.trainer_peak_rss_gib, the
+largest
   over the iterations), LoRA over full;
 - lora_sync_vs_full: seconds to bring the sampler to the new weights (weight_sync_seconds, mean over iterations 2..N),
   LoRA (load the adapter) over full (reload every weight in place); the bytes moved are printed;
@@ -47,8 +48,15 @@ def _weight_bytes(path: Path) -> int:
 
 
 def run() -> list[dict]:
-    stage_seconds = ["seconds_prompts", "seconds_rollouts", "seconds_scores", "seconds_batch", "seconds_logprobs",
-                     "seconds_advantages", "seconds_optimize"]
+    stage_seconds = [
+        "seconds_prompts",
+        "seconds_rollouts",
+        "seconds_scores",
+        "seconds_batch",
+        "seconds_logprobs",
+        "seconds_advantages",
+        "seconds_optimize",
+    ]
     sides = {"lora": _run("lora", LORA), "full": _run("full", [])}  # LoRA first: a failure shows early
     out = {}
     for name, (m, summary) in sides.items():
@@ -59,20 +67,29 @@ def run() -> list[dict]:
             "sync": float(later["weight_sync_seconds"].mean()),
             "gap": float(m["weight_sync_logprob_gap"].max()),
             "iteration": float(later.select(pl.sum_horizontal(cols)).to_series().mean()),
-            "optimize": float(later["seconds_optimize"].mean()), "rollouts": float(later["seconds_rollouts"].mean()),
+            "optimize": float(later["seconds_optimize"].mean()),
+            "rollouts": float(later["seconds_rollouts"].mean()),
             "logprobs": float(later["seconds_logprobs"].mean()),
-            "accuracy": summary["eval_accuracy_final"], "start": summary["eval_accuracy_start"],
+            "accuracy": summary["eval_accuracy_final"],
+            "start": summary["eval_accuracy_start"],
             "bytes": _weight_bytes(ROOT / name / "checkpoints" / f"iter={ITERATIONS:05d}"),
         }
     for name, r in out.items():
-        print(f"lora bench {name}: trainer peak RSS {r['rss']:.2f} GiB, sync {r['sync']:.3f} s ({r['bytes'] / 2**20:.1f} MiB of "
-              f"weights, probe gap {r['gap']:.2g}), iteration {r['iteration']:.1f} s (rollouts {r['rollouts']:.1f}, logprobs "
-              f"{r['logprobs']:.1f}, optimize {r['optimize']:.1f}), held-out greedy {r['start']:.3f} -> {r['accuracy']:.3f}")
+        print(
+            f"lora bench {name}: trainer peak RSS {r['rss']:.2f} GiB, sync {r['sync']:.3f} s "
+            f"({r['bytes'] / 2**20:.1f} MiB of "
+            f"weights, probe gap {r['gap']:.2g}), iteration {r['iteration']:.1f} s (rollouts {r['rollouts']:.1f}, "
+            f"logprobs "
+            f"{r['logprobs']:.1f}, optimize {r['optimize']:.1f}), held-out greedy {r['start']:.3f} -> "
+            f"{r['accuracy']:.3f}"
+        )
     full, lora = out["full"], out["lora"]
     # Each ratio is LoRA's value over full's: smaller is better for memory, sync and seconds (targets ≤ 0.6 and ≤ 0.2).
     return [
         result_row("lora_trainer_memory_ratio", BASELINE, full["rss"], lora["rss"], "GiB trainer peak RSS (LoRA/full)"),
         result_row("lora_sync_vs_full", BASELINE, full["sync"], lora["sync"], "s weight sync (LoRA/full)"),
-        result_row("lora_iteration_seconds", BASELINE, full["iteration"], lora["iteration"], "s per iteration (LoRA/full)"),
+        result_row(
+            "lora_iteration_seconds", BASELINE, full["iteration"], lora["iteration"], "s per iteration (LoRA/full)"
+        ),
         result_row("lora_heldout_accuracy", BASELINE, full["accuracy"], lora["accuracy"], "greedy held-out accuracy"),
     ]

@@ -32,7 +32,8 @@ ROOT = Path("runs/bench/real")
 
 
 def model_shapes(path: str) -> dict:
-    """Weights per token of the decoder layers and of the output layer, and attention's per-pair cost, from the config."""
+    """Weights per token of the decoder layers and of the output layer, and attention's per-pair cost, from the
+    config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -42,11 +43,21 @@ def model_shapes(path: str) -> dict:
     head = model.get_output_embeddings().weight
     layers = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and ".layers." in name)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return {"layer_weights": layers, "head_weights": head.numel(), "hidden": cfg.hidden_size, "vocab": head.shape[0],
-            "attention_per_pair": 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim,
-            "gemms": [(cfg.hidden_size, cfg.num_attention_heads * head_dim), (cfg.hidden_size, cfg.num_key_value_heads * head_dim),
-                      (cfg.num_attention_heads * head_dim, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size),
-                      (cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, head.shape[0])]}
+    return {
+        "layer_weights": layers,
+        "head_weights": head.numel(),
+        "hidden": cfg.hidden_size,
+        "vocab": head.shape[0],
+        "attention_per_pair": 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim,
+        "gemms": [
+            (cfg.hidden_size, cfg.num_attention_heads * head_dim),
+            (cfg.hidden_size, cfg.num_key_value_heads * head_dim),
+            (cfg.num_attention_heads * head_dim, cfg.hidden_size),
+            (cfg.hidden_size, cfg.intermediate_size),
+            (cfg.intermediate_size, cfg.hidden_size),
+            (cfg.hidden_size, head.shape[0]),
+        ],
+    }
 
 
 def gemm_peak(shapes: dict, tokens: int = 512, seconds: float = 0.6) -> float:
@@ -70,8 +81,11 @@ def gemm_peak(shapes: dict, tokens: int = 512, seconds: float = 0.6) -> float:
 
 def forward_flops(shapes: dict, counts: dict, prefix: str) -> float:
     """Useful FLOPs of the forward passes a stage's counts describe (token_batch.SharedPrefixBatch.counts)."""
-    return (2 * shapes["layer_weights"] * counts[f"{prefix}_tokens"] + 2 * shapes["head_weights"] * counts[f"{prefix}_predicted_tokens"]
-            + shapes["attention_per_pair"] * counts[f"{prefix}_attention_pairs"])
+    return (
+        2 * shapes["layer_weights"] * counts[f"{prefix}_tokens"]
+        + 2 * shapes["head_weights"] * counts[f"{prefix}_predicted_tokens"]
+        + shapes["attention_per_pair"] * counts[f"{prefix}_attention_pairs"]
+    )
 
 
 def rollout_flops(shapes: dict, rollouts: pl.DataFrame, prompts: pl.DataFrame) -> float:
@@ -80,16 +94,24 @@ def rollout_flops(shapes: dict, rollouts: pl.DataFrame, prompts: pl.DataFrame) -
     plens = prompts.select(pl.col("prompt_token_ids").list.len()).to_series()
     prefill = float(plens.sum())
     prefill_pairs = float((plens * (plens + 1) / 2).sum())
-    joined = rollouts.join(prompts.select("prompt_id", pl.col("prompt_token_ids").list.len().alias("p")), on="prompt_id")
+    joined = rollouts.join(
+        prompts.select("prompt_id", pl.col("prompt_token_ids").list.len().alias("p")), on="prompt_id"
+    )
     generated = float(joined["length"].sum())
     # Token j of a response attends to the prompt and to tokens 0..j: Σ_j (P + j + 1).
-    decode_pairs = float(joined.select(pl.col("length") * pl.col("p") + pl.col("length") * (pl.col("length") + 1) / 2).sum().item())
-    return (2 * shapes["layer_weights"] * (prefill + generated) + 2 * shapes["head_weights"] * (len(plens) + generated)
-            + shapes["attention_per_pair"] * (prefill_pairs + decode_pairs))
+    decode_pairs = float(
+        joined.select(pl.col("length") * pl.col("p") + pl.col("length") * (pl.col("length") + 1) / 2).sum().item()
+    )
+    return (
+        2 * shapes["layer_weights"] * (prefill + generated)
+        + 2 * shapes["head_weights"] * (len(plens) + generated)
+        + shapes["attention_per_pair"] * (prefill_pairs + decode_pairs)
+    )
 
 
 def overhead_breakdown(layout, ends: list[float]) -> pl.DataFrame:
-    """Where each iteration's seconds outside generation, forward and backward go (iterations 2..N, means): every stage's
+    """Where each iteration's seconds outside generation, forward and backward go (iterations 2..N, means): every
+    stage's
     wall time less the engine work inside it, the trainer's time around its passes (the update's preparation and the
     checkpoint it writes), the sampler's weight sync, and the time between stages (the flow: Prefect's task runs, the
     iteration's artifact)."""
@@ -98,20 +120,30 @@ def overhead_breakdown(layout, ends: list[float]) -> pl.DataFrame:
     rows = []
     for k in range(2, len(ends) + 1):
         m = read_stage(layout, "train_metrics", k).row(0, named=True)
-        walls = {name: m[f"seconds_{name}"] for name in ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages")}
+        walls = {
+            name: m[f"seconds_{name}"] for name in ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages")
+        }
         optimize = float(read_manifest(layout, "train_metrics", k, verify=False)["wall_seconds"])
         between = (ends[k - 1] - ends[k - 2]) - optimize - sum(walls.values())
-        rows.append({
-            "rollouts: generate": m["seconds_generate"], "rollouts: weight sync": m["weight_sync_seconds"],
-            "rollouts: rest (probe, Parquet, task)": walls.pop("rollouts") - m["seconds_generate"] - m["weight_sync_seconds"],
-            "logprobs: forward": m["seconds_logprobs_forward"], "logprobs: rest": walls.pop("logprobs") - m["seconds_logprobs_forward"],
-            "optimize: forward+backward": m["seconds_forward_backward"],
-            "optimize: trainer rest (load, prepare)": m["seconds_optimize"] - m["seconds_forward_backward"],
-            "optimize: checkpoint (weights, probe, optimizer state)": m["seconds_save_checkpoint"],
-            "optimize: client rest (frame, commit, metrics)": optimize - m["seconds_optimize"] - m["seconds_save_checkpoint"],
-            **{f"{name}: stage": wall for name, wall in walls.items()},
-            "between stages (flow)": between,
-        })
+        rows.append(
+            {
+                "rollouts: generate": m["seconds_generate"],
+                "rollouts: weight sync": m["weight_sync_seconds"],
+                "rollouts: rest (probe, Parquet, task)": walls.pop("rollouts")
+                - m["seconds_generate"]
+                - m["weight_sync_seconds"],
+                "logprobs: forward": m["seconds_logprobs_forward"],
+                "logprobs: rest": walls.pop("logprobs") - m["seconds_logprobs_forward"],
+                "optimize: forward+backward": m["seconds_forward_backward"],
+                "optimize: trainer rest (load, prepare)": m["seconds_optimize"] - m["seconds_forward_backward"],
+                "optimize: checkpoint (weights, probe, optimizer state)": m["seconds_save_checkpoint"],
+                "optimize: client rest (frame, commit, metrics)": optimize
+                - m["seconds_optimize"]
+                - m["seconds_save_checkpoint"],
+                **{f"{name}: stage": wall for name, wall in walls.items()},
+                "between stages (flow)": between,
+            }
+        )
     means = pl.DataFrame(rows).mean()
     return means.transpose(include_header=True, header_name="seconds per iteration", column_names=["mean"])
 
@@ -123,17 +155,44 @@ def run() -> list[dict]:
 
     cfg = load_config(CONFIG)
     shapes = model_shapes(cfg.model.path)
-    print(f"real: {cfg.model.path}: decoder weights {shapes['layer_weights'] / 1e6:.1f}M, output layer {shapes['head_weights'] / 1e6:.1f}M")
+    print(
+        f"real: {cfg.model.path}: decoder weights {shapes['layer_weights'] / 1e6:.1f}M, output layer "
+        f"{shapes['head_weights'] / 1e6:.1f}M"
+    )
     peak = gemm_peak(shapes)
     print(f"real: fp32 matmul at the model's GEMM shapes: {peak / 1e9:.1f} GFLOP/s (the limit below)")
     layout, ends = run_iterations(CONFIG, [f"storage_root={ROOT}"], "real", ITERATIONS)
-    rows, totals = [], dict.fromkeys(("rollout_flops", "rollout_s", "logprobs_flops", "logprobs_s", "update_flops", "update_s",
-                                      "engine_s", "wall", "samples", "padding", "positions"), 0.0)
+    rows, totals = (
+        [],
+        dict.fromkeys(
+            (
+                "rollout_flops",
+                "rollout_s",
+                "logprobs_flops",
+                "logprobs_s",
+                "update_flops",
+                "update_s",
+                "engine_s",
+                "wall",
+                "samples",
+                "padding",
+                "positions",
+            ),
+            0.0,
+        ),
+    )
     for k in range(2, ITERATIONS + 1):
         m = read_stage(layout, "train_metrics", k).row(0, named=True)
-        flops = {"rollout": rollout_flops(shapes, read_stage(layout, "rollouts", k), read_stage(layout, "prompts", k)),
-                 "logprobs": forward_flops(shapes, m, "logprobs_forward"), "update": 3 * forward_flops(shapes, m, "update")}
-        seconds = {"rollout": m["seconds_generate"], "logprobs": m["seconds_logprobs_forward"], "update": m["seconds_forward_backward"]}
+        flops = {
+            "rollout": rollout_flops(shapes, read_stage(layout, "rollouts", k), read_stage(layout, "prompts", k)),
+            "logprobs": forward_flops(shapes, m, "logprobs_forward"),
+            "update": 3 * forward_flops(shapes, m, "update"),
+        }
+        seconds = {
+            "rollout": m["seconds_generate"],
+            "logprobs": m["seconds_logprobs_forward"],
+            "update": m["seconds_forward_backward"],
+        }
         wall = ends[k - 1] - ends[k - 2]
         for key in flops:
             totals[f"{key}_flops"] += flops[key]
@@ -144,23 +203,40 @@ def run() -> list[dict]:
         for prefix in ("logprobs_forward", "update"):
             totals["positions"] += m[f"{prefix}_positions"]
             totals["padding"] += m[f"{prefix}_positions"] - m[f"{prefix}_tokens"]
-        rows.append({"iteration": k, "wall": wall, **{f"{s}_s": v for s, v in seconds.items()},
-                     **{f"{s}_gflop_s": flops[s] / seconds[s] / 1e9 for s in flops}})
+        rows.append(
+            {
+                "iteration": k,
+                "wall": wall,
+                **{f"{s}_s": v for s, v in seconds.items()},
+                **{f"{s}_gflop_s": flops[s] / seconds[s] / 1e9 for s in flops},
+            }
+        )
     print(pl.DataFrame(rows))
     print(overhead_breakdown(layout, ends))
     fraction = {s: totals[f"{s}_flops"] / totals[f"{s}_s"] / peak for s in ("rollout", "logprobs", "update")}
     overhead = 1 - totals["engine_s"] / totals["wall"]
-    print(f"real: peak fractions rollouts {fraction['rollout']:.2f}, logprobs {fraction['logprobs']:.2f}, optimize "
-          f"{fraction['update']:.2f}; padding {totals['padding'] / totals['positions']:.3f}; overhead {overhead:.3f}; "
-          f"{totals['samples'] / totals['wall']:.2f} samples/s")
+    print(
+        f"real: peak fractions rollouts {fraction['rollout']:.2f}, logprobs {fraction['logprobs']:.2f}, optimize "
+        f"{fraction['update']:.2f}; padding {totals['padding'] / totals['positions']:.3f}; overhead {overhead:.3f}; "
+        f"{totals['samples'] / totals['wall']:.2f} samples/s"
+    )
 
     def row(name, value, unit, target):
-        return {"benchmark": name, "baseline": "target", "baseline_value": target, "rlpipe_value": value, "unit": unit, "ratio": value}
+        return {
+            "benchmark": name,
+            "baseline": "target",
+            "baseline_value": target,
+            "rlpipe_value": value,
+            "unit": unit,
+            "ratio": value,
+        }
 
     gflops = f"of {peak / 1e9:.0f} GFLOP/s (fp32 matmul, model shapes)"
-    return [row("real_rollout_peak_fraction", fraction["rollout"], gflops, 0.3),
-            row("real_logprobs_peak_fraction", fraction["logprobs"], gflops, 0.5),
-            row("real_optimize_peak_fraction", fraction["update"], gflops, 0.5),
-            row("real_padding_fraction", totals["padding"] / totals["positions"], "fraction of trainer positions", 0.05),
-            row("real_iteration_overhead", overhead, "fraction of iteration wall", 0.05),
-            row("real_samples_per_s", totals["samples"] / totals["wall"], "samples/s", float("nan"))]
+    return [
+        row("real_rollout_peak_fraction", fraction["rollout"], gflops, 0.3),
+        row("real_logprobs_peak_fraction", fraction["logprobs"], gflops, 0.5),
+        row("real_optimize_peak_fraction", fraction["update"], gflops, 0.5),
+        row("real_padding_fraction", totals["padding"] / totals["positions"], "fraction of trainer positions", 0.05),
+        row("real_iteration_overhead", overhead, "fraction of iteration wall", 0.05),
+        row("real_samples_per_s", totals["samples"] / totals["wall"], "samples/s", float("nan")),
+    ]

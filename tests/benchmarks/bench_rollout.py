@@ -38,9 +38,17 @@ def hf_tokens_per_second(model_dir: Path, prompt_ids: list[list[int]]) -> float:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
-                             num_return_sequences=GROUP, max_new_tokens=MAX_TOKENS, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            num_return_sequences=GROUP,
+            max_new_tokens=MAX_TOKENS,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
     seconds = time.perf_counter() - t0
     new = out[:, width:]  # (P·G, ≤ MAX_TOKENS)
     is_eos = (new == tok.eos_token_id).long()
@@ -51,10 +59,21 @@ def hf_tokens_per_second(model_dir: Path, prompt_ids: list[list[int]]) -> float:
 
 def vllm_tokens_per_second(model_dir: Path, prompt_ids: list[list[int]], work: Path) -> float:
     prompts = work / "prompts.parquet"
-    pl.DataFrame({"prompt_id": [f"p{i}" for i in range(len(prompt_ids))], "prompt_token_ids": prompt_ids},
-                 schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)}).write_parquet(prompts)
-    job = GenerationJob(str(prompts), str(work / "out.parquet"), n=GROUP, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS,
-                        seed=0, stop=(), stop_token_ids=())
+    pl.DataFrame(
+        {"prompt_id": [f"p{i}" for i in range(len(prompt_ids))], "prompt_token_ids": prompt_ids},
+        schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
+    ).write_parquet(prompts)
+    job = GenerationJob(
+        str(prompts),
+        str(work / "out.parquet"),
+        n=GROUP,
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=MAX_TOKENS,
+        seed=0,
+        stop=(),
+        stop_token_ids=(),
+    )
     request = GenerateRequest(str(model_dir), (job,))
     engine = ResidentEngine(work / "vllm.log")
     settings = VLLMSettings(str(model_dir), "float32", 0, kv_cache_gib=2, gpu_memory_utilization=0.5)

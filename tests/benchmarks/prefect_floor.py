@@ -43,8 +43,12 @@ def floor_seconds(tasks: int = TASKS, runs: int = RUNS) -> float:
 def measure(defaults: bool) -> float:
     """The floor in a fresh process with its own Prefect home (the rlpipe settings or Prefect's defaults)."""
     with tempfile.TemporaryDirectory() as home:
-        env = {**os.environ, "PREFECT_HOME": home, "PREFECT_LOGGING_LEVEL": "WARNING",
-               "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}  # as flows/cli.py sets it
+        env = {
+            **os.environ,
+            "PREFECT_HOME": home,
+            "PREFECT_LOGGING_LEVEL": "WARNING",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        }  # as flows/cli.py sets it
         for key in ("PREFECT_API_URL", *LOCAL_API_ENV):
             env.pop(key, None)
         cmd = [sys.executable, "-m", "tests.benchmarks.prefect_floor", *(["--defaults"] if defaults else [])]

@@ -30,9 +30,16 @@ from tests.benchmarks import (
 )
 
 RESULTS = Path("runs/bench/results.parquet")
-SUITES = {"rollout": bench_rollout.run, "advantages": bench_advantages.run, "iteration": bench_iteration.run,
-          "e2e_vs_trl": bench_trl.run, "e2e_long": bench_long.run, "e2e_real": bench_real_trl.run,
-          "real": bench_real.run, "lora": bench_lora.run}
+SUITES = {
+    "rollout": bench_rollout.run,
+    "advantages": bench_advantages.run,
+    "iteration": bench_iteration.run,
+    "e2e_vs_trl": bench_trl.run,
+    "e2e_long": bench_long.run,
+    "e2e_real": bench_real_trl.run,
+    "real": bench_real.run,
+    "lora": bench_lora.run,
+}
 
 
 def main(prefixes: list[str]) -> None:
@@ -50,7 +57,14 @@ def main(prefixes: list[str]) -> None:
     write_bytes_atomic(RESULTS, buffer.getvalue())
     view = Table("benchmark", "baseline", "baseline", "rlpipe", "unit", "ratio", title=str(RESULTS))
     for r in table.iter_rows(named=True):
-        view.add_row(r["benchmark"], r["baseline"], f"{r['baseline_value']:.4g}", f"{r['rlpipe_value']:.4g}", r["unit"], f"{r['ratio']:.2f}")
+        view.add_row(
+            r["benchmark"],
+            r["baseline"],
+            f"{r['baseline_value']:.4g}",
+            f"{r['rlpipe_value']:.4g}",
+            r["unit"],
+            f"{r['ratio']:.2f}",
+        )
     Console(width=150).print(view)
 
 

@@ -3,7 +3,8 @@
 Matched settings, all read from the rlpipe config: the task's train prompts, G, prompts per round, max_tokens and
 min_tokens, temperature 1, lr with linear warmup then constant, AdamW (0.9, 0.999) without weight decay, grad clip 1,
 clip ε, k3 KL to the starting model with β in the loss, the loss aggregation (`--algo grpo`'s seq-mean-token-mean is
-TRL's "grpo", token-mean its "dapo"), group-normalised advantages, epochs × minibatches optimizer steps per round, and the config's reward functions
+TRL's "grpo", token-mean its "dapo"), group-normalised advantages, epochs × minibatches optimizer steps per round, and
+the config's reward functions
 (built-ins or the user's own, same weights and kwargs, called with rlpipe's argument names) on both sides. Chat-message
 prompts go to TRL as a conversational dataset (it applies the same chat template). Every group is trained (rlpipe's
 dynamic filtering off, as TRL has none).
@@ -42,7 +43,9 @@ class Training:
     tokens: int
     model: str
     round_ends: list[float] = field(default_factory=list)
-    engine_seconds: list[float] = field(default_factory=list)  # rlpipe: per round, generation and forward/backward passes
+    engine_seconds: list[float] = field(
+        default_factory=list
+    )  # rlpipe: per round, generation and forward/backward passes
 
     @property
     def wall(self) -> float:
@@ -75,7 +78,9 @@ def run_iterations(config: str, overrides: list[str], run_id: str, iterations: i
     shutil.rmtree(Path(load_config(config, overrides, algo).storage_root) / run_id, ignore_errors=True)
     ends = []
     try:
-        root = prepare_checked_run(config, [*overrides, f"rl.iterations={iterations}"], run_id, algo)  # engines spawned in it
+        root = prepare_checked_run(
+            config, [*overrides, f"rl.iterations={iterations}"], run_id, algo
+        )  # engines spawned in it
         with local_flow_settings():  # entered after the checks, as the command does
             for k in range(1, iterations + 1):
                 rl_iteration(run_id, k, root)
@@ -92,8 +97,13 @@ def rlpipe_training(config: str, overrides: list[str], run_id: str, iterations: 
     layout, ends = run_iterations(config, overrides, run_id, iterations, "grpo")
     metrics = [read_stage(layout, "train_metrics", k).row(0, named=True) for k in range(1, iterations + 1)]
     tokens = sum(int(read_stage(layout, "rollouts", k)["length"].sum()) for k in range(1, iterations + 1))
-    return Training(sum(int(m["samples"]) for m in metrics), tokens, str(layout.checkpoint_dir(iterations)), ends,
-                    [sum(m[c] for c in ENGINE_SECONDS) for m in metrics])
+    return Training(
+        sum(int(m["samples"]) for m in metrics),
+        tokens,
+        str(layout.checkpoint_dir(iterations)),
+        ends,
+        [sum(m[c] for c in ENGINE_SECONDS) for m in metrics],
+    )
 
 
 def trl_training(config: str, overrides: list[str], out: Path, iterations: int) -> Training:
@@ -126,9 +136,16 @@ def trl_training(config: str, overrides: list[str], out: Path, iterations: int) 
             for c, a, ids in zip(completions, answer, completion_ids):
                 text = c[0]["content"] if isinstance(c, list) else c  # conversational: [{"role": "assistant", ...}]
                 # rlpipe's arguments: "stop" only when it emitted EOS; the response's length and the limit
-                args = {"response": text, "ground_truth": a, "finish_reason": "stop" if eos in ids else "length",
-                        "length": len(ids), "max_tokens": r.max_tokens}
-                out.append(float(fn(**{k: v for k, v in args.items() if accepted is None or k in accepted}, **spec.kwargs)))
+                args = {
+                    "response": text,
+                    "ground_truth": a,
+                    "finish_reason": "stop" if eos in ids else "length",
+                    "length": len(ids),
+                    "max_tokens": r.max_tokens,
+                }
+                out.append(
+                    float(fn(**{k: v for k, v in args.items() if accepted is None or k in accepted}, **spec.kwargs))
+                )
             return out
 
         score.__name__ = name
@@ -144,21 +161,49 @@ def trl_training(config: str, overrides: list[str], out: Path, iterations: int) 
 
     samples_per_round = r.prompts_per_round * r.group_size
     args = GRPOConfig(
-        output_dir=str(out.parent / f"{out.name}-trainer"), use_cpu=True, seed=cfg.seed, report_to="none", save_strategy="no",
-        logging_steps=o.minibatches * o.ppo_epochs, learning_rate=o.lr, lr_scheduler_type="constant_with_warmup",
-        warmup_steps=o.warmup_steps, weight_decay=0.0, max_grad_norm=o.grad_clip, per_device_train_batch_size=samples_per_round // o.minibatches,
-        gradient_accumulation_steps=1, steps_per_generation=o.minibatches, num_iterations=o.ppo_epochs, num_generations=r.group_size,
-        max_completion_length=r.max_tokens, generation_kwargs={"min_new_tokens": r.min_tokens} if r.min_tokens else None,
-        temperature=r.temperature, top_p=r.top_p, top_k=0, beta=kl.beta, epsilon=cfg.loss.clip_eps_low, epsilon_high=cfg.loss.clip_eps_high,
-        loss_type=loss_type, scale_rewards="group", max_steps=iterations * o.minibatches * o.ppo_epochs,
-        reward_weights=[f.weight for f in cfg.reward.functions.values()], remove_unused_columns=False, bf16=False,
+        output_dir=str(out.parent / f"{out.name}-trainer"),
+        use_cpu=True,
+        seed=cfg.seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=o.minibatches * o.ppo_epochs,
+        learning_rate=o.lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=o.warmup_steps,
+        weight_decay=0.0,
+        max_grad_norm=o.grad_clip,
+        per_device_train_batch_size=samples_per_round // o.minibatches,
+        gradient_accumulation_steps=1,
+        steps_per_generation=o.minibatches,
+        num_iterations=o.ppo_epochs,
+        num_generations=r.group_size,
+        max_completion_length=r.max_tokens,
+        generation_kwargs={"min_new_tokens": r.min_tokens} if r.min_tokens else None,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=0,
+        beta=kl.beta,
+        epsilon=cfg.loss.clip_eps_low,
+        epsilon_high=cfg.loss.clip_eps_high,
+        loss_type=loss_type,
+        scale_rewards="group",
+        max_steps=iterations * o.minibatches * o.ppo_epochs,
+        reward_weights=[f.weight for f in cfg.reward.functions.values()],
+        remove_unused_columns=False,
+        bf16=False,
         dataloader_num_workers=0,
     )
     dataset = Dataset.from_dict({"prompt": train["prompt"].to_list(), "answer": train["answer"].to_list()})
     clock = RoundClock()
     specs = specs_from_config(cfg.reward)
-    trainer = GRPOTrainer(model=cfg.model.path, reward_funcs=[reward_func(n, specs[n]) for n in cfg.reward.functions],
-                          args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=cfg.model.path,
+        reward_funcs=[reward_func(n, specs[n]) for n in cfg.reward.functions],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     trainer.train()
     trainer.save_model(str(out))
     tokenizer.save_pretrained(out)
@@ -172,12 +217,24 @@ def in_fresh_process(side: str, config: str, overrides: list[str], name: str, it
     result.parent.mkdir(parents=True, exist_ok=True)
     result.unlink(missing_ok=True)
     spawned = time.time()
-    subprocess.run([sys.executable, "-m", "tests.benchmarks.trl_match", side, json.dumps([config, overrides, name, iterations]),
-                    str(result)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.benchmarks.trl_match",
+            side,
+            json.dumps([config, overrides, name, iterations]),
+            str(result),
+        ],
+        check=True,
+    )
     exited = time.time() - spawned
     training = Training(**json.loads(result.read_text()))
     training.round_ends = [t - spawned for t in training.round_ends]
-    print(f"{side}: last round ended {training.wall:.1f}s after its process was spawned, the process exited at {exited:.1f}s")
+    print(
+        f"{side}: last round ended {training.wall:.1f}s after its process was spawned, the process exited at "
+        f"{exited:.1f}s"
+    )
     return training
 
 

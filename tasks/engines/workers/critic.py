@@ -23,7 +23,9 @@ class ValueModel(torch.nn.Module):
         self.config = backbone.config
 
     def forward(self, input_ids, attention_mask):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, L, H)
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state  # (B, L, H)
         return self.head(hidden).squeeze(-1)  # (B, L)
 
     def gradient_checkpointing_enable(self, **kwargs):
@@ -34,7 +36,11 @@ class ValueModel(torch.nn.Module):
         from safetensors.torch import save_file
 
         def part(prefix: str) -> dict | None:
-            return None if state_dict is None else {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+            return (
+                None
+                if state_dict is None
+                else {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
+            )
 
         self.backbone.save_pretrained(out_dir, state_dict=part("backbone."), **kwargs)
         head = part("head.") if state_dict is not None else self.head.state_dict()

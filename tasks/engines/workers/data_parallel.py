@@ -82,12 +82,18 @@ def init_process_group() -> None:
     import torch
 
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     load_comm_op()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False,
-                               verbose=False, timeout=CONTROL_TIMEOUT)
+    deepspeed.init_distributed(
+        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+        auto_mpi_discovery=False,
+        verbose=False,
+        timeout=CONTROL_TIMEOUT,
+    )
     if world() > 1:
         control_group()  # made now, in the same order on every rank (creating a group is itself a collective)
 
@@ -140,7 +146,9 @@ def accumulation_steps(batch_rows: int, world_size: int, micro_batch_size: int) 
     return max(1, math.ceil(math.ceil(batch_rows / world_size) / micro_batch_size))
 
 
-def rank_micro_batches(indices: list[int], gas: int, world_size: int, rank_: int, chunk: int | None = None) -> list[list[int]]:
+def rank_micro_batches(
+    indices: list[int], gas: int, world_size: int, rank_: int, chunk: int | None = None
+) -> list[list[int]]:
     """This rank's micro-batches of a batch: its rows are rank, rank + W, rank + 2W, ..., dealt round-robin over `gas`
     micro-batches, or cut into consecutive chunks of `chunk` rows. With several ranks there are always `gas` of them,
     an empty one being a dummy step; alone, empty ones are left out (nothing to keep in step with)."""

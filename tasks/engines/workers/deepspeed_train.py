@@ -28,7 +28,8 @@ from tasks.engines.workers.training import (
 
 
 def load_policy(path: str, lora: LoraSettings | None = None):
-    """The policy to train, in fp32 (DeepSpeed's bf16 keeps fp32 master weights): every weight, or with `lora` an adapter
+    """The policy to train, in fp32 (DeepSpeed's bf16 keeps fp32 master weights): every weight, or with `lora` an
+    adapter
     on the frozen model (a new one on a plain folder, the saved one on an adapter checkpoint)."""
     model = load_causal_lm(path, "float32", lora, trainable=lora is not None)
     model.config.use_cache = False
@@ -46,7 +47,9 @@ def _sft(request: SFTRequest, model, tokenizer):
     s = request.schedule
     engine, optimizer = deepspeed_engine(model, request.engine, accumulation_steps(s, request.engine.micro_batch_size))
     rows, progress = [], Progress("sft", s.steps)
-    for step, lr, batch, parts in supervised_steps(s, optimizer, request.engine.lr, len(prompts), request.seed, request.engine.micro_batch_size):
+    for step, lr, batch, parts in supervised_steps(
+        s, optimizer, request.engine.lr, len(prompts), request.seed, request.engine.micro_batch_size
+    ):
         total_tokens = sum(len(responses[i]) for i in batch)
         loss_sum = 0.0
         for k, idx, scale in data_parallel.micro_steps(batch, parts):
@@ -68,8 +71,13 @@ def _policy_settings(request: UpdateRequest):
 
     loss = request.loss
     return PolicyLossSettings(
-        objective=loss.objective, aggregation=loss.aggregation, clip=ClipSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip),
-        kl_estimator=loss.kl_estimator, kl_in_loss=loss.kl_in_loss, kl_beta=loss.kl_beta, entropy_coef=loss.entropy_coef,
+        objective=loss.objective,
+        aggregation=loss.aggregation,
+        clip=ClipSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip),
+        kl_estimator=loss.kl_estimator,
+        kl_in_loss=loss.kl_in_loss,
+        kl_beta=loss.kl_beta,
+        entropy_coef=loss.entropy_coef,
     )
 
 
@@ -96,13 +104,17 @@ class _Ptx:
         return -self.coef * (logp * packed.mask).sum() / packed.mask.sum().clamp_min(1.0)
 
 
-def _kept_or_new_engine(cache, role: str, model_path: str, resume_state: str | None, settings: EngineSettings, gas: int, load_model):
+def _kept_or_new_engine(
+    cache, role: str, model_path: str, resume_state: str | None, settings: EngineSettings, gas: int, load_model
+):
     """(engine, optimizer) starting from `model_path` + `resume_state`: the resident trainer's kept engine when it holds
     exactly that state with the same settings, else `load_model()` wrapped in a new engine."""
     kept = cache.take_engine(role, model_path, resume_state, settings) if cache else None
     if kept is None:
         return deepspeed_engine(load_model(), settings, gas, resume_state)
-    kept[0].set_train_batch_size(settings.micro_batch_size * gas * data_parallel.world())  # the batch may differ from the last update's
+    kept[0].set_train_batch_size(
+        settings.micro_batch_size * gas * data_parallel.world()
+    )  # the batch may differ from the last update's
     return kept
 
 
@@ -112,7 +124,9 @@ class _Update:
     def __init__(self, request: UpdateRequest, tokenizer, data):
         self.request, self.pad = request, pad_id(tokenizer)
         self.prompts, self.responses = data["prompt_token_ids"].to_list(), data["token_ids"].to_list()
-        columns = ("old_logprobs", "ref_logprobs", "token_advantages") + (("sampler_logprobs",) if request.loss.tis_cap else ())
+        columns = ("old_logprobs", "ref_logprobs", "token_advantages") + (
+            ("sampler_logprobs",) if request.loss.tis_cap else ()
+        )
         self.lists = {c: data[c].to_list() for c in columns}
         self.loss_mask = data["loss_mask"].to_list()
         self.settings = _policy_settings(request)
@@ -127,12 +141,15 @@ class _Update:
         """The minibatch's normalizers, before it is split: accumulation never changes the loss."""
         from tasks.algos.losses import MinibatchNorm
 
-        return MinibatchNorm(tokens=float(sum(len(self.responses[i]) * self.loss_mask[i] for i in minibatch)),
-                             sequences=float(sum(1 for i in minibatch if self.loss_mask[i] and self.responses[i])),
-                             max_len=float(self.request.loss.max_tokens))
+        return MinibatchNorm(
+            tokens=float(sum(len(self.responses[i]) * self.loss_mask[i] for i in minibatch)),
+            sequences=float(sum(1 for i in minibatch if self.loss_mask[i] and self.responses[i])),
+            max_len=float(self.request.loss.max_tokens),
+        )
 
     def micro_step(self, engine, idx: list[int], norm, extra_loss=None, scale: float = 1.0) -> None:
-        """Forward and backward of one micro-batch, its loss × `scale` (data_parallel.micro_steps: the world size, or 0 for a
+        """Forward and backward of one micro-batch, its loss × `scale` (data_parallel.micro_steps: the world size, or 0
+        for a
         dummy step, whose sums are left out). The micro-batch is packed with shared prompts (token_batch.pack_shared):
         every tensor below is on its (B, R) response grid."""
         import torch
@@ -146,10 +163,15 @@ class _Update:
             count_into(self.counts, engine, batch, "update")
         width = batch.shape[1]
         mask = batch.mask * torch.tensor([float(self.loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, R)
-        old, ref, adv = (align_responses([self.lists[c][i] for i in idx], width) for c in ("old_logprobs", "ref_logprobs", "token_advantages"))
+        old, ref, adv = (
+            align_responses([self.lists[c][i] for i in idx], width)
+            for c in ("old_logprobs", "ref_logprobs", "token_advantages")
+        )
         weights, cap = None, self.request.loss.tis_cap
         if cap:
-            weights = tis_weights(old, align_responses([self.lists["sampler_logprobs"][i] for i in idx], width), cap)  # (B, R)
+            weights = tis_weights(
+                old, align_responses([self.lists["sampler_logprobs"][i] for i in idx], width), cap
+            )  # (B, R)
             add("tis_weight_mean", (weights * mask).sum())
             add("tis_capped_fraction", ((weights >= cap).float() * mask).sum())
         t0 = time.time()
@@ -201,8 +223,15 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     minibatches = min(request.minibatches, len(groups))
     largest = math.ceil(len(groups) / minibatches) * max(map(len, groups))
     gas = data_parallel.accumulation_steps(largest, data_parallel.world(), micro)
-    engine, optimizer = _kept_or_new_engine(cache, "policy", request.model_path, request.resume_state, request.engine, gas,
-                                            lambda: load_policy(request.model_path, request.engine.lora))
+    engine, optimizer = _kept_or_new_engine(
+        cache,
+        "policy",
+        request.model_path,
+        request.resume_state,
+        request.engine,
+        gas,
+        lambda: load_policy(request.model_path, request.engine.lora),
+    )
     critic = _critic_engine(request.critic, request.engine, gas, data, cache) if request.critic else None
     torch.manual_seed(request.seed)  # after the engines: the same random state whether they were loaded or kept
     ptx = _Ptx(request, tokenizer) if request.ptx else None
@@ -212,7 +241,9 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
         perm = torch.randperm(len(groups), generator=gen).tolist()
         for mb in [[row for g in perm[i::minibatches] for row in groups[g]] for i in range(minibatches)]:
             for group in optimizer.param_groups:  # linear warmup over the run's first optimizer steps
-                group["lr"] = request.engine.lr * min(1.0, (request.first_step + steps + 1) / max(1, request.warmup_steps))
+                group["lr"] = request.engine.lr * min(
+                    1.0, (request.first_step + steps + 1) / max(1, request.warmup_steps)
+                )
             parts = data_parallel.contiguous_micro_batches(mb, gas, data_parallel.world(), data_parallel.rank())
             norm = update.norm(mb)
             for k, idx, scale in data_parallel.micro_steps(mb, parts):
@@ -222,7 +253,9 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
                 if critic is not None:
                     for key, v in critic.micro_step(update, idx, norm, last, scale).items():
                         update.add(key, v)
-                crash_point(f"{request.crash_point}:rank{data_parallel.rank()}", whole_group=False)  # one rank dies, the rest mid-step
+                crash_point(
+                    f"{request.crash_point}:rank{data_parallel.rank()}", whole_group=False
+                )  # one rank dies, the rest mid-step
             steps += 1
             gn = engine.get_global_grad_norm()
             if gn is not None:
@@ -232,8 +265,15 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
     update.totals = data_parallel.sum_over_ranks(update.totals)  # also the barrier: every rank has finished its steps
     timings = update.rank_timings(time.time() - waited)
     counts = data_parallel.sum_over_ranks(update.counts)
-    adapter = adapter_stats(engine.module) if is_peft(engine.module) else {}  # under ZeRO-3 a partition's: rank 0 reports
-    return engine, optimizer, {**_update_metrics(update.totals, steps, grad_norms, n, seconds), **timings, **counts, **adapter}, critic
+    adapter = (
+        adapter_stats(engine.module) if is_peft(engine.module) else {}
+    )  # under ZeRO-3 a partition's: rank 0 reports
+    return (
+        engine,
+        optimizer,
+        {**_update_metrics(update.totals, steps, grad_norms, n, seconds), **timings, **counts, **adapter},
+        critic,
+    )
 
 
 def _update_metrics(totals: dict, steps: int, grad_norms: list[float], samples: int, seconds: float) -> dict:
@@ -256,7 +296,8 @@ class _Critic:
         self.old_values, self.returns = old_values, returns
 
     def micro_step(self, update: _Update, idx, norm, last, scale: float = 1.0) -> dict:
-        """The value loss of the policy's micro-batch, on the padded layout (values are per position, not per prediction)."""
+        """The value loss of the policy's micro-batch, on the padded layout (values are per position, not per
+        prediction)."""
         import torch
 
         from tasks.algos.losses import value_loss
@@ -278,15 +319,24 @@ class _Critic:
 
 
 def critic_settings(c: CriticRequest, policy: EngineSettings) -> EngineSettings:
-    return EngineSettings(policy.zero_stage, c.lr, policy.weight_decay, policy.grad_clip, policy.micro_batch_size, policy.dtype,
-                          policy.gradient_checkpointing, None)  # the critic trains every weight (README "LoRA")
+    return EngineSettings(
+        policy.zero_stage,
+        c.lr,
+        policy.weight_decay,
+        policy.grad_clip,
+        policy.micro_batch_size,
+        policy.dtype,
+        policy.gradient_checkpointing,
+        None,
+    )  # the critic trains every weight (README "LoRA")
 
 
 def _critic_engine(c: CriticRequest, policy: EngineSettings, gas: int, data, cache=None):
     from tasks.engines.workers.critic import load_critic
 
-    engine, optimizer = _kept_or_new_engine(cache, "critic", c.path, c.resume_state, critic_settings(c, policy), gas,
-                                            lambda: load_critic(c.path, c.fresh))
+    engine, optimizer = _kept_or_new_engine(
+        cache, "critic", c.path, c.resume_state, critic_settings(c, policy), gas, lambda: load_critic(c.path, c.fresh)
+    )
     return _Critic(engine, optimizer, c, data["values"].to_list(), data["returns"].to_list())
 
 
@@ -316,9 +366,19 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
         if cache is not None:
             cache.keep_engine("policy", state_id, engine, optimizer, request.engine)
             if critic is not None:
-                cache.keep_engine("critic", critic_id, critic.engine, critic.optimizer, critic_settings(request.critic, request.engine))
-    return {"metrics": metrics, "train_seconds": train_seconds, "deepspeed_version": deepspeed.__version__,
-            "zero_stage": request.engine.zero_stage}
+                cache.keep_engine(
+                    "critic",
+                    critic_id,
+                    critic.engine,
+                    critic.optimizer,
+                    critic_settings(request.critic, request.engine),
+                )
+    return {
+        "metrics": metrics,
+        "train_seconds": train_seconds,
+        "deepspeed_version": deepspeed.__version__,
+        "zero_stage": request.engine.zero_stage,
+    }
 
 
 if __name__ == "__main__":

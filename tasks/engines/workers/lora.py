@@ -38,8 +38,15 @@ def peft_config(lora: LoraSettings):
     from peft import LoraConfig
 
     targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                      modules_to_save=list(lora.modules_to_save) or None, bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        modules_to_save=list(lora.modules_to_save) or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def _plain(path: str, dtype: str):
@@ -51,13 +58,16 @@ def _plain(path: str, dtype: str):
 
 def load_causal_lm(path: str, dtype: str = "float32", lora: LoraSettings | None = None, trainable: bool = False):
     """The causal LM in `path`: a plain model folder, or an adapter checkpoint on its base model. With `lora` and
-    `trainable`, a plain folder gets a new adapter, initialised from `lora.seed` (B = 0, so it starts as the base model);
+    `trainable`, a plain folder gets a new adapter, initialised from `lora.seed` (B = 0, so it starts as the base
+    model);
     an adapter checkpoint keeps its own adapter. Only the adapter (and `modules_to_save`) then requires a gradient."""
     import torch
     from peft import PeftModel, get_peft_model
 
     if is_adapter(path):
-        return PeftModel.from_pretrained(_plain(adapter_base(path), dtype), os.path.abspath(path), is_trainable=trainable)
+        return PeftModel.from_pretrained(
+            _plain(adapter_base(path), dtype), os.path.abspath(path), is_trainable=trainable
+        )
     model = _plain(path, dtype)
     if not (lora and trainable):
         return model
@@ -66,7 +76,9 @@ def load_causal_lm(path: str, dtype: str = "float32", lora: LoraSettings | None 
         try:
             return get_peft_model(model, peft_config(lora))
         except ValueError as err:  # peft names the modules it did not find
-            raise LoraError(f"lora.target_modules does not fit the model in {path}: {str(err).splitlines()[0]}") from None
+            raise LoraError(
+                f"lora.target_modules does not fit the model in {path}: {str(err).splitlines()[0]}"
+            ) from None
 
 
 def is_peft(model) -> bool:
@@ -100,9 +112,14 @@ def describe(path: str) -> dict:
     with open(os.path.join(path, ADAPTER_CONFIG)) as f:
         cfg = json.load(f)
     targets = cfg.get("target_modules")
-    return {"rank": cfg["r"], "alpha": cfg["lora_alpha"], "target_modules": sorted(targets) if isinstance(targets, list) else targets,
-            "modules_to_save": cfg.get("modules_to_save") or [], "base_model": cfg["base_model_name_or_path"],
-            "adapter_bytes": os.path.getsize(os.path.join(path, ADAPTER_WEIGHTS))}
+    return {
+        "rank": cfg["r"],
+        "alpha": cfg["lora_alpha"],
+        "target_modules": sorted(targets) if isinstance(targets, list) else targets,
+        "modules_to_save": cfg.get("modules_to_save") or [],
+        "base_model": cfg["base_model_name_or_path"],
+        "adapter_bytes": os.path.getsize(os.path.join(path, ADAPTER_WEIGHTS)),
+    }
 
 
 def merge_into_folder(adapter_dir: str, dest: str) -> None:
@@ -134,5 +151,7 @@ def check_targets(model_path: str, lora) -> None:
     for key, name, pool in wanted + [("modules_to_save", t, names) for t in lora.modules_to_save]:
         if not any(n == name or n.endswith("." + name) for n in pool):
             kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
-            raise LoraError(f"lora.{key}: the model in {model_path} has no {'linear ' if key == 'target_modules' else ''}module "
-                            f"named {name!r} (its linear layers: {', '.join(kinds)})")
+            raise LoraError(
+                f"lora.{key}: the model in {model_path} has no {'linear ' if key == 'target_modules' else ''}module "
+                f"named {name!r} (its linear layers: {', '.join(kinds)})"
+            )

@@ -20,15 +20,25 @@ from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
 from tasks.engines.workers import data_parallel
 from tasks.engines.workers.sequence_scores import reward_model, rm_scores, sequence_logps
-from tasks.engines.workers.training import Progress, accumulation_steps, deepspeed_engine, save_checkpoint, supervised_steps
+from tasks.engines.workers.training import (
+    Progress,
+    accumulation_steps,
+    deepspeed_engine,
+    save_checkpoint,
+    supervised_steps,
+)
 
 
 def _steps(request: PreferenceTrainRequest, optimizer, n: int):
-    return supervised_steps(request.schedule, optimizer, request.engine.lr, n, request.seed, request.engine.micro_batch_size)
+    return supervised_steps(
+        request.schedule, optimizer, request.engine.lr, n, request.seed, request.engine.micro_batch_size
+    )
 
 
 def _engine(model, request: PreferenceTrainRequest):
-    return deepspeed_engine(model, request.engine, accumulation_steps(request.schedule, request.engine.micro_batch_size))
+    return deepspeed_engine(
+        model, request.engine, accumulation_steps(request.schedule, request.engine.micro_batch_size)
+    )
 
 
 def _ranking_scores(flat, ranks: list[list[int]], idx: list[int]):
@@ -55,7 +65,9 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
     from tasks.algos.preference_losses import kwise_bradley_terry, pairwise_accuracy
 
     data = pl.read_parquet(request.data_path)
-    seqs = [([p] * len(rs), rs) for p, rs in zip(data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list())]
+    seqs = [
+        ([p] * len(rs), rs) for p, rs in zip(data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list())
+    ]
     ranks = data["ranks"].to_list()
     model = reward_model(request.model_path, tokenizer)
     engine, optimizer = _engine(model, request)
@@ -64,7 +76,9 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
     for step, lr, batch, parts in _steps(request, optimizer, data.height):
         loss_sum, correct, pairs = 0.0, 0.0, 0
         for k, idx, scale in data_parallel.micro_steps(batch, parts):
-            flat = rm_scores(engine, [x for i in idx for x in seqs[i][0]], [x for i in idx for x in seqs[i][1]], pad)  # (ΣK,)
+            flat = rm_scores(
+                engine, [x for i in idx for x in seqs[i][0]], [x for i in idx for x in seqs[i][1]], pad
+            )  # (ΣK,)
             scores, rank_t, valid = _ranking_scores(flat, ranks, idx)  # (B, K)
             # A sum over elements divided by the whole batch: the accumulated gradient is the batch mean.
             loss = kwise_bradley_terry(scores, rank_t, valid).sum() / bs
@@ -79,7 +93,9 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
         loss_sum, correct, pairs = summed["loss"], summed["correct"], summed["pairs"]
         rows.append({"step": step, "loss": loss_sum, "lr": lr, "train_pair_accuracy": correct / max(pairs, 1)})
         progress.step(step + 1, {"loss": loss_sum, "pair_accuracy": correct / max(pairs, 1)})
-    return engine, pl.DataFrame(rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64, "train_pair_accuracy": pl.Float64})
+    return engine, pl.DataFrame(
+        rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64, "train_pair_accuracy": pl.Float64}
+    )
 
 
 def _dpo_train(request: PreferenceTrainRequest, tokenizer):
@@ -90,7 +106,11 @@ def _dpo_train(request: PreferenceTrainRequest, tokenizer):
     from tasks.engines.workers.deepspeed_train import load_policy
 
     data = pl.read_parquet(request.data_path)
-    prompts, rc, rr = data["prompt_token_ids"].to_list(), data["chosen_token_ids"].to_list(), data["rejected_token_ids"].to_list()
+    prompts, rc, rr = (
+        data["prompt_token_ids"].to_list(),
+        data["chosen_token_ids"].to_list(),
+        data["rejected_token_ids"].to_list(),
+    )
     ref_c, ref_r = torch.tensor(data["ref_chosen_logp"].to_list()), torch.tensor(data["ref_rejected_logp"].to_list())
     engine, optimizer = _engine(load_policy(request.model_path, request.engine.lora), request)
     bs, rows, progress = request.schedule.batch_size, [], Progress("dpo", request.schedule.steps)
@@ -98,7 +118,9 @@ def _dpo_train(request: PreferenceTrainRequest, tokenizer):
         totals = dict.fromkeys(("loss", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"), 0.0)
         for k, idx, scale in data_parallel.micro_steps(batch, parts):
             # Chosen and rejected in one forward pass, sharing their prompt: (2B,) sequence logprobs.
-            logps = sequence_logps(engine, [prompts[i] for i in idx] * 2, [rc[i] for i in idx] + [rr[i] for i in idx], pad_id(tokenizer))
+            logps = sequence_logps(
+                engine, [prompts[i] for i in idx] * 2, [rc[i] for i in idx] + [rr[i] for i in idx], pad_id(tokenizer)
+            )
             chosen, rejected = logps[: len(idx)], logps[len(idx) :]
             stats = dpo_loss(chosen, rejected, ref_c[idx], ref_r[idx], request.beta)
             loss = stats.loss
@@ -137,7 +159,11 @@ def handle(request: PreferenceTrainRequest) -> dict:
     if data_parallel.rank() == 0:
         table.write_parquet(request.metrics_path)
     save_checkpoint(engine, tokenizer, request.tmp_dir)
-    return {"train_seconds": train_seconds, "deepspeed_version": deepspeed.__version__, "zero_stage": request.engine.zero_stage}
+    return {
+        "train_seconds": train_seconds,
+        "deepspeed_version": deepspeed.__version__,
+        "zero_stage": request.engine.zero_stage,
+    }
 
 
 if __name__ == "__main__":

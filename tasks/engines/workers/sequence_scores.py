@@ -48,8 +48,9 @@ def rm_scores(model, prompts: list[list[int]], responses: list[list[int]], pad: 
         ids, attn, _ = pack(prompts, responses, pad)
         return model(input_ids=ids, attention_mask=attn).logits[:, 0].float()
     batch = pack_shared(prompts, responses, pad)
-    hidden = module.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                               use_cache=False).last_hidden_state  # (G, L, H)
+    hidden = module.base_model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False
+    ).last_hidden_state  # (G, L, H)
     return head(hidden[batch.ends[:, 0], batch.ends[:, 1]])[:, 0].float()  # (N,)
 
 
@@ -76,7 +77,9 @@ def _rm_score(request: ScoreRequest, tokenizer) -> None:
     order = group_order(list(range(data.height)), prompts)  # a prompt's responses together: one pass over it
 
     def one(idx: list[int]) -> list[float]:
-        return rm_scores(model, [prompts[i] for i in idx], [responses[i] for i in idx], model.config.pad_token_id).tolist()
+        return rm_scores(
+            model, [prompts[i] for i in idx], [responses[i] for i in idx], model.config.pad_token_id
+        ).tolist()
 
     with torch.no_grad():
         done = [v for part in map_in_order(one, chunks(order, request.micro_batch_size)) for v in part]
@@ -91,23 +94,32 @@ def _seq_logprobs(request: ScoreRequest, tokenizer) -> None:
     import torch
 
     from tasks.engines.workers.data_parallel import map_in_order
-    from tasks.engines.workers.torch_logprobs import load_lm
     from tasks.engines.workers.token_batch import chunks
+    from tasks.engines.workers.torch_logprobs import load_lm
 
     data = pl.read_parquet(request.data_path)
     model = load_lm(request.model_path, "float32")
-    prompts, chosen, rejected = (data[c].to_list() for c in ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids"))
+    prompts, chosen, rejected = (
+        data[c].to_list() for c in ("prompt_token_ids", "chosen_token_ids", "rejected_token_ids")
+    )
 
     def both(idx: list[int]) -> list[tuple[float, float]]:  # a pair's two responses in one batch: one prompt pass
-        logps = sequence_logps(model, [prompts[i] for i in idx] * 2, [chosen[i] for i in idx] + [rejected[i] for i in idx],
-                               pad_id(tokenizer)).tolist()
+        logps = sequence_logps(
+            model,
+            [prompts[i] for i in idx] * 2,
+            [chosen[i] for i in idx] + [rejected[i] for i in idx],
+            pad_id(tokenizer),
+        ).tolist()
         return list(zip(logps[: len(idx)], logps[len(idx) :]))
 
     with torch.no_grad():
-        pairs = [p for part in map_in_order(both, chunks(list(range(data.height)), request.micro_batch_size)) for p in part]
-    data.select("prompt_id", "pair_idx").with_columns(pl.Series("chosen_logp", [c for c, _ in pairs], dtype=pl.Float64),
-                                                      pl.Series("rejected_logp", [r for _, r in pairs], dtype=pl.Float64)
-                                                      ).write_parquet(request.out_path)
+        pairs = [
+            p for part in map_in_order(both, chunks(list(range(data.height)), request.micro_batch_size)) for p in part
+        ]
+    data.select("prompt_id", "pair_idx").with_columns(
+        pl.Series("chosen_logp", [c for c, _ in pairs], dtype=pl.Float64),
+        pl.Series("rejected_logp", [r for _, r in pairs], dtype=pl.Float64),
+    ).write_parquet(request.out_path)
 
 
 def handle(request: ScoreRequest) -> dict:

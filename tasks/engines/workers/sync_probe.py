@@ -38,8 +38,12 @@ def trainer_logprobs(model, token_ids: list[list[int]]) -> list[list[float]]:
     from tasks.engines.workers.token_batch import eval_mode, token_logprobs
 
     with eval_mode(model), torch.no_grad():  # one sequence at a time: no padding, the same positions vLLM scores
-        return [token_logprobs(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), with_entropy=False)[0][0].tolist()
-                for seq in token_ids]
+        return [
+            token_logprobs(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), with_entropy=False)[
+                0
+            ][0].tolist()
+            for seq in token_ids
+        ]
 
 
 def write_probe(model, tokenizer, out_dir: str, write: bool = True) -> None:

@@ -87,14 +87,18 @@ class SharedPrefixBatch:
         return self.on_grid(torch.ones(len(self.flat)))  # (N, R)
 
     def counts(self, logits_kept: bool) -> dict[str, float]:
-        """What one forward pass over the batch computes, for the throughput figures: real token positions, all positions
+        """What one forward pass over the batch computes, for the throughput figures: real token positions, all
+        positions
         (padding included), positions whose logits are computed, the response tokens predicted, and the (query, key)
         pairs the mask allows to real positions (attention's useful work)."""
         g, length = self.input_ids.shape
-        return {"tokens": float(self.real.sum()), "positions": float(g * length),
-                "logit_positions": float(g * (len(self.keep) if logits_kept else length)),
-                "predicted_tokens": float(len(self.targets)),
-                "attention_pairs": float((self.attention_mask[:, 0] & self.real.unsqueeze(-1)).sum())}
+        return {
+            "tokens": float(self.real.sum()),
+            "positions": float(g * length),
+            "logit_positions": float(g * (len(self.keep) if logits_kept else length)),
+            "predicted_tokens": float(len(self.targets)),
+            "attention_pairs": float((self.attention_mask[:, 0] & self.real.unsqueeze(-1)).sum()),
+        }
 
 
 # Rows of the shared-prefix layout hold about this many tokens (a third more at worst, or one longer group).
@@ -127,8 +131,9 @@ def balanced_rows(sizes: list[int], row_tokens: int = PACKED_ROW_TOKENS) -> list
     return rows
 
 
-def pack_shared(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                row_tokens: int = PACKED_ROW_TOKENS) -> SharedPrefixBatch:
+def pack_shared(
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int, row_tokens: int = PACKED_ROW_TOKENS
+) -> SharedPrefixBatch:
     """Pack samples with their shared prompts. Each distinct prompt's group (the prompt, then its responses) is laid out
     whole; groups are spread over rows of about `row_tokens` (balanced_rows), so rows come out nearly equally long and
     padding stays small."""
@@ -177,9 +182,20 @@ def pack_shared(prompts: list[list[int]], responses: list[list[int]], pad_id: in
     attention = causal & same_group & ((q == k) | (k == 0))  # a response sees its prompt and itself
     positions = torch.tensor(t_pos, dtype=torch.long)
     keep, kept_cols = torch.unique(positions, return_inverse=True)
-    return SharedPrefixBatch(input_ids, position_ids, attention.unsqueeze(1), keep, torch.tensor(t_rows, dtype=torch.long), kept_cols,
-                             positions, torch.tensor(t_targets, dtype=torch.long), torch.tensor(t_flat, dtype=torch.long), (n, width),
-                             segment >= 0, ends)
+    return SharedPrefixBatch(
+        input_ids,
+        position_ids,
+        attention.unsqueeze(1),
+        keep,
+        torch.tensor(t_rows, dtype=torch.long),
+        kept_cols,
+        positions,
+        torch.tensor(t_targets, dtype=torch.long),
+        torch.tensor(t_flat, dtype=torch.long),
+        (n, width),
+        segment >= 0,
+        ends,
+    )
 
 
 def _takes_logits_to_keep(model) -> bool:
@@ -202,8 +218,12 @@ def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True
     The model's own forward runs (so anything it does to its logits, such as soft-capping, applies), asked for the
     logits of the needed positions only where it supports `logits_to_keep`: the prompt positions' vocabulary-sized
     products are skipped."""
-    kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids,
-              "use_cache": False}
+    kwargs = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "position_ids": batch.position_ids,
+        "use_cache": False,
+    }
     cols = batch.positions
     if _takes_logits_to_keep(model):
         kwargs["logits_to_keep"], cols = batch.keep, batch.kept_cols
@@ -269,8 +289,15 @@ def batched(fn, prompts: list[list[int]], responses: list[list[int]], pad_id: in
         return [row for part in map_in_order(one, chunks(list(range(len(prompts))), micro_batch_size)) for row in part]
 
 
-def batched_responses(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, micro_batch_size: int,
-                      with_entropy: bool, totals: dict[str, float] | None = None) -> tuple[list[list[float]], list[list[float]]]:
+def batched_responses(
+    model,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_id: int,
+    micro_batch_size: int,
+    with_entropy: bool,
+    totals: dict[str, float] | None = None,
+) -> tuple[list[list[float]], list[list[float]]]:
     """Per-token logprobs and entropies (empty lists without) of every sample, in order, computed without gradients on
     shared-prefix micro-batches of whole groups (shared among the trainer ranks as `batched` does). `totals` gets this
     rank's forward counts (`forward_*`)."""

@@ -1,6 +1,7 @@
 """Logprobs worker: old (policy before this update) and ref logprobs, and entropy, recomputed by torch.
 
-Request: schemas.requests.LogprobsRequest; the samples file holds prompt_id, sample_idx, prompt_token_ids, token_ids. Run as a one-shot worker, or inside the resident
+Request: schemas.requests.LogprobsRequest; the samples file holds prompt_id, sample_idx, prompt_token_ids, token_ids.
+Run as a one-shot worker, or inside the resident
 trainer (tasks/engines/workers/trainer_server.py). Writes prompt_id, sample_idx, old_logprobs,
 ref_logprobs, entropy and values (list<float32>; values null without a critic).
 """
@@ -19,14 +20,22 @@ from tasks.engines.workers import data_parallel
 def _score(model, prompts, responses, pad_id, micro, with_entropy, totals):
     from tasks.engines.workers.token_batch import batched_responses
 
-    return batched_responses(model, prompts, responses, pad_id, micro, with_entropy, totals)  # each group's prompt computed once
+    return batched_responses(
+        model, prompts, responses, pad_id, micro, with_entropy, totals
+    )  # each group's prompt computed once
 
 
 def _values(critic, prompts, responses, pad_id, micro):
     from tasks.engines.workers.critic import token_values
     from tasks.engines.workers.token_batch import batched, unalign
 
-    return batched(lambda ids, attn, mask, plen, rlen: unalign(token_values(critic, ids, attn), plen, rlen), prompts, responses, pad_id, micro)
+    return batched(
+        lambda ids, attn, mask, plen, rlen: unalign(token_values(critic, ids, attn), plen, rlen),
+        prompts,
+        responses,
+        pad_id,
+        micro,
+    )
 
 
 def load_lm(path: str, dtype: str):
@@ -42,7 +51,7 @@ def scoring(model, adapter_off: bool):
     """The model in eval mode, with its LoRA adapter switched off when `adapter_off` (then it is its base model)."""
     from tasks.engines.workers.token_batch import eval_mode
 
-    with eval_mode(model), (model.disable_adapter() if adapter_off else nullcontext()):
+    with eval_mode(model), model.disable_adapter() if adapter_off else nullcontext():
         yield model
 
 
@@ -98,14 +107,19 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
     values = None
     if request.critic_path:
         critic_path, fresh = request.critic_path, request.critic_fresh
-        critic = (load_critic(critic_path, True, request.dtype) if fresh
-                  else model_at("critic", critic_path, lambda: load_critic(critic_path, False, request.dtype), frozen=False))
+        critic = (
+            load_critic(critic_path, True, request.dtype)
+            if fresh
+            else model_at("critic", critic_path, lambda: load_critic(critic_path, False, request.dtype), frozen=False)
+        )
         t1 = time.time()
         with eval_mode(critic):
             values = _values(critic, prompts, responses, pad_id, micro)
         forward += time.time() - t1
     lst = pl.List(pl.Float32)
-    counts = data_parallel.sum_over_ranks(counts)  # the policy passes' work, over the ranks (the critic's is not counted)
+    counts = data_parallel.sum_over_ranks(
+        counts
+    )  # the policy passes' work, over the ranks (the critic's is not counted)
     if data_parallel.rank() != 0:  # every rank holds all the rows; one writes them
         return {}
     samples.select("prompt_id", "sample_idx").with_columns(

@@ -3,7 +3,8 @@ reference between iterations, and answers the `logprobs` and `optimize` stages.
 
 Started by tasks/engines/trainer_client.py as `python -m tasks.engines.workers.trainer_server --serve SOCKET SETTINGS`.
 A message is {"request": a LogprobsRequest or UpdateRequest on the wire (schemas/requests.py)}, the same requests
-the one-shot workers (torch_logprobs, deepspeed_train) take; inputs and outputs stay Parquet and checkpoints on disk. What it
+the one-shot workers (torch_logprobs, deepspeed_train) take; inputs and outputs stay Parquet and checkpoints on disk.
+What it
 reuses, and when, is tasks/engines/workers/engine_cache.py: only state that provably equals the requested checkpoint.
 No Prefect import: this runs in its own process.
 """
@@ -34,7 +35,11 @@ def make_answer(warm_start):
             raise ValueError(f"the trainer does not take a {type(request).__name__}")
         hits = dict(cache.hits)
         t0 = time.time()
-        print(f"[trainer rank {data_parallel.rank()}/{data_parallel.world()}] {type(request).__name__} {msg.get('label', '')}", flush=True)
+        print(
+            f"[trainer rank {data_parallel.rank()}/{data_parallel.world()}] {type(request).__name__} "
+            f"{msg.get('label', '')}",
+            flush=True,
+        )
         resp = handlers[type(request)](request, cache)
         reused = {f"reused_{k}": cache.hits[k] - hits[k] for k in hits}
         print(f"[trainer] done in {time.time() - t0:.2f}s {reused}", flush=True)

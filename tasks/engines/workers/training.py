@@ -29,7 +29,6 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     `resume_state` when given (the settings' lr wins over the saved one). `gas` counts one rank's micro-steps per
     optimizer step; ZeRO partitions over all the ranks of the process group."""
     import deepspeed
-    import torch
 
     data_parallel.init_process_group()
     if settings.gradient_checkpointing:
@@ -48,7 +47,8 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if resume_state:
         check_saved_world(resume_state, settings.zero_stage)
-        # An adapter's state holds the trainable weights only (save_checkpoint): the frozen base comes from the model folder.
+        # An adapter's state holds the trainable weights only (save_checkpoint): the frozen base comes from the model
+        # folder.
         engine.load_checkpoint(resume_state, tag="state", load_module_strict=not is_peft(model))
         for group in engine.optimizer.param_groups:
             group["lr"] = settings.lr
@@ -61,8 +61,10 @@ def check_saved_world(resume_state: str, zero_stage: int) -> None:
 
     saved = read_state(os.path.dirname(resume_state)).get("world_size", 1)
     if zero_stage > 0 and saved != data_parallel.world():
-        raise ValueError(f"{resume_state} holds ZeRO-{zero_stage} optimizer state of {saved} trainer rank(s), and this trainer has "
-                         f"{data_parallel.world()}: set engines.train_ranks={saved} (or convert it with DeepSpeed's ds_to_universal)")
+        raise ValueError(
+            f"{resume_state} holds ZeRO-{zero_stage} optimizer state of {saved} trainer rank(s), and this trainer has "
+            f"{data_parallel.world()}: set engines.train_ranks={saved} (or convert it with DeepSpeed's ds_to_universal)"
+        )
 
 
 def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "") -> str:
@@ -100,18 +102,28 @@ def accumulation_steps(schedule: Schedule, micro_batch_size: int) -> int:
 
 
 def supervised_steps(schedule: Schedule, optimizer, base_lr: float, n: int, seed: int, micro_batch_size: int):
-    """For each optimizer step, with its learning rate set: (step, lr, batch, this rank's micro-batches of it), batch_size
+    """For each optimizer step, with its learning rate set: (step, lr, batch, this rank's micro-batches of it),
+    batch_size
     elements drawn at random (seeded, the same draw on every rank) from n; an empty micro-batch is a dummy step."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    bs, gas, chunk = schedule.batch_size, accumulation_steps(schedule, micro_batch_size), min(micro_batch_size, schedule.batch_size)
+    bs, gas, chunk = (
+        schedule.batch_size,
+        accumulation_steps(schedule, micro_batch_size),
+        min(micro_batch_size, schedule.batch_size),
+    )
     for step in range(schedule.steps):
         lr = cosine_lr(schedule, base_lr, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = torch.randint(n, (bs,), generator=gen).tolist()
-        yield step, lr, batch, data_parallel.rank_micro_batches(batch, gas, data_parallel.world(), data_parallel.rank(), chunk)
+        yield (
+            step,
+            lr,
+            batch,
+            data_parallel.rank_micro_batches(batch, gas, data_parallel.world(), data_parallel.rank(), chunk),
+        )
 
 
 class Progress:
@@ -131,8 +143,12 @@ class Progress:
         rate = done / max(now - self.started, 1e-9)
         left = (self.total - done) / rate if rate else float("inf")
         means = " ".join(f"{k} {sum(m[k] for m in self.recent) / len(self.recent):.4g}" for k in self.recent[0])
-        print(f"{PROGRESS_PREFIX} {self.what} step {done}/{self.total} ({100 * done / self.total:.0f}%), {rate:.2f} steps/s, "
-              f"{_duration(left)} left, {means}", flush=True)
+        print(
+            f"{PROGRESS_PREFIX} {self.what} step {done}/{self.total} ({100 * done / self.total:.0f}%), {rate:.2f} "
+            f"steps/s, "
+            f"{_duration(left)} left, {means}",
+            flush=True,
+        )
         self.last, self.recent = now, []
 
 

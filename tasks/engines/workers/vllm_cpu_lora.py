@@ -54,10 +54,13 @@ def make_ops(original):
         else:
             output_tensor[:, :common] = outputs[:limit, :common]
 
-    def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size, add_inputs=True):
+    def bgmv_expand_slice(
+        inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size, add_inputs=True
+    ):
         if not _matches(inputs, lora_indices_tensor):
-            return original["bgmv_expand_slice"](inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset,
-                                                 slice_size, add_inputs)
+            return original["bgmv_expand_slice"](
+                inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size, add_inputs
+            )
         outputs = grouped_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
         if add_inputs:
             output_tensor[:, slice_offset : slice_offset + slice_size] += outputs

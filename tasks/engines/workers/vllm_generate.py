@@ -1,7 +1,8 @@
 """vLLM server: one resident engine answering generation jobs (rollout rounds, eval passes).
 
 Started by tasks/engines/vllm_client.py as `python -m tasks.engines.workers.vllm_generate --serve SOCKET SETTINGS`.
-A job is {prompts_path, out_path, n, temperature, top_p, max_tokens, seed, stop, stop_token_ids, min_tokens}; it reads Parquet (prompt_id,
+A job is {prompts_path, out_path, n, temperature, top_p, max_tokens, seed, stop, stop_token_ids, min_tokens}; it reads
+Parquet (prompt_id,
 prompt_token_ids) and writes Parquet with one row per sample: prompt_id, sample_idx, token_ids (EOS
 included when it stopped), text, sampler_logprobs, finish_reason, truncated, length.
 No Prefect import: this runs in its own process.
@@ -25,9 +26,14 @@ def _rows(outputs, prompt_ids):
             lps = [float(step[tid].logprob) for tid, step in zip(token_ids, o.logprobs or [])]
             rows.append(
                 {
-                    "prompt_id": pid, "sample_idx": k, "token_ids": token_ids, "text": o.text,
-                    "sampler_logprobs": lps, "finish_reason": str(o.finish_reason),
-                    "truncated": o.finish_reason == "length", "length": len(token_ids),
+                    "prompt_id": pid,
+                    "sample_idx": k,
+                    "token_ids": token_ids,
+                    "text": o.text,
+                    "sampler_logprobs": lps,
+                    "finish_reason": str(o.finish_reason),
+                    "truncated": o.finish_reason == "length",
+                    "length": len(token_ids),
                 }
             )
     return rows
@@ -65,8 +71,13 @@ def _start_engine(settings: VLLMSettings):
 
             install()  # its LoRA products, one matmul per adapter (tasks/engines/workers/vllm_cpu_lora.py)
     return LLM(
-        model=settings.model_path, dtype=settings.dtype, seed=settings.seed, tensor_parallel_size=settings.tensor_parallel_size,
-        enforce_eager=True, enable_prefix_caching=True, **extra,
+        model=settings.model_path,
+        dtype=settings.dtype,
+        seed=settings.seed,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        **extra,
     )
 
 
@@ -87,8 +98,13 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
     from vllm.inputs import TokensPrompt
 
     schema = {
-        "prompt_id": pl.Utf8, "sample_idx": pl.Int32, "token_ids": pl.List(pl.Int32), "text": pl.Utf8,
-        "sampler_logprobs": pl.List(pl.Float32), "finish_reason": pl.Utf8, "truncated": pl.Boolean,
+        "prompt_id": pl.Utf8,
+        "sample_idx": pl.Int32,
+        "token_ids": pl.List(pl.Int32),
+        "text": pl.Utf8,
+        "sampler_logprobs": pl.List(pl.Float32),
+        "finish_reason": pl.Utf8,
+        "truncated": pl.Boolean,
         "length": pl.Int32,
     }
     timings = []
@@ -96,8 +112,15 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
         prompts = pl.read_parquet(job.prompts_path)
         params = [
             SamplingParams(
-                n=job.n, temperature=job.temperature, top_p=job.top_p, max_tokens=job.max_tokens, min_tokens=job.min_tokens, logprobs=0,
-                seed=job.seed + i, stop=list(job.stop) or None, stop_token_ids=list(job.stop_token_ids) or None,
+                n=job.n,
+                temperature=job.temperature,
+                top_p=job.top_p,
+                max_tokens=job.max_tokens,
+                min_tokens=job.min_tokens,
+                logprobs=0,
+                seed=job.seed + i,
+                stop=list(job.stop) or None,
+                stop_token_ids=list(job.stop_token_ids) or None,
             )
             for i in range(prompts.height)
         ]
@@ -148,7 +171,9 @@ class Adapters:
                 raise ValueError(f"{model_path} is neither this engine's base model ({self.base}) nor an adapter on it")
             return None
         if os.path.abspath(adapter_base(model_path)) != self.base:
-            raise ValueError(f"the adapter in {model_path} is on {adapter_base(model_path)}, and this engine runs {self.base}")
+            raise ValueError(
+                f"the adapter in {model_path} is on {adapter_base(model_path)}, and this engine runs {self.base}"
+            )
         if self.current is not None:
             self.llm.llm_engine.remove_lora(self.current.lora_int_id)
         self.current = None  # a load that fails halfway leaves no adapter named
@@ -175,24 +200,32 @@ def sampler_probe_gap(llm, model_path: str, lora=None) -> float | None:
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in probe["token_ids"]], params, use_tqdm=False)
     # prompt_logprobs[t] (t ≥ 1) maps the prompt's own token t to its logprob given the tokens before it.
-    sampler = [[step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], ids[1:])] for o, ids in zip(outs, probe["token_ids"])]
+    sampler = [
+        [step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], ids[1:])]
+        for o, ids in zip(outs, probe["token_ids"])
+    ]
     return mean_abs_gap(sampler, probe["logprobs"])
 
 
 def _forced_logprobs(llm, sequences: list[list[int]], lora) -> list[list[float]]:
     """log π(seq[t] | seq[:t]) for t ≥ 1, one request per position: the prefix as the prompt, the next token the only
-    one allowed, and its logprob taken before that restriction (vLLM reports the raw model's logprobs). With LoRA enabled
+    one allowed, and its logprob taken before that restriction (vLLM reports the raw model's logprobs). With LoRA
+    enabled
     vLLM-CPU cannot compute prompt_logprobs (its LoRA logits kernel is indexed per request, not per prompt position)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     positions = [(seq[:t], seq[t]) for seq in sequences for t in range(1, len(seq))]
-    params = [SamplingParams(max_tokens=1, logprobs=0, temperature=1.0, allowed_token_ids=[tok]) for _, tok in positions]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in positions], params, use_tqdm=False, lora_request=lora)
+    params = [
+        SamplingParams(max_tokens=1, logprobs=0, temperature=1.0, allowed_token_ids=[tok]) for _, tok in positions
+    ]
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p, _ in positions], params, use_tqdm=False, lora_request=lora
+    )
     flat = [o.outputs[0].logprobs[0][tok].logprob for o, (_, tok) in zip(outs, positions)]
     out, at = [], 0
     for seq in sequences:
-        out.append(flat[at:at + len(seq) - 1])
+        out.append(flat[at : at + len(seq) - 1])
         at += len(seq) - 1
     return out
 
@@ -228,8 +261,11 @@ def make_answer(settings: VLLMSettings):
             state["gap"] = sampler_probe_gap(llm, state["current"], state["lora"])
         timings = _run_jobs(llm, request.jobs, state["lora"])
         resp = {
-            "engine_start_seconds": state["start_seconds"], "sync_seconds": sync_seconds,
-            "sync_logprob_gap": state["gap"], "jobs": timings, "vllm_version": vllm.__version__,
+            "engine_start_seconds": state["start_seconds"],
+            "sync_seconds": sync_seconds,
+            "sync_logprob_gap": state["gap"],
+            "jobs": timings,
+            "vllm_version": vllm.__version__,
             "peak_rss_gib": peak_rss_gib(),
         }
         state["start_seconds"] = 0.0  # only the first answer pays the start
@@ -240,7 +276,8 @@ def make_answer(settings: VLLMSettings):
 
 def warm() -> None:
     """What a server spawned held does before its settings come (tasks/engines/resident.py): vLLM's imports, ~10 s of
-    its start on CPU. No engine setting is read at import (vLLM reads its environment variables when the engine starts)."""
+    its start on CPU. No engine setting is read at import (vLLM reads its environment variables when the engine
+    starts)."""
     import polars  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
 
