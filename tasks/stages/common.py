@@ -181,4 +181,5 @@ def plan_task(storage_root: str, run_id: str) -> dict:
         "eval_every": cfg.rl.eval_every,
         "ptx": cfg.loss.ptx_coef > 0,
         "model_path": cfg.model.path,
+        "tracking": bool(cfg.tracking),
     }

@@ -50,7 +50,7 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str)
             critic.path if critic else None,
             bool(critic and critic.fresh),
         )
-        resp = call_trainer(ctx, request, f"logprobs-{iteration:05d}")
+        resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"logprobs-{iteration:05d}")
         df = pl.read_parquet(out).with_columns(pl.lit(iteration, pl.Int32).alias("iteration"))
         inp.unlink(), out.unlink()
         return Computed(df, extra=resp)

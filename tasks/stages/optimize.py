@@ -91,7 +91,8 @@ def prune_optimizer_states(layout, iteration: int, keep: int | None) -> None:
 def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
     """From the rollouts manifest's per-round records: vLLM's generation seconds, the seconds spent syncing the
     sampler to the policy (0 when the engine started on it), and the sampler's logprob gap to the trainer on the
-    checkpoint's probe (NaN when it has none), and the largest replica's peak resident memory so far."""
+    checkpoint's probe (NaN when it has none), the largest replica's peak resident memory so far, and the KV cache
+    the sampler reserved."""
     gaps = [r["sync_logprob_gap"] for r in rounds if r.get("sync_logprob_gap") is not None]
     return {
         "seconds_generate": float(sum(r.get("generate_seconds", 0.0) for r in rounds)),
@@ -100,16 +101,18 @@ def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
         "sampler_peak_rss_gib": float(
             max((r.get("sampler_peak_rss_gib", float("nan")) for r in rounds), default=float("nan"))
         ),
+        "sampler_kv_cache_gib": float(rounds[0].get("sampler_kv_cache_gib") or float("nan"))
+        if rounds
+        else float("nan"),
     }
 
 
 def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
-    """Wall seconds of each earlier stage of the iteration, and what their manifests record of the engines: the
-    rollouts' generation and weight sync, the logprobs forward passes (`seconds_logprobs_forward`)."""
-    from tasks.stages.graph import RL_ITERATION
-
+    """Wall seconds of each earlier stage of the iteration (every table the run holds for it, but this one and the eval
+    that follows), and what their manifests record of the engines: the rollouts' generation and weight sync, the
+    logprobs forward passes (`seconds_logprobs_forward`) and the trainer's peak memory after them."""
     out = {}
-    for stage in (s.name for s in RL_ITERATION[: RL_ITERATION.index(SPEC)]):
+    for stage in (s for s in ctx.layout.stages() if s not in (SPEC.name, "eval")):
         m = read_manifest(ctx.layout, stage, iteration, verify=False)
         if m:
             out[f"seconds_{stage}"] = float(m["wall_seconds"])
@@ -118,9 +121,7 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
                 out.update(rollout_engine_metrics([v for k, v in extra.items() if k.startswith("round")]))
             if stage == "logprobs" and "forward_seconds" in extra:
                 out["seconds_logprobs_forward"] = float(extra["forward_seconds"])
-                out["logprobs_peak_rss_gib"] = float(
-                    extra.get("peak_rss_gib", float("nan"))
-                )  # the trainer's, after logprobs
+                out["logprobs_peak_rss_gib"] = float(extra.get("peak_rss_gib", float("nan")))
                 out.update(
                     {
                         f"logprobs_{k}": float(v)
@@ -168,7 +169,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
             ptx=PtxRequest(lc.ptx_coef, lc.ptx_batch, str(ptx_file(ctx))) if lc.ptx_coef else None,
             crash_point=f"optimize:{iteration}",
         )
-        resp = call_trainer(ctx, request, f"optimize-{iteration:05d}")
+        resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"optimize-{iteration:05d}")
         commit_dir(tmp, final)
         data_path.unlink()
         prune_optimizer_states(ctx.layout, iteration, ctx.cfg.engines.keep_optimizer_states)

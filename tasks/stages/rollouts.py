@@ -148,6 +148,7 @@ def merge_engine_responses(resps: list[dict]) -> dict:
         "vllm_version": resps[0]["vllm_version"],
         "per_engine": per_engine,
         "peak_rss_gib": max(x.get("peak_rss_gib", 0.0) for x in resps),
+        "kv_cache_gib": resps[0].get("kv_cache_gib"),
     }
 
 
@@ -178,6 +179,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
                     "sync_seconds": resp["sync_seconds"],
                     "sync_logprob_gap": resp["sync_logprob_gap"],
                     "sampler_peak_rss_gib": resp["peak_rss_gib"],
+                    "sampler_kv_cache_gib": resp["kv_cache_gib"],
                     **timing,
                     "engines": resp["per_engine"],
                 }

@@ -13,10 +13,12 @@ data_parallel.py, load_comm_op.)
 
 from __future__ import annotations
 
-from tasks.engines.trainer_client import resident_trainer, trainer_warm_start
+from schemas.requests import EngineSettings, LoraSettings, TrainerWarmStart
+from storage import read_manifest
+from tasks.engines.trainer_client import resident_trainer
 from tasks.rewards.loader import specs_from_config
 from tasks.rewards.pool import start_workers
-from tasks.stages.common import load_run
+from tasks.stages.common import RunContext, load_run
 from tasks.stages.rollouts import start_rollout_engines
 from tasks.stages.weights import starting_weights
 
@@ -34,6 +36,17 @@ def start_engines(storage_root: str, run_id: str, held: bool = False) -> None:
         return
     start_rollout_engines(ctx, None if held else starting_weights(ctx).path)
     if ctx.cfg.engines.resident_trainer:
-        resident_trainer(ctx).spawn(None if held else trainer_warm_start(ctx), held=held)
+        resident_trainer(ctx.layout, ctx.cfg.engines).spawn(None if held else trainer_warm_start(ctx), held=held)
     if not held:  # the functions passed the checks
         start_workers(list(specs_from_config(ctx.cfg.reward).values()), ctx.cfg.reward.workers)
+
+
+def trainer_warm_start(ctx: RunContext) -> TrainerWarmStart | None:
+    """What the resident trainer may load before its first request: the run's starting weights, when the next update
+    starts from them (no update is complete yet), with the policy's engine settings. A resumed run's trainer loads on
+    demand instead: an engine built ahead and never taken would only hold memory."""
+    if read_manifest(ctx.layout, "train_metrics", 1, verify=False) is not None:
+        return None
+    cfg = ctx.cfg
+    lora = LoraSettings.from_config(cfg.lora, cfg.seed)
+    return TrainerWarmStart(cfg.model.path, cfg.model.dtype, EngineSettings.for_policy(cfg.optim, cfg.model, lora))
