@@ -187,50 +187,77 @@ class DataConfig(Section):
 class ArithmeticTask(Section):
     """Built-in example task: integer arithmetic (`37+58=` → `95`), answers of 1-3 tokens."""
 
-    name: Literal["arithmetic"] = "arithmetic"
-    out_dir: str = "data/arithmetic"
-    max_operand: int = Field(99, ge=1, le=99_999)
-    operations: str = Field("+-", pattern=r"^[+\-*]+$")
-    pad_operands: bool = False  # `07+58=`: fixed digit positions make the task much easier to learn
-    n_eval: int = Field(256, ge=1)
-    seed: int = 1234
+    name: Literal["arithmetic"] = Field("arithmetic", description="The built-in task: arithmetic.")
+    out_dir: str = Field(
+        "data/arithmetic", description="Where its files are written (train.parquet, eval.parquet, sft.parquet)."
+    )
+    max_operand: int = Field(99, ge=1, le=99_999, description="The largest operand.")
+    operations: str = Field(
+        "+-", pattern=r"^[+\-*]+$", description="The operations drawn from, as characters (+, -, *)."
+    )
+    pad_operands: bool = Field(
+        False,
+        description="Write operands with a fixed number of digits (`07+58=`): fixed digit positions make the task "
+        "much easier to learn.",
+    )
+    n_eval: int = Field(256, ge=1, description="Held-out prompts, never in the train file.")
+    seed: int = Field(1234, description="The draw of the prompts and of the held-out split.")
     sft_demos: int = Field(20_000, ge=1, description="Demonstrations written to sft.parquet.")
-    demo_seed: int = 0  # the demonstrations' draw (prompts with replacement, and the teacher's errors)
-    # A flawed demonstration teacher (a systematic error RL with a verifier can correct), and how often it errs
-    # where the flaw applies.
-    teacher_flaw: Literal["none", "forget_carry"] = "none"
-    teacher_flaw_rate: float = Field(0.0, ge=0, le=1)
+    demo_seed: int = Field(
+        0, description="The demonstrations' draw (prompts with replacement, and the teacher's errors)."
+    )
+    teacher_flaw: Literal["none", "forget_carry"] = Field(
+        "none",
+        description="A systematic error in the demonstrations (forget_carry: the carry is dropped), for tasks where "
+        "RL must fix what SFT taught.",
+    )
+    teacher_flaw_rate: float = Field(
+        0.0, ge=0, le=1, description="The fraction of demonstrations with the flaw, among those where it applies."
+    )
 
 
 class LongAdditionTask(Section):
     """Built-in example task with long answers: multi-digit addition written out column by column
     (`4821+3567=` → `1+7=8;2+6=8;8+5=13;4+3+1=8;#### 8388`), judged on the final `####` answer."""
 
-    name: Literal["long_addition"] = "long_addition"
-    out_dir: str = "data/long_addition"
-    digits: int = Field(4, ge=1, le=32)
-    n_train: int = Field(20_000, ge=1)
-    n_eval: int = Field(256, ge=1)
-    seed: int = 1234
-    sft_demos: int = Field(20_000, ge=1)
-    teacher_flaw: Literal["none", "forget_carry"] = "none"  # forget_carry: the column sum drops its carry-in
-    teacher_flaw_rate: float = Field(0.0, ge=0, le=1)
+    name: Literal["long_addition"] = Field("long_addition", description="The built-in task: long_addition.")
+    out_dir: str = Field(
+        "data/long_addition", description="Where its files are written (train.parquet, eval.parquet, sft.parquet)."
+    )
+    digits: int = Field(4, ge=1, le=32, description="Digits per operand.")
+    n_train: int = Field(20_000, ge=1, description="Train prompts.")
+    n_eval: int = Field(256, ge=1, description="Held-out prompts.")
+    seed: int = Field(1234, description="The draw of the prompts and of the held-out split.")
+    sft_demos: int = Field(20_000, ge=1, description="Demonstrations written to sft.parquet.")
+    teacher_flaw: Literal["none", "forget_carry"] = Field(
+        "none",
+        description="A systematic error in the demonstrations (forget_carry: a column's sum drops its carry-in).",
+    )
+    teacher_flaw_rate: float = Field(
+        0.0, ge=0, le=1, description="The fraction of demonstrations with the flaw, among those where it applies."
+    )
 
 
 class ChatArithmeticTask(Section):
     """Built-in example task for chat models: arithmetic questions in plain English as chat messages (`What is 7 × 5?`,
     `Subtract 3 from 9.`), several phrasings each; the answer is the integer (judged by a reward file of yours)."""
 
-    name: Literal["chat_arithmetic"] = "chat_arithmetic"
-    out_dir: str = "data/chat_arithmetic"
-    min_operand: int = Field(0, ge=0, le=99_999)
-    max_operand: int = Field(12, ge=0, le=99_999)
-    operations: str = Field("+-*", pattern=r"^[+\-*]+$")
+    name: Literal["chat_arithmetic"] = Field("chat_arithmetic", description="The built-in task: chat_arithmetic.")
+    out_dir: str = Field(
+        "data/chat_arithmetic", description="Where its files are written (train.parquet, eval.parquet, sft.parquet)."
+    )
+    min_operand: int = Field(0, ge=0, le=99_999, description="The smallest operand.")
+    max_operand: int = Field(12, ge=0, le=99_999, description="The largest operand.")
+    operations: str = Field(
+        "+-*", pattern=r"^[+\-*]+$", description="The operations drawn from, as characters (+, -, *)."
+    )
     n_train: int | None = Field(
         None, ge=1, description="Train prompts (the first ones after the held-out draw); None: all the rest."
     )
-    n_eval: int = Field(256, ge=1)
-    seed: int = 1234
+    n_eval: int = Field(
+        256, ge=1, description="Held-out prompts; no held-out question is asked in training in the same words."
+    )
+    seed: int = Field(1234, description="The draw of the questions, their phrasings and the held-out split.")
     sft_demos: int = Field(
         2000, ge=1, description="Demonstrations written to sft.parquet: the equation alone (`7 × 5 = 35`)."
     )
@@ -294,12 +321,13 @@ class RewardFunctionConfig(Section):
 
 
 class RewardConfig(Section):
-    # rule: the weighted reward functions. model: plus a trained reward model (`rlpipe rm-train`) at
-    # model_path, scored in batches into its own `score_model` column with weight model_weight. Functions
-    # with weight 0 are still scored, in their own columns, for monitoring.
-    kind: Literal["rule", "model"] = "rule"
-    model_path: str | None = None
-    model_weight: float = 1.0
+    kind: Literal["rule", "model"] = Field(
+        "rule",
+        description="rule: the weighted reward functions; model: plus a trained reward model at model_path, scored "
+        "into its own score_model column.",
+    )
+    model_path: str | None = Field(None, description="A reward model trained by `rlpipe rm-train` (for kind=model).")
+    model_weight: float = Field(1.0, description="The reward model's weight in the total reward.")
     # Each function writes its own score_<name> and error_<name> column in `scores`; the reward is the weighted sum.
     functions: dict[str, RewardFunctionConfig] = Field(
         default_factory=lambda: {
@@ -308,8 +336,12 @@ class RewardConfig(Section):
         },
         description="name → a built-in (accuracy, format, overlong) or {path, function} / {module, function} of yours.",
     )
-    timeout_s: float = Field(5.0, gt=0)  # per sample and function; past it the sample scores 0 with an error
-    workers: int = Field(2, ge=0)  # reward worker processes; 0 = in the calling process, without the timeout
+    timeout_s: float = Field(
+        5.0, gt=0, description="Per sample and function: past it the sample scores 0 with an error."
+    )
+    workers: int = Field(
+        2, ge=0, description="Reward worker processes; 0: in the calling process, without the timeout."
+    )
 
     @field_validator("functions")
     @classmethod
@@ -336,20 +368,24 @@ class RewardConfig(Section):
 class RolloutConfig(Section):
     # Upper bounds are sanity, not tuning: far past what one machine samples or trains (preflight also checks
     # max_tokens against the model's context and prompts_per_round against the train prompts).
-    group_size: int = Field(8, ge=1, le=4096)
-    prompts_per_round: int = Field(64, ge=1, le=1_000_000)
-    max_tokens: int = Field(8, ge=1, le=1_048_576)
+    group_size: int = Field(8, ge=1, le=4096, description="Samples per prompt (G).")
+    prompts_per_round: int = Field(64, ge=1, le=1_000_000, description="Prompts sampled per round.")
+    max_tokens: int = Field(8, ge=1, le=1_048_576, description="The longest response, in tokens.")
     min_tokens: int = Field(
         0,
         ge=0,
         le=1_048_576,
         description="Tokens every response has before EOS or a stop token may end it (vLLM's min_tokens); 0: none.",
     )
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, gt=0, description="The sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling's p (1: off).")
     kv_cache_gib: float = Field(
-        1.0, gt=0, le=4096
-    )  # vLLM-CPU's KV cache (GiB); on a GPU, gpu_memory_utilization sizes it
+        1.0,
+        gt=0,
+        le=4096,
+        description="vLLM-CPU's KV cache, in GiB (set always: a default engine sizes it from the machine's memory); "
+        "on a GPU, gpu_memory_utilization sizes it.",
+    )
     gpu_memory_utilization: float = Field(
         0.5,
         gt=0,
@@ -357,9 +393,13 @@ class RolloutConfig(Section):
         description="vLLM's share of GPU memory (weights, "
         "activations, KV cache); the rest is the colocated DeepSpeed trainer's.",
     )
-    # After every weight sync the sampler's logprobs on the checkpoint's probe sequences are compared with the
-    # trainer's; a larger mean gap stops the run (fp32 on CPU measures ~1e-7; bf16 samplers need more room).
-    max_sync_logprob_gap: float = Field(1e-2, gt=0)
+    max_sync_logprob_gap: float = Field(
+        1e-2,
+        gt=0,
+        description="After every weight sync the sampler's logprobs on the checkpoint's probe sequences are compared "
+        "with the trainer's; a larger mean gap stops the run (fp32 on CPU measures ~1e-7; bf16 samplers need more "
+        "room).",
+    )
     stop: list[str] = Field(
         default_factory=list, description="Stop strings: generation ends at the first (left out of the text)."
     )
@@ -383,9 +423,21 @@ class RolloutConfig(Section):
 
 
 class BatchConfig(Section):
-    target_groups: int = Field(32, ge=1, le=1_000_000)
-    max_rounds: int = Field(3, ge=1, le=1000)
-    drop_zero_variance: bool = True
+    target_groups: int = Field(
+        32,
+        ge=1,
+        le=1_000_000,
+        description="Groups (prompts with all their samples) an update trains on; sampling rounds continue until this "
+        "many are kept.",
+    )
+    max_rounds: int = Field(
+        3, ge=1, le=1000, description="The most sampling rounds an iteration runs before it trains on what it has."
+    )
+    drop_zero_variance: bool = Field(
+        True,
+        description="Dynamic filtering (DAPO): leave out groups whose samples all got the same reward (zero "
+        "advantage).",
+    )
 
 
 Estimator = Literal["gae", "grpo", "drgrpo", "lite_ppo", "rloo", "reinforce_pp_baseline", "dcpo"]
@@ -396,36 +448,70 @@ Aggregation = Literal[
 
 
 class AdvantageConfig(Section):
-    estimator: Estimator = "grpo"
-    eps: float = Field(1e-6, gt=0)
-    gamma: float = Field(1.0, ge=0, le=1)  # GAE discount
-    lam: float = Field(0.95, ge=0, le=1)  # GAE λ: 1 is Monte Carlo, 0 is TD(0)
+    estimator: Estimator = Field(
+        "grpo",
+        description="The advantage estimator (docs/algorithms.md): gae (PPO's critic), grpo, drgrpo, lite_ppo, rloo, "
+        "reinforce_pp_baseline, dcpo.",
+    )
+    eps: float = Field(1e-6, gt=0, description="Added to a group's reward standard deviation before dividing by it.")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount γ.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's λ: 1 is Monte Carlo returns, 0 is TD(0).")
 
 
 class LossConfig(Section):
-    objective: Objective = "clip"
-    aggregation: Aggregation = "token-mean"
-    clip_eps_low: float = Field(0.2, ge=0)
-    clip_eps_high: float = Field(0.2, ge=0)
-    dual_clip: float | None = Field(None, gt=1)
-    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus −c·H, aggregated like the loss
-    overlong_filter: bool = False  # DAPO: responses cut off by max_tokens are masked out of the loss
-    ptx_coef: float = Field(0.0, ge=0)  # PPO-ptx: γ_ptx · NLL of SFT demonstrations added to each step
-    ptx_batch: int = Field(16, ge=1)
-    # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    # training"): the sampler (vLLM, often bf16) and the trainer disagree on the old policy, so each token's policy
-    # loss is weighted by min(π_old/π_sampler, tis_cap). None: off.
-    tis_cap: float | None = Field(None, gt=0)
+    objective: Objective = Field(
+        "clip", description="The policy objective (docs/algorithms.md): clip (PPO's), gspo, gspo_token, dcpo."
+    )
+    aggregation: Aggregation = Field(
+        "token-mean",
+        description="How token losses become the minibatch's loss: token-mean, seq-mean-token-mean, "
+        "seq-mean-token-sum, seq-mean-token-sum-norm, only-token-mean.",
+    )
+    clip_eps_low: float = Field(0.2, ge=0, description="The ratio's lower clip, 1 − ε_low.")
+    clip_eps_high: float = Field(
+        0.2, ge=0, description="The ratio's upper clip, 1 + ε_high (DAPO's clip-higher sets it above ε_low)."
+    )
+    dual_clip: float | None = Field(
+        None,
+        gt=1,
+        description="Dual-clip PPO's c (> 1): caps the loss of negative-advantage tokens at c·|A|; None: off.",
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus −c·H, aggregated like the loss.")
+    overlong_filter: bool = Field(
+        False, description="DAPO: responses cut off by rollout.max_tokens get no gradient (they stay in their groups)."
+    )
+    ptx_coef: float = Field(
+        0.0,
+        ge=0,
+        description="PPO-ptx: γ_ptx × the NLL of SFT demonstrations (the sft section's files) added to each optimizer "
+        "step.",
+    )
+    ptx_batch: int = Field(16, ge=1, description="Demonstrations per optimizer step for PPO-ptx.")
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling (Yao et al. 2025): each token's loss weighted by "
+        "min(π_old/π_sampler, tis_cap), for a sampler that disagrees with the trainer (bf16); None: off.",
+    )
 
 
 class KLConfig(Section):
-    estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
-    placement: Literal["reward", "loss", "none"] = "loss"
-    beta: float = Field(0.04, ge=0)
-    # Adaptive controller (Ziegler et al.): β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon), with KL the
-    # previous iteration's per-token KL to the reference and n its number of samples. None = fixed β.
-    target: float | None = Field(None, gt=0)
-    horizon: int = Field(10_000, ge=1)
+    estimator: Literal["k1", "k2", "k3", "k3+"] = Field(
+        "k3", description="The per-token KL estimator to the reference (docs/algorithms.md): k1, k2, k3, k3+."
+    )
+    placement: Literal["reward", "loss", "none"] = Field(
+        "loss",
+        description="Where the KL goes: loss (β·KL added to the policy loss), reward (subtracted from the token "
+        "rewards), or none.",
+    )
+    beta: float = Field(0.04, ge=0, description="The KL coefficient β (the starting one with an adaptive target).")
+    target: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive β (Ziegler et al.): β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon), with KL the "
+        "previous iteration's per-token KL and n its samples. None: fixed β.",
+    )
+    horizon: int = Field(10_000, ge=1, description="The adaptive controller's horizon, in samples.")
 
 
 class CriticConfig(Section):
@@ -433,35 +519,56 @@ class CriticConfig(Section):
     token), initialised from the policy checkpoint with a zeroed head and trained, every weight, by its own DeepSpeed
     engine. Used iff estimator=gae."""
 
-    lr: float = Field(5e-4, gt=0)
-    value_clip: float = Field(0.2, gt=0)  # ε_v of the clipped value loss
-    coef: float = Field(0.5, gt=0)  # c_v
+    lr: float = Field(5e-4, gt=0, description="The critic's learning rate.")
+    value_clip: float = Field(0.2, gt=0, description="ε_v of the clipped value loss.")
+    coef: float = Field(0.5, gt=0, description="c_v: the value loss's weight in the critic's objective.")
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-4, gt=0)
-    # Linear warmup over the run's first optimizer steps: fresh Adam moments make the first steps move
-    # every weight by about lr, which destabilises a small model.
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    ppo_epochs: int = Field(1, ge=1, le=1000)
-    minibatches: int = Field(4, ge=1, le=1_000_000)
-    micro_batch_size: int = Field(64, ge=1, le=1_000_000)
-    zero_stage: Literal[0, 1, 2, 3] = 1
+    lr: float = Field(1e-4, gt=0, description="The policy's learning rate (AdamW).")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Linear warmup over the run's first optimizer steps: fresh Adam moments make the first steps move "
+        "every weight by about lr.",
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="The gradient norm clip.")
+    ppo_epochs: int = Field(1, ge=1, le=1000, description="Passes over an iteration's batch.")
+    minibatches: int = Field(
+        4,
+        ge=1,
+        le=1_000_000,
+        description="Optimizer steps per pass: the batch is split into this many minibatches of whole groups.",
+    )
+    micro_batch_size: int = Field(
+        64,
+        ge=1,
+        le=1_000_000,
+        description="Samples per forward and backward pass (per rank); gradients accumulate over a minibatch.",
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        1,
+        description="DeepSpeed's ZeRO stage (0: none; 1, 2, 3 partition optimizer state, gradients, weights over the "
+        "ranks).",
+    )
 
 
 class EnginesConfig(Section):
     """How engines live, not what they compute (no stage fingerprint includes it: both ways give the same data)."""
 
-    # Keep the DeepSpeed engines and the reference in one process across iterations
-    # (tasks/engines/workers/trainer_server.py);
-    # false starts a worker process per logprobs and optimize stage that loads everything from disk.
-    resident_trainer: bool = True
-    # Data-parallel DeepSpeed ranks (one process each, one process group: gloo on CPU, NCCL on GPU) for every trainer:
-    # RL updates and logprobs, SFT, reward model, DPO. Updates do not depend on it beyond float rounding (README
-    # "Scale out"); ZeRO optimizer state must be resumed by as many ranks as saved it.
-    train_ranks: int = Field(1, ge=1, le=1024)
+    resident_trainer: bool = Field(
+        True,
+        description="Keep the DeepSpeed engines and the reference in one process across iterations; false starts a "
+        "worker process per logprobs and optimize stage that loads everything from disk.",
+    )
+    train_ranks: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Data-parallel DeepSpeed ranks (one process each; gloo on CPU, NCCL on GPU) for every trainer. "
+        "ZeRO optimizer state must be resumed by as many ranks as saved it.",
+    )
     # GPU placement on one node (ignored without CUDA): the trainer ranks' devices (one per rank) and the vLLM
     # replicas' (tensor_parallel_size per replica). Overlapping lists colocate (time-share) the two, and then
     # rollout.gpu_memory_utilization must leave room for the trainer; disjoint lists split them.
@@ -469,9 +576,11 @@ class EnginesConfig(Section):
     rollout_devices: list[int] | None = Field(
         None, description="CUDA device ids of the vLLM replicas, tensor_parallel_size each."
     )
-    # Trainer ranks on several machines: a DeepSpeed hostfile (`host slots=N` per line, this machine first; slots in
-    # all = train_ranks), started by DeepSpeed's launcher over pdsh/ssh (README "Scale out").
-    hostfile: str | None = None
+    hostfile: str | None = Field(
+        None,
+        description="Trainer ranks on several machines: a DeepSpeed hostfile (`host slots=N` per line, this machine "
+        "first; slots in all = train_ranks), started by DeepSpeed's launcher over pdsh/ssh.",
+    )
     keep_optimizer_states: int | None = Field(
         2,
         ge=2,
@@ -482,14 +591,21 @@ class EnginesConfig(Section):
 
 
 class RLConfig(Section):
-    iterations: int = Field(10, ge=1, le=1_000_000)
-    eval_every: int = Field(5, ge=1, le=1_000_000)
+    iterations: int = Field(
+        10,
+        ge=1,
+        le=1_000_000,
+        description="RL iterations (each: sample, score, filter, logprobs, advantages, one update).",
+    )
+    eval_every: int = Field(
+        5, ge=1, le=1_000_000, description="Evaluate after every N iterations (and always after the last)."
+    )
 
 
 class EvalConfig(Section):
-    samples: int = Field(8, ge=1, le=4096)  # sampled completions per prompt for pass@k
-    pass_k: int = Field(4, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    samples: int = Field(8, ge=1, le=4096, description="Sampled responses per held-out prompt, for pass@k.")
+    pass_k: int = Field(4, ge=1, description="The k of pass@k (at most samples).")
+    temperature: float = Field(1.0, gt=0, description="The sampled responses' temperature (the greedy pass is at 0).")
     max_prompts: int | None = Field(
         None, ge=1, description="Evaluate at most this many held-out prompts (the first ones)."
     )
@@ -501,10 +617,12 @@ class EvalConfig(Section):
         "cheaper progress checks. The starting model and the final checkpoint are "
         "evaluated on every held-out prompt (up to max_prompts). None: all, every time.",
     )
-    # A response is correct when score_<judge> ≥ judge_threshold; judge is a reward function of the run, `reward`
-    # (the weighted total) or `model` (the reward model's score).
-    judge: str = "accuracy"
-    judge_threshold: float = 1.0
+    judge: str = Field(
+        "accuracy",
+        description="What decides a response is correct: a reward function of the run, `reward` (the weighted total) "
+        "or `model` (the reward model's score).",
+    )
+    judge_threshold: float = Field(1.0, description="A response is correct when its judge's score is at least this.")
 
     @model_validator(mode="after")
     def _k_within_samples(self) -> "EvalConfig":
@@ -519,16 +637,16 @@ class SFTConfig(Section):
     response. The loss covers the response tokens only (and the EOS after them)."""
 
     files: FileList = Field(default_factory=list, description="Demonstration files (Parquet or JSONL; globs allowed).")
-    prompt_key: str = "prompt"
-    response_key: str = "response"
+    prompt_key: str = Field("prompt", description="The prompt column (a string or chat messages).")
+    response_key: str = Field("response", description="The response column.")
     messages_key: str | None = Field(
         None, description="A column of conversations; when set, prompt_key and response_key are not used."
     )
-    steps: int = Field(600, ge=1, le=100_000_000)
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(30, ge=0)
-    zero_stage: Literal[0, 1, 2, 3] = 1
+    steps: int = Field(600, ge=1, le=100_000_000, description="Optimizer steps.")
+    batch_size: int = Field(64, ge=1, description="Demonstrations per optimizer step.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (linear warmup, then cosine to 10% of it).")
+    warmup_steps: int = Field(30, ge=0, description="Linear warmup steps.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed's ZeRO stage.")
 
 
 class PreferenceConfig(Section):
@@ -536,74 +654,104 @@ class PreferenceConfig(Section):
     chat messages), or, when `data` is None, generated from the train prompts: `k` samples per prompt from
     model.path, ranked by the run's reward (higher is better; equal rewards tie)."""
 
-    data: str | None = None
-    n_prompts: int = Field(4096, ge=2)
-    k: int = Field(4, ge=2)
-    temperature: float = Field(1.0, gt=0)
-    heldout_fraction: float = Field(0.1, gt=0, lt=1)
+    data: str | None = Field(
+        None,
+        description="Your preference file (Parquet or JSONL): pairs (prompt, chosen, rejected) or K-wise rankings "
+        "(prompt, responses, ranks). None: generated from the train prompts.",
+    )
+    n_prompts: int = Field(4096, ge=2, description="Generated data: train prompts sampled.")
+    k: int = Field(4, ge=2, description="Generated data: samples per prompt, ranked by the run's reward.")
+    temperature: float = Field(1.0, gt=0, description="Generated data: the sampling temperature.")
+    heldout_fraction: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="The seeded fraction of prompts held out for evaluation (when the data has no split column).",
+    )
 
 
 class PreferenceTrainerConfig(Section):
     """What the reward-model and DPO trainers share (DeepSpeed, warmup then cosine to 10%)."""
 
-    out_path: str
-    steps: int = Field(300, ge=1, le=100_000_000)
-    batch_size: int = Field(64, ge=1)  # elements per optimizer step: rankings (RM) or pairs (DPO)
-    micro_batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-4, gt=0)
-    warmup_steps: int = Field(10, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    zero_stage: Literal[0, 1, 2, 3] = 1
+    out_path: str = Field(None, description="Where the trained model is exported (a Hugging Face folder).")
+    steps: int = Field(300, ge=1, le=100_000_000, description="Optimizer steps.")
+    batch_size: int = Field(
+        64, ge=1, description="Elements per optimizer step: rankings (reward model) or pairs (DPO)."
+    )
+    micro_batch_size: int = Field(64, ge=1, description="Elements per forward and backward pass (per rank).")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (linear warmup, then cosine to 10% of it).")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's weight decay.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed's ZeRO stage.")
 
 
 class RewardModelConfig(PreferenceTrainerConfig):
     """Bradley–Terry reward model: a sequence-classification head on the model.path backbone."""
 
-    out_path: str = "models/demo-rm"
-    steps: int = Field(1500, ge=1, le=100_000_000)
-    batch_size: int = Field(64, ge=1)  # a ranking is one element, whatever its K
-    micro_batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(20, ge=0)
-    # Weight decay is what lets the demo RM generalise: without it held-out accuracy stalled near 0.69 (lr 5e-4
-    # or 1e-3, 500 steps); with 0.1 a prototype on a 2,000-step schedule reached 0.90 at step 1,000 and 0.95 at
-    # 1,250, and `rlpipe rm-train` with these defaults reaches 0.868 (README).
-    weight_decay: float = Field(0.1, ge=0)
+    out_path: str = Field(
+        "models/demo-rm", description="Where the trained reward model is exported (a Hugging Face folder)."
+    )
+    steps: int = Field(1500, ge=1, le=100_000_000, description="Optimizer steps.")
+    batch_size: int = Field(
+        64, ge=1, description="Rankings per optimizer step (a ranking is one element, whatever its K)."
+    )
+    micro_batch_size: int = Field(64, ge=1, description="Rankings per forward and backward pass (per rank).")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (linear warmup, then cosine to 10% of it).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(
+        0.1,
+        ge=0,
+        description="AdamW's weight decay; what lets the reward model generalise (without it held-out accuracy "
+        "stalled near 0.69 on the tiny task).",
+    )
 
 
 class DPOConfig(PreferenceTrainerConfig):
-    out_path: str = "models/demo-dpo"
-    beta: float = Field(0.1, gt=0)
-    # RPO: + nll_coef × the chosen responses' per-token NLL. Plain DPO (0) lowers the chosen likelihood too,
-    # and on the demo task that costs greedy accuracy (see the README).
-    nll_coef: float = Field(0.0, ge=0)
+    out_path: str = Field("models/demo-dpo", description="Where the trained model is exported (a Hugging Face folder).")
+    beta: float = Field(0.1, gt=0, description="DPO's β: the strength of the implicit KL to the reference.")
+    nll_coef: float = Field(
+        0.0,
+        ge=0,
+        description="RPO: adds nll_coef × the chosen responses' per-token NLL; plain DPO (0) lowers the chosen "
+        "likelihood too.",
+    )
 
 
 class RunConfig(Section):
-    seed: int = 0
-    storage_root: str = "runs"
-    model: ModelConfig = ModelConfig()
-    lora: LoraConfig = LoraConfig()
+    seed: int = Field(0, description="The run's seed: sampling, shuffling, initialisation; part of every fingerprint.")
+    storage_root: str = Field("runs", description="Where runs are written (runs/RUN_ID/...).")
+    model: ModelConfig = Field(ModelConfig(), description="The policy model and its dtype.")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters on the policy (off while lora.rank is None).")
     task: TaskConfig | None = Field(
         None, description="A built-in example task that writes its data files (then name them in data)."
     )
-    data: DataConfig = DataConfig()
-    prompt: PromptConfig = PromptConfig()
-    reward: RewardConfig = RewardConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    batch: BatchConfig = BatchConfig()
-    advantage: AdvantageConfig = AdvantageConfig()
-    loss: LossConfig = LossConfig()
-    kl: KLConfig = KLConfig()
-    critic: CriticConfig = CriticConfig()
-    optim: OptimConfig = OptimConfig()
-    engines: EnginesConfig = EnginesConfig()
-    rl: RLConfig = RLConfig()
-    eval: EvalConfig = EvalConfig()
-    sft: SFTConfig = SFTConfig()
-    preference: PreferenceConfig = PreferenceConfig()
-    reward_model: RewardModelConfig = RewardModelConfig()
-    dpo: DPOConfig = DPOConfig()
+    data: DataConfig = Field(DataConfig(), description="Your prompt files and their columns.")
+    prompt: PromptConfig = Field(
+        PromptConfig(), description="How a prompt becomes tokens (chat template or a plain template)."
+    )
+    reward: RewardConfig = Field(RewardConfig(), description="The reward functions (and an optional reward model).")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="Sampling with vLLM.")
+    batch: BatchConfig = Field(BatchConfig(), description="Dynamic sampling and filtering of groups.")
+    advantage: AdvantageConfig = Field(AdvantageConfig(), description="The advantage estimator.")
+    loss: LossConfig = Field(LossConfig(), description="The policy objective and its aggregation.")
+    kl: KLConfig = Field(KLConfig(), description="The KL to the reference.")
+    critic: CriticConfig = Field(CriticConfig(), description="PPO's value model (estimator gae).")
+    optim: OptimConfig = Field(OptimConfig(), description="The policy's optimizer and update schedule.")
+    engines: EnginesConfig = Field(
+        EnginesConfig(), description="How engines live and where they run (no fingerprint covers it)."
+    )
+    rl: RLConfig = Field(RLConfig(), description="The RL loop.")
+    eval: EvalConfig = Field(EvalConfig(), description="Held-out evaluation.")
+    sft: SFTConfig = Field(
+        SFTConfig(), description="Supervised fine-tuning (`rlpipe sft`, and PPO-ptx's demonstrations)."
+    )
+    preference: PreferenceConfig = Field(
+        PreferenceConfig(), description="Preference data for the reward model and DPO."
+    )
+    reward_model: RewardModelConfig = Field(
+        RewardModelConfig(), description="Reward-model training (`rlpipe rm-train`)."
+    )
+    dpo: DPOConfig = Field(DPOConfig(), description="DPO (`rlpipe dpo`).")
     tracking: list[Literal["tensorboard", "mlflow"]] = Field(
         [],
         description="Copy each RL iteration's train_metrics and eval figures to TensorBoard (event files under "
