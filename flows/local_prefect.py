@@ -1,7 +1,7 @@
 """Prefect for commands run on this machine without a server (no PREFECT_API_URL): Prefect's temporary local API.
 
 Some settings differ there from Prefect's defaults, all for the orchestration floor paid on every iteration (one
-flow run each; README "Benchmarks"). Deployed runs (PREFECT_API_URL set, a worker starts them) keep the defaults.
+flow run each; docs/benchmarks.md). Deployed runs (PREFECT_API_URL set, a worker starts them) keep the defaults.
 
 - The API's task-run recorder and event persister are off: they write every task's state events (three per task)
   into tables that only a UI or an automation reads, and nothing reads them once the command ends. Their writes

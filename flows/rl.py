@@ -1,4 +1,5 @@
-"""The RL flow: one `rl-iteration` flow run per iteration, one task per stage (README: the stage contract).
+"""The RL flow: one `rl-iteration` flow run per iteration, one task per stage (docs/architecture.md: the stage
+contract).
 
 Flows only order stages and pass fingerprints; every stage reads and writes through storage, so a restart
 of the same run skips what is complete and recomputes the rest.

@@ -240,7 +240,7 @@ def check_fork_and_diff(workspace, layout: RunLayout):
 
 def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
     """rm-train and dpo from a user's K-wise file: the stages, their tables and the summaries exist and hold
-    sane values (the accuracy targets are measured on the demo config, see the README)."""
+    sane values (the accuracy targets are measured on the demo config, see docs/train-your-own-model.md)."""
     import polars as pl
 
     workspace, cfg = tiny_sft

@@ -15,7 +15,7 @@ from tests.conftest import read_table, rlpipe, run_until_killed, write_rankings
 pytestmark = pytest.mark.e2e
 
 RANK = 4
-# LoRA wants a larger learning rate than full training (README "LoRA").
+# LoRA wants a larger learning rate than full training (docs/train-your-own-model.md, "LoRA").
 LORA = ["--set", f"lora.rank={RANK}", "--set", "lora.alpha=8", "--set", "optim.lr=1e-3"]
 
 

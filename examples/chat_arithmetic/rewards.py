@@ -1,7 +1,7 @@
 """Reward functions for arithmetic questions asked of a chat model, written as a user writes them for rlpipe.
 
-rlpipe calls each function with the keyword arguments it names (README, "Reward functions"): here the sampled
-`response` and the dataset's `ground_truth` (the answer column).
+rlpipe calls each function with the keyword arguments it names (docs/train-your-own-model.md, "Reward functions"): here
+the sampled `response` and the dataset's `ground_truth` (the answer column).
 """
 
 import re

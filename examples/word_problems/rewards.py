@@ -1,8 +1,8 @@
 """The example's own reward functions, referenced from config.yaml (reward.functions.<name>.path / function).
 
-rlpipe calls each with keyword arguments and passes the ones a function names (README, "Write a reward function"):
-prompt, messages, response, ground_truth, finish_reason, length, max_tokens, prompt_id, every other column of the
-dataset row (here data_source, reward_model and extra_info), and the entry's kwargs from the config.
+rlpipe calls each with keyword arguments and passes the ones a function names (docs/train-your-own-model.md, "Reward
+functions"): prompt, messages, response, ground_truth, finish_reason, length, max_tokens, prompt_id, every other column
+of the dataset row (here data_source, reward_model and extra_info), and the entry's kwargs from the config.
 """
 
 import re

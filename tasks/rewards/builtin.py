@@ -1,9 +1,9 @@
 """Built-in reward functions, registered by name like any other (tasks/rewards/loader.py loads yours).
 
-Every reward function is called with keyword arguments (the contract is in tasks/rewards/loader.py and the README):
-the response, the ground truth, the prompt as text and as messages, the finish reason and length, the generation
-limit, every other column of the dataset, and the entry's `kwargs` from the config. A function takes the ones it
-names (or all, with **kwargs) and returns a number, so it can be debugged on one sample:
+Every reward function is called with keyword arguments (the contract is in tasks/rewards/loader.py and
+docs/train-your-own-model.md): the response, the ground truth, the prompt as text and as messages, the finish reason and
+length, the generation limit, every other column of the dataset, and the entry's `kwargs` from the config. A function
+takes the ones it names (or all, with **kwargs) and returns a number, so it can be debugged on one sample:
 `accuracy(response="95.0", ground_truth="95")`.
 """
 

@@ -1,7 +1,7 @@
 """Reward functions by reference: a built-in name, a Python file (`path` + `function`) or a module (`module` +
 `function`), loaded the same way in the run's process and in every reward worker.
 
-The contract (README, "Write a reward function"). A per-sample function is called with keyword arguments:
+The contract (docs/train-your-own-model.md, "Reward functions"). A per-sample function is called with keyword arguments:
 
     prompt         the prompt as the model saw it (chat template applied), str
     messages       the prompt as chat messages, [{"role": ..., "content": ...}, ...]

@@ -328,7 +328,7 @@ def critic_settings(c: CriticRequest, policy: EngineSettings) -> EngineSettings:
         policy.dtype,
         policy.gradient_checkpointing,
         None,
-    )  # the critic trains every weight (README "LoRA")
+    )  # the critic trains every weight (docs/train-your-own-model.md, "LoRA")
 
 
 def _critic_engine(c: CriticRequest, policy: EngineSettings, gas: int, data, cache=None):
