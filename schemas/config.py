@@ -761,7 +761,7 @@ class RunConfig(Section):
     tracking_uri: str | None = Field(
         None,
         description="MLflow's tracking URI (a server, or sqlite:///path.db); default: "
-        "$MLFLOW_TRACKING_URI, else a folder store, runs/RUN/mlruns.",
+        "$MLFLOW_TRACKING_URI, else SQLite in the run folder, runs/RUN/mlflow.db.",
     )
 
     @model_validator(mode="after")

@@ -4,6 +4,7 @@ event reader and MLflow's client; killed in iteration 2 and resumed, the same ML
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -49,23 +50,25 @@ def test_a_tracked_run_is_read_back_and_a_resumed_one_has_no_duplicate_steps(tin
     rlpipe("run", str(cfg), "--run-id", "tracked", *TRACKING, cwd=workspace)
     state = json.loads((layout.run_dir / "tracking.json").read_text())
     rows = {it: read_table(layout, "train_metrics", it).row(0, named=True) for it in (1, 2)}
+    summary = json.loads(layout.summary_path.read_text())
 
     board = tensorboard_steps(layout.run_dir)
     assert [s for s, _ in board["train/loss"]] == [1, 2]
     assert all(math.isclose(v, rows[s]["loss"], rel_tol=1e-6) for s, v in board["train/loss"])
     assert [s for s, _ in board["eval/accuracy"]] == [0, 2]
 
-    client = MlflowClient(tracking_uri=(layout.run_dir / "mlruns").resolve().as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{(layout.run_dir / 'mlflow.db').resolve()}")
     runs = client.search_runs([client.get_experiment_by_name("rlpipe").experiment_id])
     assert len(runs) == 1 and runs[0].info.run_id == state["mlflow_run_id"] and runs[0].info.run_name == "tracked"
     assert runs[0].info.status == "FINISHED" and runs[0].data.params["rollout.group_size"] == "4"
+    downloaded = client.download_artifacts(state["mlflow_run_id"], "summary.json", str(workspace))
+    assert json.loads(Path(downloaded).read_text()) == summary
     for key in ("train/loss", "train/kl_ref", "train/seconds_rollouts"):
         history = client.get_metric_history(state["mlflow_run_id"], key)
         assert sorted(m.step for m in history) == [1, 2], key  # each step once: none logged twice across the resume
         column = key.split("/", 1)[1]
         assert all(math.isclose(m.value, rows[m.step][column], rel_tol=1e-6) for m in history)
     evals = client.get_metric_history(state["mlflow_run_id"], "eval/accuracy")
-    summary = json.loads(layout.summary_path.read_text())
     assert sorted((m.step, m.value) for m in evals) == [
         (0, summary["eval_accuracy_start"]),
         (2, summary["eval_accuracy_final"]),

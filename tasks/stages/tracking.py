@@ -4,7 +4,8 @@ the tools users watch curves in. The Parquet tables stay the record; nothing her
 - TensorBoard: scalars `train/<train_metrics column>` and `eval/<figure>` at step = the iteration, in event files under
   runs/RUN/tensorboard (torch's SummaryWriter).
 - MLflow: one MLflow run per rlpipe run (named after it), its params the resolved config (flattened keys), its metrics
-  the same scalars at step = the iteration, the summary logged as `summary.json` and the run ended with it.
+  the same scalars at step = the iteration, the summary logged as `summary.json` and the run ended with it. The store is
+  `tracking_uri`, else $MLFLOW_TRACKING_URI, else SQLite in the run folder (runs/RUN/mlflow.db, artifacts beside it).
 
 Resumable: `tracking.json` in the run folder holds the MLflow run's id and what is logged. A resumed run continues the
 same MLflow run and logs only the iterations not yet logged; TensorBoard's `purge_step` hides anything a crash left
@@ -61,8 +62,13 @@ def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def default_store(layout: RunLayout) -> str:
+    """The run's own MLflow store: SQLite in the run folder (MLflow refuses new folder stores)."""
+    return f"sqlite:///{(layout.run_dir / 'mlflow.db').resolve()}"
+
+
 def _tracking_uri(layout: RunLayout, configured: str | None) -> str:
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or (layout.run_dir / "mlruns").resolve().as_uri()
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_store(layout)
 
 
 def _log_tensorboard(layout: RunLayout, steps: list[tuple[int, dict[str, float]]]) -> None:
@@ -82,7 +88,10 @@ def _mlflow_run(client, state: dict, layout: RunLayout, config: dict) -> str:
     if state.get("mlflow_run_id"):
         return state["mlflow_run_id"]
     experiment = client.get_experiment_by_name("rlpipe")
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment("rlpipe")
+    # In the run's own store, artifacts (summary.json) go to the run folder too, not to the working directory.
+    local = client.tracking_uri == default_store(layout)
+    artifacts = (layout.run_dir / "mlartifacts").resolve().as_uri() if local else None
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment("rlpipe", artifacts)
     run = client.create_run(
         experiment_id, run_name=layout.run_id, tags={"rlpipe.run_dir": str(layout.run_dir.resolve())}
     )

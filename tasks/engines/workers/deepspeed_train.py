@@ -175,7 +175,9 @@ class _Update:
             add("tis_weight_mean", (weights * mask).sum())
             add("tis_capped_fraction", ((weights >= cap).float() * mask).sum())
         t0 = time.time()
-        logp, ent = response_logprobs(engine, batch, with_entropy=True)  # (B, R) each
+        logp, ent = response_logprobs(
+            engine, batch, with_entropy=True, entropy_grad=bool(self.settings.entropy_coef)
+        )  # (B, R) each
         loss, sums = policy_loss(logp, old, ref, adv, mask, norm, self.settings, entropy=ent, token_weights=weights)
         total = loss * scale
         if extra_loss is not None:  # PPO-ptx, once per optimizer step, the same batch on every rank (not scaled)

@@ -212,12 +212,14 @@ def count_into(totals: dict[str, float], model, batch: SharedPrefixBatch, prefix
         totals[f"{prefix}_{key}"] = totals.get(f"{prefix}_{key}", 0.0) + value
 
 
-def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True):
+def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True, entropy_grad: bool = False):
     """log π(y_j | x, y_<j) and the entropy of π(·| x, y_<j) for every response token, both (N, R) on the response grid.
 
     The model's own forward runs (so anything it does to its logits, such as soft-capping, applies), asked for the
     logits of the needed positions only where it supports `logits_to_keep`: the prompt positions' vocabulary-sized
-    products are skipped."""
+    products are skipped. The logprob is the logit less the log-sum-exp, so the backward pass keeps one (tokens ×
+    vocabulary) tensor, not log-softmax's second one; the entropy is a metric unless `entropy_grad` (an entropy bonus
+    in the loss), and then keeps none."""
     kwargs = {
         "input_ids": batch.input_ids,
         "attention_mask": batch.attention_mask,
@@ -228,9 +230,14 @@ def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True
     if _takes_logits_to_keep(model):
         kwargs["logits_to_keep"], cols = batch.keep, batch.kept_cols
     logits = model(**kwargs).logits  # (G, K, V)
-    logp_all = torch.log_softmax(logits[batch.rows, cols].float(), dim=-1)  # (T, V)
-    logp = logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)  # (T,)
-    entropy = batch.on_grid(-(logp_all.exp() * logp_all).sum(-1)) if with_entropy else None  # (N, R)
+    picked = logits[batch.rows, cols].float()  # (T, V)
+    norm = torch.logsumexp(picked, dim=-1)  # (T,)
+    logp = picked.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1) - norm  # (T,)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            logp_all = picked - norm.unsqueeze(-1)
+            entropy = batch.on_grid(-(logp_all.exp() * logp_all).sum(-1))  # (N, R)
     return batch.on_grid(logp), entropy
 
 

@@ -72,15 +72,16 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
     micro = request.micro_batch_size
     policy_path, ref_path = request.policy_path, request.ref_path
 
-    def model_at(role, path, frozen):
+    def model_at(role, path, frozen, load=None):
         """(model, adapter_off) for `path`. role: the trainer engine that may hold it (None for the reference)."""
         kept = cache.engine_module(role, path) if cache and role else None
         if kept is not None:
             return kept, False
-        host = cache.adapter_host(path) if cache else None  # LoRA: the base model is a kept engine's, adapter off
+        # LoRA: a causal LM that is the base model of a kept engine is that engine's model with its adapter off.
+        host = cache.adapter_host(path) if cache and role != "critic" else None
         if host is not None:
             return host, True
-        load = lambda: load_lm(path, request.dtype)  # noqa: E731
+        load = load or (lambda: load_lm(path, request.dtype))
         return (cache.frozen(path, load) if cache and frozen else load()), False
 
     t0 = time.time()
@@ -110,7 +111,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         critic = (
             load_critic(critic_path, True, request.dtype)
             if fresh
-            else model_at("critic", critic_path, lambda: load_critic(critic_path, False, request.dtype), frozen=False)
+            else model_at("critic", critic_path, False, lambda: load_critic(critic_path, False, request.dtype))[0]
         )
         t1 = time.time()
         with eval_mode(critic):

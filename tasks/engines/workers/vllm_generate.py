@@ -10,6 +10,7 @@ No Prefect import: this runs in its own process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -240,15 +241,19 @@ def make_answer(settings: VLLMSettings):
     import vllm
 
     from tasks.engines.launch import peak_rss_gib
+    from tasks.engines.workers.lora import adapter_base, is_adapter
 
     t0 = time.time()
-    llm = _start_engine(settings)
-    adapters = Adapters(llm, settings.model_path) if settings.max_lora_rank else None
+    # An engine asked to start on an adapter checkpoint starts on its base model and loads the adapter at the first
+    # request, as for any later one (a DPO run's eval after training starts its engine there).
+    base = adapter_base(settings.model_path) if is_adapter(settings.model_path) else settings.model_path
+    llm = _start_engine(dataclasses.replace(settings, model_path=base))
+    adapters = Adapters(llm, base) if settings.max_lora_rank else None
     # The KV cache the engine reserved (GiB; None where vLLM sized it from GPU memory): a default vLLM-CPU engine takes
     # a share of the machine's memory, which on a 135M model grew to 23 GB resident.
     reserved = llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
     kv_cache_gib = reserved / 2**30 if reserved else None
-    state = {"current": settings.model_path, "start_seconds": time.time() - t0, "lora": None}
+    state = {"current": base, "start_seconds": time.time() - t0, "lora": None}
     state["gap"] = sampler_probe_gap(llm, state["current"])
 
     def answer(msg: dict) -> dict:
