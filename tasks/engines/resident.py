@@ -1,11 +1,9 @@
 """Resident engine processes: a worker kept alive across requests, spoken to over a local Unix socket.
 
 The client starts `python -m tasks.engines.workers.<name> --serve SOCKET SETTINGS` (a typed request on the wire) on
-first use, and again after
-the process died. Stage tasks send it paths and small settings; the data still travels as Parquet on disk.
-Correctness never depends on the process's memory: every request names the checkpoint it starts from, and a
-server reuses what it holds only when that is provably the same state (see each server's docstring).
-"""
+first use, and again after the process died. Stage tasks send it paths and small settings; the data still travels as
+Parquet on disk. Correctness never depends on the process's memory: every request names the checkpoint it starts from,
+and a server reuses what it holds only when that is provably the same state (see each server's docstring)."""
 
 from __future__ import annotations
 

@@ -2,11 +2,9 @@
 one round.
 
 Reads `rollouts` and `prompts` (the prompt, ground truth and dataset columns the functions receive) of the round; writes
-`scores`: `score_<fn>` and
-`error_<fn>` per reward function, `score_model` for the reward model, the weighted `reward` and a combined
-`error`. The fingerprint includes a hash of the reward functions' source (and the reward model's identity),
-so fixing a reward function and rerunning re-scores.
-"""
+`scores`: `score_<fn>` and `error_<fn>` per reward function, `score_model` for the reward model, the weighted `reward`
+and a combined `error`. The fingerprint includes a hash of the reward functions' source (and the reward model's
+identity), so fixing a reward function and rerunning re-scores."""
 
 from __future__ import annotations
 

