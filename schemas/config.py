@@ -70,9 +70,8 @@ class ModelConfig(Section):
 
 class LoraConfig(Section):
     """Low-rank adapters (peft's LoRA) on the policy: RL, SFT and DPO train only the adapter, the frozen reference is
-    the
-    same model with the adapter switched off, and the sampler loads each iteration's adapter (vLLM's LoRA) instead of
-    the whole model. Off while `rank` is None. PPO's critic and the reward model train all their weights."""
+    the same model with the adapter switched off, and the sampler loads each iteration's adapter (vLLM's LoRA) instead
+    of the whole model. Off while `rank` is None. PPO's critic and the reward model train all their weights."""
 
     # A section added after runs existed: hashed only when set, so runs without it keep their fingerprints.
     OMITTED_AT_DEFAULT: ClassVar[bool] = True
@@ -806,16 +805,15 @@ class RunConfig(Section):
 
     def section_hash(self, *sections: str) -> str:
         """A stable hash of some sections: part of a stage's fingerprint."""
-        payload = {
-            name: _dump(getattr(self, name))
-            for name in sections
-            if not (
-                getattr(getattr(self, name), "OMITTED_AT_DEFAULT", False)
-                and getattr(self, name) == type(getattr(self, name))()
-            )
-        }
+        payload = {name: _dump(getattr(self, name)) for name in sections if _hashed(getattr(self, name))}
         payload["seed"] = self.seed
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _hashed(section) -> bool:
+    """Whether a section enters a fingerprint: always, but a section added after runs existed (OMITTED_AT_DEFAULT) only
+    when it differs from its default."""
+    return not (getattr(section, "OMITTED_AT_DEFAULT", False) and section == type(section)())
 
 
 def _dump(section):

@@ -21,7 +21,7 @@ from schemas.errors import UserError
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 _ITERATION = re.compile(r"iter=(\d{5})")
 # A run's folders that are not tables: checkpoints share the iter= layout; logs and the report hold plain files.
-NON_TABLE_FOLDERS = ("checkpoints", "logs", "report")
+NON_TABLE_FOLDERS = ("checkpoints", "logs", "report", "tensorboard", "mlartifacts")
 
 
 class LayoutError(UserError, ValueError):
@@ -91,6 +91,24 @@ class RunLayout:
 
     def critic_dir(self, iteration: int) -> Path:
         return self.checkpoint_dir(iteration) / "critic"
+
+    @property
+    def tracking_state_path(self) -> Path:
+        """What experiment tracking has logged, and its MLflow run (tasks/stages/tracking.py)."""
+        return self.run_dir / "tracking.json"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.run_dir / "tensorboard"
+
+    @property
+    def mlflow_db_path(self) -> Path:
+        """The run's own MLflow store (when no tracking URI is given), with its artifacts in `mlflow_artifacts_dir`."""
+        return self.run_dir / "mlflow.db"
+
+    @property
+    def mlflow_artifacts_dir(self) -> Path:
+        return self.run_dir / "mlartifacts"
 
     @property
     def superseded_log(self) -> Path:

@@ -18,6 +18,5 @@ def test_the_config_reference_is_current():
 
 def test_the_reference_lists_every_key_once():
     keys = [key for key, *_ in fields()]
-    assert len(keys) == len(set(keys)) and {"optim.lr", "lora.rank", "tracking", "reward.functions.NAME.weight"} <= set(
-        keys
-    )
+    expected = {"optim.lr", "lora.rank", "tracking", "reward.functions.NAME.weight"}
+    assert len(keys) == len(set(keys)) and expected <= set(keys)

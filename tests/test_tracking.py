@@ -1,6 +1,6 @@
 """Experiment tracking end to end: a 2-iteration run with `tracking: [tensorboard, mlflow]`, read back with
-TensorBoard's
-event reader and MLflow's client; killed in iteration 2 and resumed, the same MLflow run with no step twice."""
+TensorBoard's event reader and MLflow's client; killed in iteration 2 and resumed, the same MLflow run with no step
+twice."""
 
 import json
 import math

@@ -1,6 +1,5 @@
 """Advantage estimators as Polars expressions over the stage tables (docs/algorithms.md); GAE's sequential scan runs
-compiled
-over the token lists' flat buffers (tasks.algos.token_scan). Pure: no I/O.
+compiled over the token lists' flat buffers (tasks.algos.token_scan). Pure: no I/O.
 
 Input: one row per response with prompt_id, sample_idx, reward (Float64) and length (Int32); estimators
 that need token data also read the list columns old_logprobs and ref_logprobs (KL in the reward) and

@@ -109,8 +109,7 @@ class MinibatchNorm:
     """Normalizers of the whole optimizer minibatch, computed before it is split into micro-batches.
 
     Every aggregation divides by these (or by per-sequence token counts, which a micro-batch holds whole),
-    so the sum of micro-batch losses equals the minibatch loss and gradient accumulation never changes the
-    update.
+    so the sum of micro-batch losses equals the minibatch loss and gradient accumulation never changes the update.
     """
 
     tokens: float  # Σ mask over the minibatch

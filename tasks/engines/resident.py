@@ -29,8 +29,7 @@ HELD = "--held"  # a server's last argument instead of its settings: spawned hel
 
 class ResidentProcess:
     """A resident server: `ranks` data-parallel processes (tasks/engines/workers/data_parallel.py) of which rank 0 owns
-    the
-    socket and passes every message on to the others; `env` and `devices` (CUDA ids) go to all of them."""
+    the socket and passes every message on to the others; `env` and `devices` (CUDA ids) go to all of them."""
 
     def __init__(
         self,
@@ -74,8 +73,7 @@ class ResidentProcess:
         then wait for their settings; a second `spawn` (or the first request) hands them over, and only then do they
         open their log and start the engine. A command spawns them held before it checks its input, so those seconds
         overlap the checks; on bad input `close` ends them, and no engine ever started. (Not with a hostfile:
-        DeepSpeed's
-        launcher starts those ranks when they are released.)"""
+        DeepSpeed's launcher starts those ranks when they are released.)"""
         if self.procs:
             if self.waiting_for_release and not held:
                 self._release(settings)

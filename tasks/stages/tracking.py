@@ -22,8 +22,6 @@ from pathlib import Path
 from storage import RunLayout, read_manifest, read_stage
 from tasks.stages.common import load_run, stage_task
 
-STATE_FILE = "tracking.json"
-
 
 def scalars(row: dict) -> dict[str, float]:
     """The finite numbers of a row (a train_metrics row, an eval manifest's figures): what a scalar chart can plot."""
@@ -43,9 +41,9 @@ def pending_steps(layout: RunLayout, logged: dict) -> list[tuple[int, dict[str, 
         if it > logged.get("train", 0) and read_manifest(layout, "train_metrics", it, verify=False) is not None:
             row = read_stage(layout, "train_metrics", it).row(0, named=True)
             steps.setdefault(it, {}).update({f"train/{k}": v for k, v in scalars(row).items() if k != "iteration"})
-    for it in layout.iterations("eval"):
+    for it in (k for k in layout.iterations("eval") if k not in logged.get("eval", [])):
         manifest = read_manifest(layout, "eval", it, verify=False)
-        if it not in logged.get("eval", []) and manifest is not None:
+        if manifest is not None:
             steps.setdefault(it, {}).update({f"eval/{k}": v for k, v in scalars(manifest.get("extra", {})).items()})
     return sorted(steps.items())
 
@@ -64,7 +62,7 @@ def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
 
 def default_store(layout: RunLayout) -> str:
     """The run's own MLflow store: SQLite in the run folder (MLflow refuses new folder stores)."""
-    return f"sqlite:///{(layout.run_dir / 'mlflow.db').resolve()}"
+    return f"sqlite:///{layout.mlflow_db_path.resolve()}"
 
 
 def _tracking_uri(layout: RunLayout, configured: str | None) -> str:
@@ -74,7 +72,7 @@ def _tracking_uri(layout: RunLayout, configured: str | None) -> str:
 def _log_tensorboard(layout: RunLayout, steps: list[tuple[int, dict[str, float]]]) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(log_dir=str(layout.run_dir / "tensorboard"), purge_step=steps[0][0])
+    writer = SummaryWriter(log_dir=str(layout.tensorboard_dir), purge_step=steps[0][0])
     for step, values in steps:
         for tag, value in values.items():
             writer.add_scalar(tag, value, global_step=step)
@@ -90,7 +88,7 @@ def _mlflow_run(client, state: dict, layout: RunLayout, config: dict) -> str:
     experiment = client.get_experiment_by_name("rlpipe")
     # In the run's own store, artifacts (summary.json) go to the run folder too, not to the working directory.
     local = client.tracking_uri == default_store(layout)
-    artifacts = (layout.run_dir / "mlartifacts").resolve().as_uri() if local else None
+    artifacts = layout.mlflow_artifacts_dir.resolve().as_uri() if local else None
     experiment_id = experiment.experiment_id if experiment else client.create_experiment("rlpipe", artifacts)
     run = client.create_run(
         experiment_id, run_name=layout.run_id, tags={"rlpipe.run_dir": str(layout.run_dir.resolve())}
@@ -120,7 +118,7 @@ def track_task(storage_root: str, run_id: str, summary: dict | None = None) -> N
     if not backends:
         return
     layout = ctx.layout
-    path = layout.run_dir / STATE_FILE
+    path = layout.tracking_state_path
     state = json.loads(path.read_text()) if path.exists() else {"train": 0, "eval": []}
     steps = pending_steps(layout, state)
     client = None

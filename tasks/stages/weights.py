@@ -78,9 +78,9 @@ def critic_after(ctx: RunContext, iteration: int) -> CriticWeights:
 
 def export_run(run_id: str, storage_root: str, out: str, iteration: int | None = None, merge: bool = False) -> dict:
     """`rlpipe export`: the policy after `iteration` updates (default: the last complete one) as a model folder at
-    `out`,
-    without optimizer state. An adapter checkpoint (LoRA) is written as its PEFT folder, or with `merge` merged into the
-    base model's weights: a plain Hugging Face folder that vLLM and transformers load with no peft installed."""
+    `out`, without optimizer state. An adapter checkpoint (LoRA) is written as its PEFT folder, or with `merge` merged
+    into the base model's weights: a plain Hugging Face folder that vLLM and transformers load with no peft
+    installed."""
     from tasks.engines.workers.lora import is_adapter
     from tasks.stages.common import export_checkpoint, load_run
 

@@ -5,8 +5,7 @@ one after the other (two 2-thread processes on 2 cores would slow each other).
 
 Rows (ratio: rlpipe-with-LoRA's advantage, greater is better):
 - lora_trainer_memory_ratio: the resident trainer's peak resident memory (train_metrics.trainer_peak_rss_gib, the
-largest
-  over the iterations), LoRA over full;
+  largest over the iterations), LoRA over full;
 - lora_sync_vs_full: seconds to bring the sampler to the new weights (weight_sync_seconds, mean over iterations 2..N),
   LoRA (load the adapter) over full (reload every weight in place); the bytes moved are printed;
 - lora_iteration_seconds: mean wall seconds of an iteration's stages (iterations 2..N);

@@ -111,10 +111,9 @@ def rollout_flops(shapes: dict, rollouts: pl.DataFrame, prompts: pl.DataFrame) -
 
 def overhead_breakdown(layout, ends: list[float]) -> pl.DataFrame:
     """Where each iteration's seconds outside generation, forward and backward go (iterations 2..N, means): every
-    stage's
-    wall time less the engine work inside it, the trainer's time around its passes (the update's preparation and the
-    checkpoint it writes), the sampler's weight sync, and the time between stages (the flow: Prefect's task runs, the
-    iteration's artifact)."""
+    stage's wall time less the engine work inside it, the trainer's time around its passes (the update's preparation and
+    the checkpoint it writes), the sampler's weight sync, and the time between stages (the flow: Prefect's task runs,
+    the iteration's artifact)."""
     from storage import read_manifest, read_stage
 
     rows = []

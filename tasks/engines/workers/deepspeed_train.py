@@ -29,8 +29,7 @@ from tasks.engines.workers.training import (
 
 def load_policy(path: str, lora: LoraSettings | None = None):
     """The policy to train, in fp32 (DeepSpeed's bf16 keeps fp32 master weights): every weight, or with `lora` an
-    adapter
-    on the frozen model (a new one on a plain folder, the saved one on an adapter checkpoint)."""
+    adapter on the frozen model (a new one on a plain folder, the saved one on an adapter checkpoint)."""
     model = load_causal_lm(path, "float32", lora, trainable=lora is not None)
     model.config.use_cache = False
     return model
@@ -149,9 +148,8 @@ class _Update:
 
     def micro_step(self, engine, idx: list[int], norm, extra_loss=None, scale: float = 1.0) -> None:
         """Forward and backward of one micro-batch, its loss × `scale` (data_parallel.micro_steps: the world size, or 0
-        for a
-        dummy step, whose sums are left out). The micro-batch is packed with shared prompts (token_batch.pack_shared):
-        every tensor below is on its (B, R) response grid."""
+        for a dummy step, whose sums are left out). The micro-batch is packed with shared prompts
+        (token_batch.pack_shared): every tensor below is on its (B, R) response grid."""
         import torch
 
         from tasks.algos.losses import policy_loss, tis_weights

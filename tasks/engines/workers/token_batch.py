@@ -88,9 +88,8 @@ class SharedPrefixBatch:
 
     def counts(self, logits_kept: bool) -> dict[str, float]:
         """What one forward pass over the batch computes, for the throughput figures: real token positions, all
-        positions
-        (padding included), positions whose logits are computed, the response tokens predicted, and the (query, key)
-        pairs the mask allows to real positions (attention's useful work)."""
+        positions (padding included), positions whose logits are computed, the response tokens predicted, and the
+        (query, key) pairs the mask allows to real positions (attention's useful work)."""
         g, length = self.input_ids.shape
         return {
             "tokens": float(self.real.sum()),
