@@ -94,3 +94,12 @@ def test_a_server_never_connected_is_killed_at_close_and_its_socket_removed(tmp_
     proc, sock = server.procs[0], server.sock
     server.close()
     assert proc.returncode is not None and not os.path.exists(sock)
+
+
+def test_a_socket_that_exists_before_its_server_listens_is_connected_to_once_it_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("HELD_TEST_LATE_LISTEN", "1")
+    server = ResidentProcess("tests.held_server", tmp_path / "server.log")
+    try:
+        assert server.call(REQUEST, SETTINGS)["settings"]["fields"]["seed"] == 7
+    finally:
+        server.close()

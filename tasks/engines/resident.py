@@ -137,7 +137,19 @@ class ResidentProcess:
             time.sleep(0.2)
         if time.time() - started >= 10:
             self._progress(f"{self.name} started in {time.time() - started:.0f}s")
-        self.conn = Client(sock, family="AF_UNIX", authkey=key)
+        self.conn = self._connect(sock, key, deadline)
+
+    def _connect(self, sock: str, key: bytes, deadline: float):
+        """The client end of the server's socket. The file appears at the server's bind(), a moment before its
+        listen(): a connect in between is refused (seen once in CI, on a loaded machine), so it is tried again while
+        the server lives."""
+        while True:
+            try:
+                return Client(sock, family="AF_UNIX", authkey=key)
+            except ConnectionRefusedError:
+                if any(p.poll() is not None for p in self.procs) or time.time() > deadline:
+                    raise self._died("server refused the connection") from None
+                time.sleep(0.05)
 
     def _progress(self, text: str) -> None:
         """A progress line in the terminal and in the engine's log."""
