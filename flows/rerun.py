@@ -10,6 +10,8 @@
 
 Stages are called as plain functions (`task.fn`), without a Prefect flow run: a rerun of advantages takes
 well under a second and starts no engine.
+Imports: The stage graph is imported on first use: it imports every stage module (2.7 s with torch), which `rlpipe
+resume`'s checks and the deployments' config checks do not need.
 """
 
 from __future__ import annotations
@@ -19,8 +21,13 @@ import os
 import time
 from pathlib import Path
 
-from schemas.config import ConfigError
+import yaml
+
+from schemas.config import ConfigError, build_config, dump_config
 from schemas.errors import AlreadyExists, NotFound
+from storage import RunLayout, read_manifest, write_json_atomic
+from storage.lock import acquire_run_lock
+from storage.stage_io import write_bytes_atomic
 
 
 def _stages():
@@ -74,7 +81,6 @@ def supersede(layout, stage: str, iteration: int, overrides: list[str]) -> dict:
 
 def _move_aside(layout, stages: list[tuple[str, int]], paths: list[Path], note: dict) -> dict:
     """Move `paths` under `_superseded/{n}/` (same relative layout), never deleting, and log it in superseded.json."""
-    from storage import write_json_atomic
 
     history = json.loads(layout.superseded_log.read_text()) if layout.superseded_log.exists() else []
     target = layout.superseded_dir(len(history))
@@ -98,7 +104,6 @@ def _move_aside(layout, stages: list[tuple[str, int]], paths: list[Path], note: 
 def changed_by(layout, cfg) -> list[tuple[str, int]]:
     """The complete (stage, iteration) whose fingerprinted config sections differ under `cfg` (what running the run
     with `cfg` would recompute, and overwrite)."""
-    from storage import read_manifest
 
     graph, out = _stages(), []
     for name in layout.stages():
@@ -164,10 +169,28 @@ def fork(src_layout, dst_layout, stage: str, iteration: int) -> int:
     return linked
 
 
-def recompute(root: str, run_id: str, stage: str, iteration: int):
-    """Run one stage's task body on its cached inputs (their fingerprints come from their manifests): the stage
-    declares how (its SPEC.recompute)."""
-    return _stages().stage(stage).recompute(root, run_id, iteration)
+def recompute(root: str, run_id: str, stage: str, iteration: int) -> list:
+    """Run one stage's task body on its cached inputs, handed as the flow hands them (tasks/stages/graph.py binds
+    them by name), their fingerprints read from their manifests: a per-round stage recomputes every round its input
+    has; a stage that gathers the rounds gets them all. Engines it started are released after (a rerun is one
+    command)."""
+    from tasks.engines.resident import close_all
+    from tasks.stages.common import upstream_fingerprint, upstream_part_fingerprints
+
+    graph = _stages()
+    spec = graph.stage(stage)
+    fingerprints = {
+        table: upstream_part_fingerprints(root, run_id, table, iteration)
+        if graph.stage(table).scope == "round"
+        else [upstream_fingerprint(root, run_id, table, iteration)]
+        for table, _ in graph.fingerprint_parameters(spec).values()
+    }
+    rounds = max((len(fps) for t, fps in fingerprints.items() if graph.stage(t).scope == "round"), default=1)
+    per_round = range(rounds) if spec.scope == "round" else [rounds - 1]
+    try:
+        return [spec.task.fn(**graph.task_arguments(spec, root, run_id, iteration, r, fingerprints)) for r in per_round]
+    finally:
+        close_all()
 
 
 def _rerunnable() -> list[str]:
@@ -175,13 +198,6 @@ def _rerunnable() -> list[str]:
 
 
 def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id: str | None, root: str) -> dict:
-    import yaml
-
-    from schemas.config import build_config, dump_config
-    from storage import RunLayout, read_manifest, write_json_atomic
-    from storage.lock import acquire_run_lock
-    from storage.stage_io import write_bytes_atomic
-
     if stage not in _rerunnable():
         raise ConfigError(f"cannot rerun stage {stage!r}: choose one of {', '.join(_rerunnable())}")
     src = RunLayout(Path(root), run_id)

@@ -9,43 +9,52 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.stages.advantages import advantages_task
+from storage import StageOutput
 from tasks.stages.artifacts import artifacts_task
-from tasks.stages.batch import batch_task
 from tasks.stages.common import plan_task
 from tasks.stages.dataset import dataset_task
 from tasks.stages.evaluate import eval_task
-from tasks.stages.logprobs import logprobs_task
-from tasks.stages.optimize import optimize_task
-from tasks.stages.prompts import prompts_task
-from tasks.stages.rollouts import release_engines_task, rollouts_task
-from tasks.stages.scores import scores_task
+from tasks.stages.graph import ITERATION_TASKS, gathers_rounds, task_arguments
+from tasks.stages.rollouts import release_engines_task
 from tasks.stages.sft import sft_data_task
 from tasks.stages.start_engines import start_engines
 from tasks.stages.summary import summary_task
 from tasks.stages.tracking import track_task
 
 
-@flow(name="rl-iteration", flow_run_name="{run_id}-iter-{iteration}")
-def rl_iteration(run_id: str, iteration: int, storage_root: str = "runs") -> dict:
-    # Dynamic sampling: rounds of prompts → rollouts → scores until the batch task says the batch is full
-    # (it alone knows target_groups and max_rounds, and it returns None while another round is needed).
-    scores_fps: list[str] = []
+def run_iteration_stages(storage_root: str, run_id: str, iteration: int, stages=ITERATION_TASKS) -> dict:
+    """Call each stage's task in the graph's data order, handing each the fingerprints of the tables it reads.
+
+    Dynamic sampling: the per-round stages (prompts → rollouts → scores) run again, one round more, while the stage
+    that gathers their rounds (batch: it alone knows target_groups and max_rounds) returns None.
+    Returns table → its StageOutput (a per-round table's: its last round's) and `rounds`."""
+    fingerprints: dict[str, list[str]] = {}
+    outputs: dict[str, StageOutput] = {}
     round_ = 0
     while True:
-        prompts = prompts_task(storage_root, run_id, iteration, round_)
-        rollouts = rollouts_task(storage_root, run_id, iteration, round_, prompts.fingerprint)
-        scores = scores_task(storage_root, run_id, iteration, round_, rollouts.fingerprint)
-        scores_fps.append(scores.fingerprint)
-        batch = batch_task(storage_root, run_id, iteration, round_, scores_fps)
-        if batch is not None:
-            break
+        for spec in (s for s in stages if s.scope == "round"):
+            outputs[spec.name] = spec.task(
+                **task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints)
+            )
+            fingerprints.setdefault(spec.name, []).append(outputs[spec.name].fingerprint)
+        for spec in (s for s in stages if s.scope != "round"):
+            out = spec.task(**task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints))
+            if out is None:
+                if not gathers_rounds(spec):
+                    raise RuntimeError(f"stage {spec.name!r} returned no output")
+                break
+            outputs[spec.name], fingerprints[spec.name] = out, [out.fingerprint]
+        else:
+            return {**outputs, "rounds": round_ + 1}
         round_ += 1
-    logprobs = logprobs_task(storage_root, run_id, iteration, batch.fingerprint)
-    advantages = advantages_task(storage_root, run_id, iteration, logprobs.fingerprint, batch.fingerprint)
-    metrics = optimize_task(storage_root, run_id, iteration, advantages.fingerprint, logprobs.fingerprint)
+
+
+@flow(name="rl-iteration", flow_run_name="{run_id}-iter-{iteration}")
+def rl_iteration(run_id: str, iteration: int, storage_root: str = "runs") -> dict:
+    outputs = run_iteration_stages(storage_root, run_id, iteration)
     artifacts_task(storage_root, run_id, iteration)
-    return {"iteration": iteration, "rounds": round_ + 1, "checkpoint": metrics.extra.get("checkpoint")}
+    checkpoint = outputs["train_metrics"].extra.get("checkpoint")
+    return {"iteration": iteration, "rounds": outputs["rounds"], "checkpoint": checkpoint}
 
 
 @flow(name="rl", flow_run_name="{run_id}")

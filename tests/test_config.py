@@ -1,8 +1,12 @@
 """Config: YAML + overrides, one-line errors naming the key, saved resolved."""
 
+import subprocess
+import sys
+
 import pytest
 
 from schemas.config import ConfigError, RunConfig, build_config, dump_config, load_config
+from tests.conftest import ROOT
 
 
 def test_demo_config_loads_and_overrides_apply():
@@ -90,3 +94,14 @@ def test_every_shipped_config_loads_with_every_preset(config):
 
     for algo in [None, *algorithm_presets()]:
         load_config(config, algo=algo)
+
+
+def test_validating_a_config_imports_no_stage_code():
+    """The config asks the registries it validates against (built-in rewards, estimators' needs) and nothing above."""
+    probe = (
+        "import sys; from schemas.config import load_config; "
+        "cfg = load_config('infra/configs/demo.yaml', algo='ppo'); assert cfg.uses_critic; "
+        "print(sorted(m for m in sys.modules if m.startswith(('tasks.stages', 'tasks.engines', 'flows'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -236,6 +236,15 @@ def check_fork_and_diff(workspace, layout: RunLayout):
         "diff", layout.run_id, "forked", "--stage", "advantages", "--iteration", "1", "--root", root, cwd=workspace
     )
     assert "advantage_a" in out.stdout and "differing samples" in out.stdout
+    # A rerun with nothing changed hands a stage the fingerprints the flow handed it: every round's for scores (one
+    # call per round), all the rounds' at once for batch, which gathers them.
+    for stage in ("scores", "batch"):
+        rerun = ("rerun", layout.run_id, "--iteration", "1", "--stage", stage, "--fork", f"same-{stage}")
+        rlpipe(*rerun, "--root", root, cwd=workspace)
+        again = read_manifest(RunLayout(workspace / "runs", f"same-{stage}"), stage, 1)
+        first = read_manifest(layout, stage, 1)
+        assert [p["fingerprint"] for p in again["parts"]] == [p["fingerprint"] for p in first["parts"]], stage
+        assert again["fingerprint"] == first["fingerprint"] and again["inputs"] == first["inputs"], stage
 
 
 def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):

@@ -14,7 +14,7 @@ from storage import RunLayout
 from tasks.stages import graph
 from tasks.stages.common import Computed, load_run, run_stage
 from tasks.stages.spec import SectionView, StageSpec, UndeclaredSection
-from tests.conftest import tiny_config
+from tests.conftest import ROOT, tiny_config
 
 # By hand: which stages a change to each config section recomputes (directly, or because they read a stage that
 # is recomputed). `engines`, `rl` and `storage_root` change no stage's data.
@@ -221,3 +221,105 @@ def test_changing_the_sft_settings_recomputes_the_ppo_ptx_demonstrations(tmp_pat
     second = sft_data_task.fn(str(layout.root), "r", cfg["model"]["path"])
     assert second.fingerprint != first.fingerprint and second.rows == 50
     assert ptx_fingerprint(ctx) == second.fingerprint  # the update's input changed with it
+
+
+def test_the_iteration_order_is_a_topological_order_of_the_declared_reads():
+    order = [s.name for s in graph.RL_ITERATION]
+    for i, spec in enumerate(graph.RL_ITERATION):
+        assert not set(spec.reads) & set(order[i + 1 :]), spec.name  # nothing it reads comes after it
+    shuffled = tuple(reversed(graph.RL_ITERATION))
+    assert [s.name for s in graph.in_data_order(shuffled)] == [
+        "prompts",
+        "rollouts",
+        "scores",
+        "batch",
+        "logprobs",
+        "advantages",
+        "train_metrics",
+        "eval",
+        "prompt_stats",
+    ]  # from the reads alone (prompt_stats and eval read one table each: declaration order decides between them)
+    a, b = StageSpec("a", ("b",), (), "iteration"), StageSpec("b", ("a",), (), "iteration")
+    with pytest.raises(ValueError, match="read each other in a cycle"):
+        graph.in_data_order((a, b))
+
+
+class Out:
+    def __init__(self, fingerprint):
+        self.fingerprint, self.extra = fingerprint, {}
+
+
+def toy_graph(calls: list, rounds_needed: int):
+    """Four stages as the flow sees them: two per round, one that gathers the rounds (None until it has
+    `rounds_needed`), one after it; each task records what it was handed."""
+
+    def draw(storage_root, run_id, iteration, round_):
+        calls.append(("draw", round_))
+        return Out(f"draw{iteration}.{round_}")
+
+    def judge(storage_root, run_id, iteration, round_, draw_fp):
+        calls.append(("judge", round_, draw_fp))
+        return Out(f"judge({draw_fp})")
+
+    def gather(storage_root, run_id, iteration, round_, judge_fps):
+        calls.append(("gather", round_, judge_fps))
+        return Out("gathered") if len(judge_fps) >= rounds_needed else None
+
+    def learn(run_id, iteration, gather_fp, judge_fps, extra_knob: int = 3):
+        calls.append(("learn", gather_fp, judge_fps, extra_knob))
+        return Out("learned")
+
+    # declared out of order on purpose: the order comes from the reads
+    return graph.checked(
+        graph.in_data_order(
+            (
+                StageSpec("learn", ("gather", "judge"), (), "iteration", task=learn),
+                StageSpec("judge", ("draw",), (), "round", task=judge),
+                StageSpec("gather", ("judge",), (), "iteration", task=gather),
+                StageSpec("draw", (), (), "round", task=draw),
+            )
+        )
+    )
+
+
+def test_the_flow_calls_the_graph_in_order_with_the_fingerprints_its_tasks_name():
+    from flows.rl import run_iteration_stages
+
+    calls = []
+    out = run_iteration_stages("root", "r", 7, toy_graph(calls, rounds_needed=2))
+    assert calls == [
+        ("draw", 0),
+        ("judge", 0, "draw7.0"),
+        ("gather", 0, ["judge(draw7.0)"]),  # not enough: another round
+        ("draw", 1),
+        ("judge", 1, "draw7.1"),
+        ("gather", 1, ["judge(draw7.0)", "judge(draw7.1)"]),
+        ("learn", "gathered", ["judge(draw7.0)", "judge(draw7.1)"], 3),
+    ]
+    assert out["rounds"] == 2 and out["learn"].fingerprint == "learned"
+
+
+def test_a_task_whose_parameters_the_graph_cannot_bind_fails_at_import_naming_it():
+    def t(run_id, iteration, batch_fp):
+        return Out("x")
+
+    def u(run_id, iteration, knob):
+        return Out("x")
+
+    def v(run_id, iteration, draw_fp):  # a per-iteration stage must take a per-round table's every round
+        return Out("x")
+
+    draw = StageSpec("draw", (), (), "round", task=lambda run_id, iteration, round_: Out("d"))
+    with pytest.raises(TypeError, match="'batch_fp' names 'batch', not a table of the iteration it reads"):
+        graph.checked((StageSpec("t", ("draw",), (), "iteration", task=t), draw))
+    with pytest.raises(TypeError, match="task parameter 'knob' is neither context nor"):
+        graph.checked((StageSpec("u", (), (), "iteration", task=u),))
+    with pytest.raises(TypeError, match="'draw_fp': a per-iteration stage takes a per-round table's _fps"):
+        graph.checked((draw, StageSpec("v", ("draw",), (), "iteration", task=v)))
+
+
+def test_the_rl_flow_lists_no_stage():
+    """The iteration's flow holds no stage's name or task: the graph drives it."""
+    source = (ROOT / "flows" / "rl.py").read_text()
+    for spec in graph.ITERATION_TASKS:
+        assert spec.task.fn.__name__ not in source, spec.task.fn.__name__

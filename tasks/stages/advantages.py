@@ -21,7 +21,7 @@ from tasks.algos.advantages import (
     empty_prompt_stats,
     update_prompt_stats,
 )
-from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task, upstream_fingerprint
+from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
 from tasks.stages.kl_control import kl_beta
 from tasks.stages.spec import StageSpec
 
@@ -95,24 +95,15 @@ def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp:
     return run_stage(ctx, iteration, inputs=inputs, compute=compute, salt=f"beta={settings.kl_beta:.12g}")
 
 
-def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
-    return advantages_task.fn(
-        root,
-        run_id,
-        iteration,
-        upstream_fingerprint(root, run_id, "logprobs", iteration),
-        upstream_fingerprint(root, run_id, "batch", iteration),
-    )
-
-
-# Reads the previous iteration's train_metrics too (the adaptive KL's β) and prompt_stats (DCPO's history).
 SPEC = StageSpec(
     "advantages",
-    reads=("logprobs", "scores", "batch", "rollouts", "prompt_stats", "train_metrics"),
+    reads=("logprobs", "scores", "batch", "rollouts"),
     sections=("advantage", "kl"),
     scope="iteration",
     also_writes=("prompt_stats",),
-    recompute=recompute,
+    reads_previous=("prompt_stats", "train_metrics"),  # DCPO's history; the adaptive KL's β
+    task=advantages_task,
+    rerunnable=True,
 )
 # DCPO's per-prompt history, advantages' second table.
 STATS_SPEC = StageSpec("prompt_stats", reads=("advantages",), sections=SPEC.sections, scope="iteration")

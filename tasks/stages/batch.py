@@ -12,7 +12,7 @@ import polars as pl
 
 from schemas.errors import UserError
 from storage import StageOutput, read_stage
-from tasks.stages.common import Computed, load_run, run_stage, stage_task, upstream_part_fingerprints
+from tasks.stages.common import Computed, load_run, run_stage, stage_task
 from tasks.stages.spec import StageSpec
 
 
@@ -81,9 +81,4 @@ def batch_task(
     )
 
 
-def recompute(root: str, run_id: str, iteration: int) -> StageOutput | None:
-    fps = upstream_part_fingerprints(root, run_id, "scores", iteration)
-    return batch_task.fn(root, run_id, iteration, len(fps) - 1, fps)
-
-
-SPEC = StageSpec("batch", reads=("scores",), sections=("batch",), scope="iteration", recompute=recompute)
+SPEC = StageSpec("batch", reads=("scores",), sections=("batch",), scope="iteration", task=batch_task, rerunnable=True)

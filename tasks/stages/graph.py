@@ -1,9 +1,13 @@
-"""The stage graph: every stage's declaration (each module's SPEC), in order. The iteration's stage order, what
-`rlpipe rerun` can recompute, what a rerun makes stale, `show`'s order and what a config change invalidates are all
-derived from here; nothing else lists the stages.
+"""The stage graph: every stage's declaration (each module's SPEC). The iteration's stage order (a topological order of
+the declared reads), the fingerprints each stage's task is handed (bound by its parameters' names), what `rlpipe
+rerun` can recompute and from what, what a rerun makes stale, `show`'s order and what a config change invalidates are
+all derived from here; nothing else lists the stages. Adding a stage to an RL iteration is its module (its task and
+its SPEC) and one line below.
 """
 
 from __future__ import annotations
+
+import inspect
 
 from tasks.stages import (
     advantages,
@@ -22,21 +26,39 @@ from tasks.stages import (
 )
 from tasks.stages.spec import StageSpec
 
+
+def in_data_order(specs: tuple[StageSpec, ...]) -> tuple[StageSpec, ...]:
+    """The stages, each after every stage whose table it reads: a stable topological sort (the declaration order where
+    the reads leave a choice). Reads of tables outside `specs` (the run's dataset) do not order them."""
+    names = {s.name for s in specs}
+    order, placed, pending = [], set(), list(specs)
+    while pending:
+        ready = next((s for s in pending if set(s.reads) & names <= placed), None)
+        if ready is None:
+            raise ValueError(f"the stages {[s.name for s in pending]} read each other in a cycle")
+        order.append(ready)
+        placed.add(ready.name)
+        pending.remove(ready)
+    return tuple(order)
+
+
 PROMPT_STATS = advantages.STATS_SPEC
 
 # Once per run, before any iteration (iteration 0).
 RUN_STAGES = (dataset.SPEC, sft.SPEC, sft.TRAIN_SPEC)
 # One RL iteration, in data order; prompt_stats is advantages' second table; eval reads the iteration's checkpoint.
-RL_ITERATION = (
-    prompts.SPEC,
-    rollouts.SPEC,
-    scores.SPEC,
-    batch.SPEC,
-    logprobs.SPEC,
-    advantages.SPEC,
-    PROMPT_STATS,
-    optimize.SPEC,
-    evaluate.SPEC,
+RL_ITERATION = in_data_order(
+    (
+        prompts.SPEC,
+        rollouts.SPEC,
+        scores.SPEC,
+        batch.SPEC,
+        logprobs.SPEC,
+        advantages.SPEC,
+        PROMPT_STATS,
+        optimize.SPEC,
+        evaluate.SPEC,
+    )
 )
 PREFERENCE_STAGES = (
     preference_data.SPEC,
@@ -59,7 +81,7 @@ def stage(name: str) -> StageSpec:
 
 
 def rerunnable() -> list[StageSpec]:
-    return [s for s in RL_ITERATION if s.recompute is not None]
+    return [s for s in RL_ITERATION if s.rerunnable]
 
 
 def downstream_tables(name: str) -> list[str]:
@@ -71,7 +93,7 @@ def downstream_tables(name: str) -> list[str]:
 def with_readers(names: set[str]) -> set[str]:
     """The stages named and every stage that reads one of them, transitively."""
     stale = set(names)
-    while more := {s.name for s in STAGES if s.name not in stale and stale & set(s.reads)}:
+    while more := {s.name for s in STAGES if s.name not in stale and stale & {*s.reads, *s.reads_previous}}:
         stale |= more
     return stale
 
@@ -81,3 +103,67 @@ def invalidated_by(section: str) -> list[str]:
     them, transitively."""
     stale = with_readers({s.name for s in STAGES if section in s.sections})
     return [s.name for s in STAGES if s.name in stale]
+
+
+# What a stage's task is handed, by the name of its parameter (StageSpec's docstring).
+CONTEXT_PARAMETERS = ("storage_root", "run_id", "iteration", "round_")
+
+
+def fingerprint_parameters(spec: StageSpec) -> dict[str, tuple[str, bool]]:
+    """The task's fingerprint parameters: name → (the table it names, whether it takes every round's)."""
+    out = {}
+    for name in inspect.signature(spec.task).parameters:
+        if name.endswith("_fps"):
+            out[name] = (name.removesuffix("_fps"), True)
+        elif name.endswith("_fp"):
+            out[name] = (name.removesuffix("_fp"), False)
+    return out
+
+
+def task_arguments(
+    spec: StageSpec, storage_root: str, run_id: str, iteration: int, round_: int, fingerprints: dict[str, list[str]]
+) -> dict:
+    """Keyword arguments for `spec.task`. `fingerprints`: table → its fingerprints in this iteration, one per round
+    for a per-round table (a per-round stage gets its own round's), one for any other."""
+    args = {"storage_root": storage_root, "run_id": run_id, "iteration": iteration, "round_": round_}
+    params = inspect.signature(spec.task).parameters
+    out = {name: value for name, value in args.items() if name in params}
+    for name, (table, every_round) in fingerprint_parameters(spec).items():
+        fps = fingerprints[table]
+        # A per-round stage reads only per-round tables, and a per-iteration one reads those only as _fps (_check_task)
+        out[name] = list(fps) if every_round else fps[round_ if spec.scope == "round" else -1]
+    return out
+
+
+def gathers_rounds(spec: StageSpec) -> bool:
+    """Whether the stage takes every sampling round's fingerprints of a table: such a stage (batch, dynamic sampling)
+    returns None while it needs another round."""
+    return any(every for _, every in fingerprint_parameters(spec).values())
+
+
+def _check_task(spec: StageSpec, tables: dict[str, StageSpec]) -> None:
+    """A task's parameters must be bindable: a developer's mistake here fails at import, naming it."""
+    for name, param in inspect.signature(spec.task).parameters.items():
+        if name in CONTEXT_PARAMETERS or param.default is not inspect.Parameter.empty:
+            continue
+        table, every_round = fingerprint_parameters(spec).get(name, (None, False))
+        if table is None:
+            raise TypeError(f"stage {spec.name!r}: task parameter {name!r} is neither context nor <table>_fp(s)")
+        if table not in spec.reads or table not in tables:
+            raise TypeError(f"stage {spec.name!r}: {name!r} names {table!r}, not a table of the iteration it reads")
+        if every_round != (tables[table].scope == "round" and spec.scope == "iteration"):
+            raise TypeError(f"stage {spec.name!r}: {name!r}: a per-iteration stage takes a per-round table's _fps")
+    if spec.scope == "round" and any(tables[t].scope != "round" for t in spec.reads if t in tables):
+        raise TypeError(f"stage {spec.name!r} runs every round but reads a table written once per iteration")
+
+
+def checked(specs: tuple[StageSpec, ...]) -> tuple[StageSpec, ...]:
+    """The stages, once each task's parameters are checked bindable."""
+    tables = {s.name: s for s in specs}
+    for spec in specs:
+        _check_task(spec, tables)
+    return specs
+
+
+# The stages an RL iteration's flow run calls, in data order: every round's, then the iteration's.
+ITERATION_TASKS = checked(tuple(s for s in RL_ITERATION if s.task is not None))

@@ -19,7 +19,6 @@ from tasks.stages.common import (
     run_stage,
     scratch_file,
     stage_task,
-    upstream_fingerprint,
 )
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import critic_after, starting_weights, weights_after
@@ -64,14 +63,11 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str)
     )
 
 
-def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
-    return logprobs_task.fn(root, run_id, iteration, upstream_fingerprint(root, run_id, "batch", iteration))
-
-
 SPEC = StageSpec(
     "logprobs",
     reads=("batch", "rollouts"),
     sections=("optim", "model", "advantage"),
     scope="iteration",
-    recompute=recompute,
+    task=logprobs_task,
+    rerunnable=True,
 )

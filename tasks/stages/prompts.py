@@ -16,8 +16,6 @@ from tasks.stages.common import Computed, load_run, run_stage, stage_task
 from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.spec import StageSpec
 
-SPEC = StageSpec("prompts", reads=("dataset",), sections=("rollout",), scope="round")
-
 
 def sample_prompts(dataset: pl.DataFrame, n: int, seed: int, iteration: int, round_: int) -> pl.DataFrame:
     order = list(range(dataset.height))
@@ -46,3 +44,6 @@ def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int = 0
         )
 
     return run_stage(ctx, iteration, part=round_, inputs={"round": str(round_), "dataset": dataset_fp}, compute=compute)
+
+
+SPEC = StageSpec("prompts", reads=("dataset",), sections=("rollout",), scope="round", task=prompts_task)

@@ -23,7 +23,6 @@ from tasks.stages.common import (
     run_stage,
     scratch_file,
     stage_task,
-    upstream_part_fingerprints,
 )
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import weights_after
@@ -197,17 +196,11 @@ def release_engines_task() -> None:
     close_all()
 
 
-def recompute(root: str, run_id: str, iteration: int) -> list[StageOutput]:
-    """Every round again, from the saved prompts (then the engine is released: a rerun is one command)."""
-    try:
-        return [
-            rollouts_task.fn(root, run_id, iteration, r, fp)
-            for r, fp in enumerate(upstream_part_fingerprints(root, run_id, "prompts", iteration))
-        ]
-    finally:
-        release_engines_task.fn()
-
-
 SPEC = StageSpec(
-    "rollouts", reads=("prompts",), sections=("rollout", "model", "lora"), scope="round", recompute=recompute
+    "rollouts",
+    reads=("prompts",),
+    sections=("rollout", "model", "lora"),
+    scope="round",
+    task=rollouts_task,
+    rerunnable=True,  # every round again, from the saved prompts
 )

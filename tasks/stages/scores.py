@@ -20,7 +20,6 @@ from tasks.stages.common import (
     run_stage,
     score_frame_worker,
     stage_task,
-    upstream_part_fingerprints,
 )
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint
@@ -68,18 +67,11 @@ def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float
     )
 
 
-def recompute(root: str, run_id: str, iteration: int) -> list[StageOutput]:
-    """Every round again, from the saved rollouts (a fixed reward function re-scores without generating)."""
-    return [
-        scores_task.fn(root, run_id, iteration, r, fp)
-        for r, fp in enumerate(upstream_part_fingerprints(root, run_id, "rollouts", iteration))
-    ]
-
-
 SPEC = StageSpec(
     "scores",
     reads=("rollouts", "prompts"),
     sections=("reward", "rollout", "data", "optim"),
     scope="round",
-    recompute=recompute,
+    task=scores_task,
+    rerunnable=True,  # every round again, from the saved rollouts: a fixed reward function re-scores, no generation
 )

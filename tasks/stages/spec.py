@@ -20,13 +20,21 @@ GLOBAL_FIELDS = ("seed", "storage_root", "engines")
 
 @dataclass(frozen=True)
 class StageSpec:
+    """`task` is the Prefect task that computes the stage inside an RL iteration's flow run. Its parameters are bound
+    by name (tasks/stages/graph.py, `task_arguments`): `storage_root`, `run_id`, `iteration`, `round_`, `<table>_fp`
+    (the fingerprint of a table it reads) and `<table>_fps` (a per-round table's fingerprints, one per round so
+    far). A stage whose `task` is None is computed elsewhere (prompt_stats by advantages' task; eval by the run's
+    flow, every `eval.every` iterations)."""
+
     name: str  # the table it writes
-    reads: tuple[str, ...]  # the tables it reads
+    reads: tuple[str, ...]  # the tables it reads from the same iteration (or from the run's, iteration 0)
     sections: tuple[str, ...]  # the config sections it reads (its fingerprint covers exactly these)
     scope: Literal["run", "iteration", "round"]  # once per run (iteration 0), per iteration, or per sampling round
     also_writes: tuple[str, ...] = ()  # further tables (advantages writes prompt_stats) or files (checkpoints)
     aliases: tuple[str, ...] = ()  # other names `rlpipe rerun --stage` accepts (optimize for train_metrics)
-    recompute: Callable[[str, str, int], object] | None = field(default=None, compare=False)  # rerun from cached inputs
+    reads_previous: tuple[str, ...] = ()  # the tables it reads from iteration k − 1 (advantages: DCPO's history)
+    task: Callable[..., object] | None = field(default=None, compare=False)
+    rerunnable: bool = False  # `rlpipe rerun --stage` recomputes it from the cached tables its task's parameters name
 
     def __post_init__(self):
         unknown = set(self.sections) - set(RunConfig.model_fields) - set(GLOBAL_FIELDS)
