@@ -1,4 +1,6 @@
-"""The `rlpipe` command line (typer). Every command fails with one line and a non-zero exit on bad input."""
+"""The `rlpipe` command line (typer). Every command fails with one line and a non-zero exit on bad input.
+Imports: Each command imports what it needs inside its function: `rlpipe sql` and `show` start without the flows, the
+stage graph and torch (`import flows.rl` alone is 2.7 s of imports on the 2-core machine; DuckDB 0.1 s)."""
 
 from __future__ import annotations
 

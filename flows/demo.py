@@ -5,6 +5,8 @@ run is RL with evals, started as `rlpipe run` starts it (engines spawned while t
 model is built from a recipe (infra/configs/arithmetic_tiny.yaml: `rlpipe demo --config ...`) runs init-model and SFT
 first. The progress bars are read off the run's manifests by a watcher thread, so they show exactly what storage says
 is complete, whether a stage ran now or was skipped on a resume.
+Imports: The flows are imported inside `run_demo`, after the local API's settings are made (Prefect reads them when it
+is imported).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from schemas.config import load_config
 from schemas.errors import UserError
+from storage import RunLayout, read_manifest
 
 
 def _watch(layout, progress, bars, stop: threading.Event) -> None:
@@ -26,8 +30,6 @@ def _watch(layout, progress, bars, stop: threading.Event) -> None:
 
 
 def _update_bars(layout, progress, bars) -> None:
-    from storage import read_manifest
-
     done = sum(
         1 for it in layout.iterations("train_metrics") if read_manifest(layout, "train_metrics", it, verify=False)
     )
@@ -39,7 +41,6 @@ def _update_bars(layout, progress, bars) -> None:
 def run_demo(config: str, overrides: list[str], run_id: str, console: Console) -> dict:
     from flows.deployments import prepare_checked_run, prepare_run
     from flows.local_prefect import local_flow_settings
-    from schemas.config import load_config
 
     started = time.time()
     cfg = load_config(config, overrides)
@@ -69,7 +70,6 @@ def _rl_with_progress(cfg, run_id: str, console: Console, phases: dict, build: b
     """RL with evals (and, with `build`, init-model and SFT before), progress bars read off the manifests."""
     from flows.rl import rl_run
     from flows.sft import sft_flow
-    from storage import RunLayout
     from tasks.data.model_recipe import init_model
     from tasks.stages.preflight import preflight
 

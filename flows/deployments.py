@@ -4,6 +4,8 @@ A deployed run is triggered with parameters alone (from `prefect deployment run`
 flow takes a config path, `--set`-style overrides and a run id, validates and saves the config exactly as
 the CLI does, and then runs the same flow the CLI runs. Paths are relative to the repository root: the
 deployments' pull step makes it the working directory of every flow run.
+Imports: The flows and engine helpers are imported inside the functions that run them: the CLI imports this module for
+every command (its config paths), and `import flows.rl` is 2.7 s.
 """
 
 from __future__ import annotations
@@ -13,9 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from prefect import flow
 
+from schemas.config import ConfigError, build_config, dump_config, load_config
 from schemas.errors import UserError
+from storage import RunLayout
+from storage.lock import acquire_run_lock
+from storage.stage_io import write_bytes_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO_ROOT / "infra" / "prefect.yaml"
@@ -34,9 +41,6 @@ def prepare_run(
 ):
     """Validate the config, take the run's writer lock, check a changed config against what the run already holds,
     and save the resolved config. Returns (cfg, layout)."""
-    from schemas.config import load_config
-    from storage import RunLayout
-    from storage.lock import acquire_run_lock
 
     cfg = load_config(config, overrides, algo)
     layout = RunLayout(Path(cfg.storage_root), run_id)
@@ -51,9 +55,6 @@ def prepare_run(
 
 
 def save_config(layout, cfg) -> None:
-    from schemas.config import dump_config
-    from storage.stage_io import write_bytes_atomic
-
     write_bytes_atomic(layout.config_path, dump_config(cfg).encode())
 
 
@@ -61,10 +62,8 @@ def reconcile_config(layout, cfg, reconfigure: bool, overrides: list[str]) -> No
     """A run that exists with another config: fine when no complete stage's fingerprinted sections change (more
     iterations, another engine placement); otherwise refused, unless `reconfigure`, which moves the outputs the new
     config would recompute aside first (as `rlpipe rerun` does), so nothing finished is overwritten in place."""
-    import yaml
 
     from flows.rerun import changed_by, supersede_changed
-    from schemas.config import ConfigError, build_config
 
     old = build_config(yaml.safe_load(layout.config_path.read_text()))
     if old == cfg:
@@ -189,7 +188,6 @@ def _prefect(*args: str, env: dict) -> subprocess.CompletedProcess:
 def deploy(api_url: str | None) -> list[str]:
     """Create the `rlpipe` process work pool if needed and register every deployment in infra/prefect.yaml
     on the server at `api_url`. Returns the deployment names."""
-    import yaml
 
     api_url = api_url or os.environ.get("PREFECT_API_URL")
     if not api_url:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import string
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -137,8 +138,6 @@ class PromptConfig(Section):
     @field_validator("template")
     @classmethod
     def _known_placeholders(cls, value: str) -> str:
-        import string
-
         fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
         unknown = fields - {"prompt", "system"}
         if unknown or "prompt" not in fields:

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import time
 import warnings
@@ -75,7 +76,6 @@ def is_disk_full(exc: BaseException, folder: Path | None = None) -> bool:
         return True
     if folder is None:
         return False
-    import shutil
 
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -134,8 +134,6 @@ def commit_dir(tmp: Path, final: Path) -> None:
 
 
 def _rmtree(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -4,6 +4,7 @@ The rows are every group scored in that iteration (all sampling rounds, before t
 estimator that keeps zero-variance groups (dcpo) is compared on the same footing as one that does not. The
 KL penalty is left out (it is the same for every estimator). dcpo's prompt history is the run's own
 `prompt_stats` when it has one, or else is replayed from the scores of the earlier iterations.
+Imports: The stage modules are imported inside the command: `rlpipe --help` imports none of them.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from schemas.config import ConfigError
+from schemas.config import Aggregation, ConfigError
 from schemas.errors import NotFound
+from storage import read_manifest, read_stage, verified_parts
 
 
 def _history(ctx, iteration: int) -> pl.DataFrame:
-    from storage import read_manifest, read_stage
     from tasks.algos.advantages import empty_prompt_stats, update_prompt_stats
     from tasks.stages.advantages import advantage_inputs
 
@@ -33,8 +34,6 @@ def _history(ctx, iteration: int) -> pl.DataFrame:
 
 
 def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggregation: str | None, root: str) -> dict:
-    from schemas.config import Aggregation
-    from storage import read_manifest, verified_parts
     from tasks.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages
     from tasks.analysis.advantage_analysis import estimator_summary
     from tasks.stages.advantages import advantage_inputs

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.errors import NotFound, UserError
+from storage import RunLayout, complete_files
 
 READ_ONLY_STATEMENTS = {"SELECT", "EXPLAIN"}
 
@@ -32,8 +33,6 @@ def warn_strays(layout, console: Console) -> None:
 def connect(run_ids: list[str], root: str, console: Console | None = None):
     """An in-memory DuckDB with one view per stage. With several runs, views union them with a run_id column."""
     import duckdb
-
-    from storage import RunLayout, complete_files
 
     con = duckdb.connect(":memory:")
     stages: dict[str, list[tuple[str, list[Path]]]] = {}

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.errors import NotFound
+from schemas.tables import TABLES
+from storage import RunLayout, scan
 
 
 def diff_frames(a: pl.DataFrame, b: pl.DataFrame, keys: list[str]) -> tuple[pl.DataFrame, dict[str, int]]:
@@ -43,9 +45,6 @@ def _cell(v) -> str:
 
 
 def diff_runs(run_a: str, run_b: str, stage: str, iteration: int | None, root: str, limit: int = 20) -> dict:
-    from schemas.tables import TABLES
-    from storage import RunLayout, scan
-
     for run in (run_a, run_b):
         if not RunLayout(Path(root), run).config_path.exists():
             raise NotFound(f"run {run!r} not found under {root}")

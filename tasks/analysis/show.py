@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.errors import NotFound
+from storage import RunLayout, read_manifest, scan, verified_parts
 from tasks.analysis.query import warn_strays
 
 # (train_metrics column, short header) for the 80-column view.
@@ -56,7 +57,6 @@ def _order(stages: set[str]) -> list[str]:
 
 def stage_states(layout) -> dict[str, dict[int, tuple[str, float]]]:
     """stage → iteration → (complete | missing | superseded, wall seconds), each complete part verified."""
-    from storage import read_manifest, verified_parts
 
     superseded = superseded_stages(layout)
     out: dict[str, dict[int, tuple[str, float]]] = {}
@@ -119,8 +119,6 @@ def metrics_table(metrics, wide: bool, last: int = 5) -> Table | None:
 
 
 def eval_table(layout) -> Table:
-    from storage import read_manifest
-
     table = Table(title="eval (greedy pass@1, sampled pass@k, greedy mean reward; held-out prompts)")
     for col in ("iteration", "accuracy", "pass@k", "reward", "length", "prompts", "seconds"):
         table.add_column(col, justify="right")
@@ -142,8 +140,6 @@ def eval_table(layout) -> Table:
 
 
 def show_run(run_id: str, root: str, console: Console, wide: bool = False) -> None:
-    from storage import RunLayout, scan
-
     layout = RunLayout(Path(root), run_id)
     if not layout.run_dir.is_dir():
         raise NotFound(f"run {run_id!r} not found under {root}")

@@ -28,7 +28,9 @@ def all_problems(max_operand: int, operations: str, pad: bool = False) -> list[t
     ]
 
 
-def make_splits(max_operand: int, operations: str, n_eval: int, seed: int, pad: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
+def make_splits(
+    max_operand: int, operations: str, n_eval: int, seed: int, pad: bool = False
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     problems = all_problems(max_operand, operations, pad)
     if n_eval >= len(problems):
         raise ValueError(f"task.n_eval ({n_eval}) must be below the {len(problems)} distinct problems")

@@ -36,11 +36,15 @@ def problems(min_operand: int, max_operand: int, operations: str) -> list[tuple[
     return out
 
 
-def make_files(min_operand: int, max_operand: int, operations: str, n_train: int | None, n_eval: int, seed: int,
-               sft_demos: int) -> dict[str, pl.DataFrame]:
+def make_files(
+    min_operand: int, max_operand: int, operations: str, n_train: int | None, n_eval: int, seed: int, sft_demos: int
+) -> dict[str, pl.DataFrame]:
     """train and eval prompt files (prompt_id, prompt: chat messages, answer, operation) and sft demonstrations."""
-    rows = [(a, op, b, ans, text.format(a=a, b=b)) for a, op, b, ans in problems(min_operand, max_operand, operations)
-            for text in PHRASINGS[op]]
+    rows = [
+        (a, op, b, ans, text.format(a=a, b=b))
+        for a, op, b, ans in problems(min_operand, max_operand, operations)
+        for text in PHRASINGS[op]
+    ]
     if n_eval >= len(rows):
         raise ValueError(f"task.n_eval ({n_eval}) must be below the {len(rows)} distinct prompts")
     rnd = random.Random(seed)
@@ -48,14 +52,18 @@ def make_files(min_operand: int, max_operand: int, operations: str, n_train: int
     held_out, train = rows[:n_eval], rows[n_eval:][: n_train or None]
 
     def frame(part, prefix):
-        return pl.DataFrame({
-            "prompt_id": [f"{prefix}-{i:06d}" for i in range(len(part))],
-            "prompt": [[{"role": "user", "content": text}] for *_, text in part],
-            "answer": [str(ans) for _, _, _, ans, _ in part],
-            "operation": [op for _, op, _, _, _ in part],
-        }, schema={"prompt_id": pl.Utf8, "prompt": MESSAGES, "answer": pl.Utf8, "operation": pl.Utf8})
+        return pl.DataFrame(
+            {
+                "prompt_id": [f"{prefix}-{i:06d}" for i in range(len(part))],
+                "prompt": [[{"role": "user", "content": text}] for *_, text in part],
+                "answer": [str(ans) for _, _, _, ans, _ in part],
+                "operation": [op for _, op, _, _, _ in part],
+            },
+            schema={"prompt_id": pl.Utf8, "prompt": MESSAGES, "answer": pl.Utf8, "operation": pl.Utf8},
+        )
 
     picked = random.Random(seed + 1).choices(train, k=sft_demos)
     sft = frame(picked, "demo").with_columns(
-        pl.Series("response", [f"{a} {SYMBOL[op]} {b} = {ans}" for a, op, b, ans, _ in picked], dtype=pl.Utf8))
+        pl.Series("response", [f"{a} {SYMBOL[op]} {b} = {ans}" for a, op, b, ans, _ in picked], dtype=pl.Utf8)
+    )
     return {"train": frame(train, "train"), "eval": frame(held_out, "eval"), "sft": sft.drop("answer", "operation")}

@@ -39,14 +39,18 @@ def arithmetic_files(task) -> dict[str, pl.DataFrame]:
 def long_addition_files(task) -> dict[str, pl.DataFrame]:
     from tasks.data.long_addition import make_files
 
-    return make_files(task.digits, task.n_train, task.n_eval, task.seed, task.sft_demos, task.teacher_flaw, task.teacher_flaw_rate)
+    return make_files(
+        task.digits, task.n_train, task.n_eval, task.seed, task.sft_demos, task.teacher_flaw, task.teacher_flaw_rate
+    )
 
 
 @EXAMPLE_TASKS.register("chat_arithmetic")
 def chat_arithmetic_files(task) -> dict[str, pl.DataFrame]:
     from tasks.data.chat_arithmetic import make_files
 
-    return make_files(task.min_operand, task.max_operand, task.operations, task.n_train, task.n_eval, task.seed, task.sft_demos)
+    return make_files(
+        task.min_operand, task.max_operand, task.operations, task.n_train, task.n_eval, task.seed, task.sft_demos
+    )
 
 
 def task_paths(task) -> dict[str, Path]:
@@ -65,8 +69,10 @@ def ensure_task_files(task) -> dict[str, Path]:
         except ValueError:
             pass
     elif out.exists() and any(out.iterdir()):
-        raise TaskFilesError(f"task.out_dir {out} holds files rlpipe did not write; choose an empty or new folder "
-                             "(rlpipe never writes into a folder of your data)")
+        raise TaskFilesError(
+            f"task.out_dir {out} holds files rlpipe did not write; choose an empty or new folder "
+            "(rlpipe never writes into a folder of your data)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)  # a half-written set is never taken for a complete one
     for name, frame in EXAMPLE_TASKS.get(task.name)(task).items():

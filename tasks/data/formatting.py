@@ -31,7 +31,9 @@ def load_tokenizer(path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises OSError, ValueError or its own types for a missing tokenizer
-        raise FormattingError(f"model folder {path} has no usable tokenizer: {str(exc).splitlines()[0][:200]}") from None
+        raise FormattingError(
+            f"model folder {path} has no usable tokenizer: {str(exc).splitlines()[0][:200]}"
+        ) from None
 
 
 def pad_id(tokenizer) -> int:
@@ -75,8 +77,10 @@ class PromptFormatter:
         if self.chat:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), messages
         if not isinstance(prompt, str):
-            raise FormattingError("a prompt given as chat messages needs a chat template, and "
-                                  + ("the tokenizer has none" if self.cfg.chat_template == "auto" else "prompt.chat_template is never"))
+            raise FormattingError(
+                "a prompt given as chat messages needs a chat template, and "
+                + ("the tokenizer has none" if self.cfg.chat_template == "auto" else "prompt.chat_template is never")
+            )
         return self.cfg.template.format(prompt=prompt, system=self.cfg.system_prompt or ""), messages
 
     def token_ids(self, texts: list[str]) -> list[list[int]]:

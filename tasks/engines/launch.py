@@ -3,6 +3,7 @@
 A worker is `python -m tasks.engines.workers.<name> REQUEST.json`; it writes its result JSON next to the request.
 Workers get SIGKILL when their parent dies (PR_SET_PDEATHSIG), so an interrupted run leaves no orphan engine
 holding memory. Their chatty logs go to a file; a failure is re-raised as one line plus the log's path.
+Imports: The data-parallel helpers are imported where a rank group is launched: this module is imported by every stage.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from schemas.errors import UserError
+from schemas.requests import from_wire, to_wire
 
 PROGRESS_PREFIX = "progress:"  # a worker line the client echoes to the terminal (tasks/engines/workers/training.py)
 
@@ -27,7 +31,6 @@ class WorkerError(UserError, RuntimeError):
 
 def peak_rss_gib() -> float:
     """This process's peak resident memory so far, in GiB (what an engine reports of itself)."""
-    import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
@@ -90,7 +93,6 @@ def multi_node_launch(cmd: list[str], hostfile: str, ranks: int, env: dict) -> t
     WORLD_SIZE, MASTER_ADDR/PORT set). Rank 0 runs on the hostfile's first host, which must be this machine (it owns
     the local socket). The extra environment travels in a private file named by DS_ENV_FILE, which the launcher
     exports to every host; the repository (and storage_root) must be at the same path on every host."""
-    import tempfile
 
     from tasks.engines.workers.data_parallel import free_port
 
@@ -217,7 +219,6 @@ def run_worker(
     """Run the worker module (a path from tasks.engines.workers) on `request` (a schemas.requests dataclass) as `ranks`
     data-parallel processes; return the JSON rank 0 wrote, or raise WorkerError. Its `progress:` lines are shown in
     the terminal as they come."""
-    from schemas.requests import to_wire
 
     name = module.rsplit(".", 1)[-1]
     scratch.mkdir(parents=True, exist_ok=True)
@@ -258,7 +259,6 @@ def follow_progress(log: Path, procs: list[subprocess.Popen], poll: float = 1.0)
 
 def worker_main(handler) -> None:
     """Entry point body for a worker module: read the typed request, call handler, write the response."""
-    from schemas.requests import from_wire
 
     payload = json.loads(Path(sys.argv[1]).read_text())
     response = handler(from_wire(payload["request"]))

@@ -8,13 +8,16 @@ kills every process that carries the mark and removes the command's Unix sockets
 parent-death signal (PR_SET_PDEATHSIG) wakes it at once; it also polls.
 
     python -m tasks.engines.reaper OWNER_PID
+Imports: psutil is imported inside the reaper's own process and the sweep: the CLI imports this module at every start.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -90,7 +93,6 @@ def sweep(owner: int) -> int:
 
 def start_reaper() -> None:
     """Mark this process's environment and start its reaper (once per process)."""
-    import subprocess
 
     from tasks.engines.launch import worker_env
 
@@ -110,8 +112,6 @@ def start_reaper() -> None:
 
 
 def _wait_for(owner: int) -> None:
-    import ctypes
-
     import psutil
 
     try:

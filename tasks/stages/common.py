@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from schemas.config import RunConfig, build_config
 from schemas.errors import NotFound
 from schemas.requests import LoraSettings, ScoreRequest
-from storage import RunLayout, StageOutput, find_complete, fingerprint, write_stage
+from storage import RunLayout, StageOutput, find_complete, fingerprint, read_manifest, write_stage
 from tasks.engines.launch import run_worker
 from tasks.engines.workers import SCORE_WORKER
 from tasks.stages.spec import SectionView, StageSpec
@@ -113,8 +114,6 @@ def upstream_part_fingerprints(root: str, run_id: str, stage: str, iteration: in
 
 
 def _complete_manifest(root: str, run_id: str, stage: str, iteration: int) -> dict:
-    from storage import read_manifest
-
     manifest = read_manifest(RunLayout(Path(root), run_id), stage, iteration)
     if manifest is None:
         raise NotFound(f"run {run_id!r} has no complete {stage} for iteration {iteration}")
@@ -130,7 +129,6 @@ def export_checkpoint(checkpoint: Path, dest: str | Path, merge: bool = True) ->
     """Copy a committed checkpoint to a model folder (what `model.path` or vLLM loads), without the optimizer state;
     an existing folder is replaced. An adapter checkpoint (LoRA) is merged into its base
     model's weights (a plain Hugging Face folder that needs no peft), unless `merge` is False (the PEFT folder)."""
-    import shutil
 
     from tasks.engines.workers.lora import is_adapter, merge_into_folder
 

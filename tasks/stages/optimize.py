@@ -7,6 +7,7 @@ Reads `rollouts`, `logprobs`, `advantages`, `scores` and `batch` of the iteratio
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import polars as pl
@@ -25,7 +26,6 @@ from tasks.stages.common import (
     run_stage,
     scratch_file,
     stage_task,
-    upstream_fingerprint,
 )
 from tasks.stages.kl_control import kl_beta
 from tasks.stages.logprobs import kept_rollouts
@@ -79,7 +79,6 @@ def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> CriticRequest 
 def prune_optimizer_states(layout, iteration: int, keep: int | None) -> None:
     """Remove the DeepSpeed optimizer state of the checkpoints before the last `keep` (engines.keep_optimizer_states,
     ≥ 2: a crash before this update's manifest resumes from checkpoint k − 1, which must keep its state)."""
-    import shutil
 
     if keep is None:
         return
@@ -215,16 +214,6 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
     )
 
 
-def recompute(root: str, run_id: str, iteration: int) -> StageOutput:
-    return optimize_task.fn(
-        root,
-        run_id,
-        iteration,
-        upstream_fingerprint(root, run_id, "advantages", iteration),
-        upstream_fingerprint(root, run_id, "logprobs", iteration),
-    )
-
-
 # The update: its table is train_metrics, its other output the checkpoint (whose manifest is train_metrics').
 SPEC = StageSpec(
     "train_metrics",
@@ -233,5 +222,6 @@ SPEC = StageSpec(
     scope="iteration",
     also_writes=("checkpoints",),
     aliases=("optimize",),
-    recompute=recompute,
+    task=optimize_task,
+    rerunnable=True,
 )

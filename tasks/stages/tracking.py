@@ -10,6 +10,7 @@ the tools users watch curves in. The Parquet tables stay the record; nothing her
 Resumable: `tracking.json` in the run folder holds the MLflow run's id and what is logged. A resumed run continues the
 same MLflow run and logs only the iterations not yet logged; TensorBoard's `purge_step` hides anything a crash left
 between writing a step and recording it.
+Imports: MLflow (1.2 s) and TensorBoard are imported only when a run tracks with them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 from storage import RunLayout, read_manifest, read_stage
+from storage.stage_io import write_bytes_atomic
 from tasks.stages.common import load_run, stage_task
 
 
@@ -100,8 +103,6 @@ def _mlflow_run(client, state: dict, layout: RunLayout, config: dict) -> str:
 
 
 def _log_mlflow(client, run_id: str, steps: list[tuple[int, dict[str, float]]]) -> None:
-    import time
-
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
@@ -144,6 +145,4 @@ def track_task(storage_root: str, run_id: str, summary: dict | None = None) -> N
 
 
 def _write_state(path: Path, state: dict) -> None:
-    from storage.stage_io import write_bytes_atomic
-
     write_bytes_atomic(path, json.dumps(state, indent=1).encode())

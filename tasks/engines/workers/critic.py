@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -33,7 +35,6 @@ class ValueModel(torch.nn.Module):
 
     def save_pretrained(self, out_dir: str, state_dict: dict | None = None, **kwargs) -> None:
         """`state_dict`: the whole model's weights when they do not live in its parameters (ZeRO-3 gathers them)."""
-        from safetensors.torch import save_file
 
         def part(prefix: str) -> dict | None:
             return (
@@ -49,8 +50,6 @@ class ValueModel(torch.nn.Module):
 
 def load_critic(path: str, fresh: bool, dtype: str = "float32") -> ValueModel:
     """From a policy checkpoint (`fresh`: its backbone, a zeroed head) or from a critic checkpoint."""
-    from safetensors.torch import load_file
-    from transformers import AutoModel
 
     backbone = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))
     backbone.config.use_cache = False

@@ -10,6 +10,8 @@ Why dummy micro-steps: DeepSpeed reduces gradients inside backward (ZeRO 1/2) an
 weights inside forward, so every rank must run as many forward/backward passes as the others. A rank with fewer
 rows runs a zero-weighted pass on a real row instead of skipping.
 No Prefect import: this runs in the worker processes.
+Imports: torch.distributed and DeepSpeed are imported inside functions: the Prefect process imports this module (rank
+environments) and never DeepSpeed (2.6 s).
 """
 
 from __future__ import annotations

@@ -12,12 +12,28 @@ from __future__ import annotations
 import math
 import time
 
+import deepspeed
+import polars as pl
+import torch
+from transformers import AutoTokenizer
+
 from schemas.requests import CriticRequest, EngineSettings, LoraSettings, SFTRequest, UpdateRequest
 from storage.crash import crash_point
+from tasks.algos.losses import ClipSettings, MinibatchNorm, PolicyLossSettings, policy_loss, tis_weights, value_loss
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import peak_rss_gib, worker_main
 from tasks.engines.workers import data_parallel
+from tasks.engines.workers.critic import load_critic, token_values
 from tasks.engines.workers.lora import adapter_stats, is_peft, load_causal_lm
+from tasks.engines.workers.token_batch import (
+    align,
+    align_responses,
+    count_into,
+    groups_of,
+    pack,
+    pack_shared,
+    response_logprobs,
+)
 from tasks.engines.workers.training import (
     Progress,
     accumulation_steps,
@@ -37,9 +53,6 @@ def load_policy(path: str, lora: LoraSettings | None = None):
 
 def _sft(request: SFTRequest, model, tokenizer):
     """Token-mean NLL of the response tokens over each whole batch, accumulated over micro-batches."""
-    import polars as pl
-
-    from tasks.engines.workers.token_batch import pack_shared, response_logprobs
 
     data = pl.read_parquet(request.data_path)
     prompts, responses = data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list()
@@ -66,8 +79,6 @@ def _sft(request: SFTRequest, model, tokenizer):
 
 
 def _policy_settings(request: UpdateRequest):
-    from tasks.algos.losses import ClipSettings, PolicyLossSettings
-
     loss = request.loss
     return PolicyLossSettings(
         objective=loss.objective,
@@ -84,19 +95,12 @@ class _Ptx:
     """PPO-ptx: a batch of SFT demonstrations per optimizer step, γ_ptx · token-mean NLL."""
 
     def __init__(self, request: UpdateRequest, tokenizer):
-        import polars as pl
-        import torch
-
         data = pl.read_parquet(request.ptx.data_path)
         self.prompts, self.responses = data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list()
         self.coef, self.batch, self.pad = request.ptx.coef, request.ptx.batch, pad_id(tokenizer)
         self.gen = torch.Generator().manual_seed(request.seed)
 
     def loss(self, engine):
-        import torch
-
-        from tasks.engines.workers.token_batch import pack_shared, response_logprobs
-
         idx = torch.randint(len(self.prompts), (self.batch,), generator=self.gen).tolist()
         packed = pack_shared([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.pad)
         logp, _ = response_logprobs(engine, packed, with_entropy=False)  # (B, R)
@@ -138,7 +142,6 @@ class _Update:
 
     def norm(self, minibatch: list[int]):
         """The minibatch's normalizers, before it is split: accumulation never changes the loss."""
-        from tasks.algos.losses import MinibatchNorm
 
         return MinibatchNorm(
             tokens=float(sum(len(self.responses[i]) * self.loss_mask[i] for i in minibatch)),
@@ -150,10 +153,6 @@ class _Update:
         """Forward and backward of one micro-batch, its loss × `scale` (data_parallel.micro_steps: the world size, or 0
         for a dummy step, whose sums are left out). The micro-batch is packed with shared prompts
         (token_batch.pack_shared): every tensor below is on its (B, R) response grid."""
-        import torch
-
-        from tasks.algos.losses import policy_loss, tis_weights
-        from tasks.engines.workers.token_batch import align_responses, count_into, pack_shared, response_logprobs
 
         add = self.add if scale else (lambda key, value: None)
         batch = pack_shared([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.pad)
@@ -209,10 +208,6 @@ class _Update:
 def _rl(request: UpdateRequest, tokenizer, cache=None):
     """ppo_epochs × minibatches optimizer steps; each minibatch is split into micro-batches whose losses use the
     minibatch's normalizers, so the accumulated gradient equals the minibatch's."""
-    import polars as pl
-    import torch
-
-    from tasks.engines.workers.token_batch import groups_of
 
     data = pl.read_parquet(request.data_path)
     update = _Update(request, tokenizer, data)
@@ -298,11 +293,6 @@ class _Critic:
     def micro_step(self, update: _Update, idx, norm, last, scale: float = 1.0) -> dict:
         """The value loss of the policy's micro-batch, on the padded layout (values are per position, not per
         prediction)."""
-        import torch
-
-        from tasks.algos.losses import value_loss
-        from tasks.engines.workers.critic import token_values
-        from tasks.engines.workers.token_batch import align, pack
 
         p = [update.prompts[i] for i in idx]
         ids, attn, mask = pack(p, [update.responses[i] for i in idx], update.pad)
@@ -332,8 +322,6 @@ def critic_settings(c: CriticRequest, policy: EngineSettings) -> EngineSettings:
 
 
 def _critic_engine(c: CriticRequest, policy: EngineSettings, gas: int, data, cache=None):
-    from tasks.engines.workers.critic import load_critic
-
     engine, optimizer = _kept_or_new_engine(
         cache, "critic", c.path, c.resume_state, critic_settings(c, policy), gas, lambda: load_critic(c.path, c.fresh)
     )
@@ -343,9 +331,6 @@ def _critic_engine(c: CriticRequest, policy: EngineSettings, gas: int, data, cac
 def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
     """One request. `cache` (an EngineCache) is given by the resident trainer (tasks/engines/workers/trainer_server.py):
     RL updates then reuse the engines the previous update left, when they hold exactly the requested state."""
-    import deepspeed
-    import torch
-    from transformers import AutoTokenizer
 
     torch.manual_seed(request.seed)
     t0 = time.time()

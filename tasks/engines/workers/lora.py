@@ -5,6 +5,8 @@ base model, which never changes during a run) and `adapter_model.safetensors`, p
 the folder identifies itself as a model like any other checkpoint), the tokenizer and the sync probe. vLLM loads the
 adapter on top of the base model it started with; transformers loads it through `load_causal_lm`.
 No Prefect import: this runs in the worker processes (and in `rlpipe export --merge`).
+Imports: peft (4.5 s of imports) and transformers are imported inside functions: the stages import this module for its
+config checks and descriptions.
 """
 
 from __future__ import annotations

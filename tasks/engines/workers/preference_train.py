@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import time
 
+import deepspeed
+import polars as pl
+import torch
+from transformers import AutoTokenizer
+
 from schemas.requests import PreferenceTrainRequest
+from tasks.algos.preference_losses import chosen_nll, dpo_loss, kwise_bradley_terry, pairwise_accuracy
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
 from tasks.engines.workers import data_parallel
+from tasks.engines.workers.deepspeed_train import load_policy
 from tasks.engines.workers.sequence_scores import reward_model, rm_scores, sequence_logps
 from tasks.engines.workers.training import (
     Progress,
@@ -43,7 +50,6 @@ def _engine(model, request: PreferenceTrainRequest):
 
 def _ranking_scores(flat, ranks: list[list[int]], idx: list[int]):
     """(B, K) scores, ranks and validity of rankings of different K, padded, from the flat (sum of K,) scores."""
-    import torch
 
     width = max(len(ranks[i]) for i in idx)
     scores = torch.zeros(len(idx), width)
@@ -60,10 +66,6 @@ def _ranking_scores(flat, ranks: list[list[int]], idx: list[int]):
 
 
 def _rm_train(request: PreferenceTrainRequest, tokenizer):
-    import polars as pl
-
-    from tasks.algos.preference_losses import kwise_bradley_terry, pairwise_accuracy
-
     data = pl.read_parquet(request.data_path)
     seqs = [
         ([p] * len(rs), rs) for p, rs in zip(data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list())
@@ -99,12 +101,6 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
 
 
 def _dpo_train(request: PreferenceTrainRequest, tokenizer):
-    import polars as pl
-    import torch
-
-    from tasks.algos.preference_losses import chosen_nll, dpo_loss
-    from tasks.engines.workers.deepspeed_train import load_policy
-
     data = pl.read_parquet(request.data_path)
     prompts, rc, rr = (
         data["prompt_token_ids"].to_list(),
@@ -147,10 +143,6 @@ def _dpo_train(request: PreferenceTrainRequest, tokenizer):
 
 
 def handle(request: PreferenceTrainRequest) -> dict:
-    import deepspeed
-    import torch
-    from transformers import AutoTokenizer
-
     torch.manual_seed(request.seed)
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)

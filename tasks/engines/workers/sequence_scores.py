@@ -9,9 +9,18 @@ No Prefect import: this runs in its own process.
 
 from __future__ import annotations
 
+import time
+
+import polars as pl
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
 from schemas.requests import ScoreRequest
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import worker_main
+from tasks.engines.workers.data_parallel import map_in_order
+from tasks.engines.workers.token_batch import chunks, group_order, pack, pack_shared, response_logprobs
+from tasks.engines.workers.torch_logprobs import load_lm
 
 
 def rm_pad_id(tokenizer, vocab_size: int) -> int:
@@ -26,8 +35,6 @@ def rm_pad_id(tokenizer, vocab_size: int) -> int:
 
 def reward_model(path: str, tokenizer):
     """A sequence-classification head with one label, read at the last non-pad token."""
-    import torch
-    from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = rm_pad_id(tokenizer, model.config.vocab_size)
@@ -40,7 +47,6 @@ def rm_scores(model, prompts: list[list[int]], responses: list[list[int]], pad: 
     A ranking's K responses share their prompt: on the shared-prefix layout (token_batch.pack_shared) the backbone
     computes it once and the head reads each response's last position. A model whose classification head is not its
     `score` layer (transformers' name for decoder-only models) is run on the padded layout instead."""
-    from tasks.engines.workers.token_batch import pack, pack_shared
 
     module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     head = getattr(module, "score", None)
@@ -57,7 +63,6 @@ def rm_scores(model, prompts: list[list[int]], responses: list[list[int]], pad: 
 def sequence_logps(model, prompts: list[list[int]], responses: list[list[int]], pad: int):
     """(N,) sum of log π over each response's tokens (EOS included), on the shared-prefix layout: a pair's chosen and
     rejected responses, given together, share one pass over their prompt (token_batch.pack_shared)."""
-    from tasks.engines.workers.token_batch import pack_shared, response_logprobs
 
     batch = pack_shared(prompts, responses, pad)
     logp, _ = response_logprobs(model, batch, with_entropy=False)  # (N, R)
@@ -65,12 +70,6 @@ def sequence_logps(model, prompts: list[list[int]], responses: list[list[int]], 
 
 
 def _rm_score(request: ScoreRequest, tokenizer) -> None:
-    import polars as pl
-    import torch
-
-    from tasks.engines.workers.data_parallel import map_in_order
-    from tasks.engines.workers.token_batch import chunks, group_order
-
     data = pl.read_parquet(request.data_path)
     model = reward_model(request.model_path, tokenizer).eval()
     prompts, responses = data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list()
@@ -90,13 +89,6 @@ def _rm_score(request: ScoreRequest, tokenizer) -> None:
 
 
 def _seq_logprobs(request: ScoreRequest, tokenizer) -> None:
-    import polars as pl
-    import torch
-
-    from tasks.engines.workers.data_parallel import map_in_order
-    from tasks.engines.workers.token_batch import chunks
-    from tasks.engines.workers.torch_logprobs import load_lm
-
     data = pl.read_parquet(request.data_path)
     model = load_lm(request.model_path, "float32")
     prompts, chosen, rejected = (
@@ -123,11 +115,6 @@ def _seq_logprobs(request: ScoreRequest, tokenizer) -> None:
 
 
 def handle(request: ScoreRequest) -> dict:
-    import time
-
-    import torch
-    from transformers import AutoTokenizer
-
     torch.manual_seed(0)
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)

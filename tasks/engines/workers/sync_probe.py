@@ -4,6 +4,7 @@ before, silently).
 
 `sync_probe.json` = {"token_ids": [[...], ...], "logprobs": [[...], ...]}: logprobs[i][t] is
 log π(token_ids[i][t+1] | token_ids[i][:t+1]). No Prefect import: the trainer and vLLM workers load this.
+Imports: torch is imported inside the functions that compute: the vLLM client reads probes in the Prefect process.
 """
 
 from __future__ import annotations

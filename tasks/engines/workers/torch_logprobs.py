@@ -10,23 +10,24 @@ import os
 import time
 from contextlib import contextmanager, nullcontext
 
+import polars as pl
+import torch
+
 from schemas.requests import LogprobsRequest
 from tasks.engines.launch import peak_rss_gib, worker_main
 from tasks.engines.workers import data_parallel
+from tasks.engines.workers.critic import load_critic, token_values
+from tasks.engines.workers.lora import base_path_of, load_causal_lm
+from tasks.engines.workers.token_batch import batched, batched_responses, eval_mode, unalign
 
 
 def _score(model, prompts, responses, pad_id, micro, with_entropy, totals):
-    from tasks.engines.workers.token_batch import batched_responses
-
     return batched_responses(
         model, prompts, responses, pad_id, micro, with_entropy, totals
     )  # each group's prompt computed once
 
 
 def _values(critic, prompts, responses, pad_id, micro):
-    from tasks.engines.workers.critic import token_values
-    from tasks.engines.workers.token_batch import batched, unalign
-
     return batched(
         lambda ids, attn, mask, plen, rlen: unalign(token_values(critic, ids, attn), plen, rlen),
         prompts,
@@ -39,7 +40,6 @@ def _values(critic, prompts, responses, pad_id, micro):
 def load_lm(path: str, dtype: str):
     """A causal LM for forward passes only (the reference, the starting policy): a model folder, or an adapter
     checkpoint on its base model."""
-    from tasks.engines.workers.lora import load_causal_lm
 
     return load_causal_lm(path, dtype).eval()
 
@@ -47,7 +47,6 @@ def load_lm(path: str, dtype: str):
 @contextmanager
 def scoring(model, adapter_off: bool):
     """The model in eval mode, with its LoRA adapter switched off when `adapter_off` (then it is its base model)."""
-    from tasks.engines.workers.token_batch import eval_mode
 
     with eval_mode(model), model.disable_adapter() if adapter_off else nullcontext():
         yield model
@@ -56,12 +55,6 @@ def scoring(model, adapter_off: bool):
 def handle(request: LogprobsRequest, cache=None) -> dict:
     """One request. With `cache` (the resident trainer's EngineCache), the policy and critic come from the engines
     that wrote their checkpoints and the reference is loaded once, so no weights are read from disk in steady state."""
-    import polars as pl
-    import torch
-
-    from tasks.engines.workers.critic import load_critic
-    from tasks.engines.workers.lora import base_path_of
-    from tasks.engines.workers.token_batch import eval_mode
 
     torch.manual_seed(0)
     samples = pl.read_parquet(request.samples_path)

@@ -5,11 +5,15 @@ Started by tasks/engines/trainer_client.py as `python -m tasks.engines.workers.t
 A message is {"request": a LogprobsRequest or UpdateRequest on the wire (schemas/requests.py)}, the same requests the
 one-shot workers (torch_logprobs, deepspeed_train) take; inputs and outputs stay Parquet and checkpoints on disk. What
 it reuses, and when, is tasks/engines/workers/engine_cache.py: only state that provably equals the requested checkpoint.
-No Prefect import: this runs in its own process."""
+No Prefect import: this runs in its own process.
+Imports: The DeepSpeed trainer (DeepSpeed alone is 2.6 s of imports) is imported when the first request needs it, which
+overlaps the import with the command's own start-up."""
 
 from __future__ import annotations
 
 import time
+
+from schemas.requests import LogprobsRequest, UpdateRequest, from_wire
 
 
 def make_answer(warm_start):
@@ -17,7 +21,6 @@ def make_answer(warm_start):
     import deepspeed  # noqa: F401  (the imports are paid once, here)
     import torch  # noqa: F401
 
-    from schemas.requests import LogprobsRequest, UpdateRequest, from_wire
     from tasks.engines.workers import data_parallel, deepspeed_train, torch_logprobs
     from tasks.engines.workers.engine_cache import EngineCache
 

@@ -6,6 +6,8 @@ Parquet (prompt_id,
 prompt_token_ids) and writes Parquet with one row per sample: prompt_id, sample_idx, token_ids (EOS
 included when it stopped), text, sampler_logprobs, finish_reason, truncated, length.
 No Prefect import: this runs in its own process.
+Imports: vLLM (3.5 s of imports) is imported inside functions: a held server imports it while the command checks its
+input, and the settings set its environment (threads, KV-cache space) before it is imported.
 """
 
 from __future__ import annotations
