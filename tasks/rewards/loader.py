@@ -60,6 +60,7 @@ class FunctionSpec:
     function: str | None = None
     batched: bool = False
     kwargs: dict = field(default_factory=dict)
+    kind: str = "reward function"  # what the one-line errors call it: tools and environments load the same way
 
     @property
     def where(self) -> str:
@@ -85,7 +86,7 @@ def _module_from_file(spec: FunctionSpec):
     try:
         stat = path.stat()
     except OSError:
-        raise RewardLoadError(f"reward function {spec.name!r}: file not found: {spec.path}") from None
+        raise RewardLoadError(f"{spec.kind} {spec.name!r}: file not found: {spec.path}") from None
     key = (str(path), stat.st_mtime_ns, stat.st_size)  # an edited file is loaded again
     if key in _MODULES:
         return _MODULES[key]
@@ -95,13 +96,13 @@ def _module_from_file(spec: FunctionSpec):
     name = f"rlpipe_rewards_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     loader_spec = importlib.util.spec_from_file_location(name, path)
     if loader_spec is None or loader_spec.loader is None:
-        raise RewardLoadError(f"reward function {spec.name!r}: {spec.path} is not a Python file")
+        raise RewardLoadError(f"{spec.kind} {spec.name!r}: {spec.path} is not a Python file")
     module = importlib.util.module_from_spec(loader_spec)
     try:
         loader_spec.loader.exec_module(module)
     except Exception as exc:  # the user's module: any error it raises on import
         raise RewardLoadError(
-            f"reward function {spec.name!r}: importing {spec.path} failed: {_describe(exc, spec.path)}"
+            f"{spec.kind} {spec.name!r}: importing {spec.path} failed: {_describe(exc, spec.path)}"
         ) from None
     _MODULES[key] = module
     return module
@@ -130,14 +131,14 @@ def load_function(spec: FunctionSpec) -> Callable:
             module = importlib.import_module(spec.module)
         except Exception as exc:  # ModuleNotFoundError, or the module's own import-time error
             raise RewardLoadError(
-                f"reward function {spec.name!r}: importing module {spec.module} failed: {_describe(exc)}"
+                f"{spec.kind} {spec.name!r}: importing module {spec.module} failed: {_describe(exc)}"
             ) from None
     attr = spec.function or spec.name
     fn = getattr(module, attr, None)
     if not callable(fn):
         defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
         raise RewardLoadError(
-            f"reward function {spec.name!r}: {spec.path or spec.module} has no function {attr!r} "
+            f"{spec.kind} {spec.name!r}: {spec.path or spec.module} has no function {attr!r} "
             f"(it defines: {', '.join(defined) or 'none'})"
         )
     return fn

@@ -1,0 +1,278 @@
+"""The building blocks of multi-turn rollouts (tasks/agents/): the user's tools and their schemas, contained calls,
+tool calls parsed per format, environments whose failures end one episode, and the ids a turn adds (token in, token
+out, checked against the chat template's rendering of the whole conversation)."""
+
+import json
+import textwrap
+
+import polars as pl
+import pytest
+
+from tasks.agents.environments import load_environment, reset, step
+from tasks.agents.tool_calls import TOOL_CALL_PARSERS, ToolCall, parse_tool_calls
+from tasks.agents.tools import ToolLoadError, call_tool, load_tools
+from tasks.agents.turn_tokens import TemplateError, observation_ids, prompt_ids, render_ids
+from tasks.rewards.loader import FunctionSpec
+
+TOOLS = '''
+import time
+
+
+def add(a: int, b: int) -> str:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return str(a + b)
+
+
+def broken(x: int) -> str:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise ValueError("no luck")
+
+
+def slow(x: int) -> str:
+    """Never answers in time.
+
+    Args:
+        x: Anything.
+    """
+    time.sleep(5)
+    return "late"
+
+
+def number(x: int) -> int:
+    """Returns a number, not text.
+
+    Args:
+        x: Anything.
+    """
+    return x
+
+
+def undocumented(x):
+    return "x"
+'''
+
+
+@pytest.fixture
+def tool_file(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text(TOOLS)
+    return str(path)
+
+
+def test_a_tools_schema_comes_from_its_signature_and_docstring_under_its_configured_name(tool_file):
+    tools = load_tools([FunctionSpec("calculator", path=tool_file, function="add")])
+    assert tools["calculator"].schema == {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "description": "The first number."},
+                    "b": {"type": "integer", "description": "The second number."},
+                },
+                "required": ["a", "b"],
+            },
+            "return": {"type": "string"},
+        },
+    }
+    with pytest.raises(ToolLoadError, match=r"^tool 'undocumented' \(.*tools.py:undocumented\): .*no docstring"):
+        load_tools([FunctionSpec("undocumented", path=tool_file)])
+    with pytest.raises(ToolLoadError, match="^tool 'nope': .*tools.py has no function 'nope'"):
+        load_tools([FunctionSpec("nope", path=tool_file)])
+    with pytest.raises(ToolLoadError, match="tool 'add' is listed twice"):
+        load_tools([FunctionSpec("add", path=tool_file), FunctionSpec("add", path=tool_file)])
+
+
+def test_a_tool_that_raises_hangs_returns_no_text_or_is_misnamed_becomes_an_error_observation(tool_file):
+    names = ("add", "broken", "slow", "number")
+    tools = load_tools([FunctionSpec(n, path=tool_file) for n in names])
+    ok = call_tool(tools, "add", {"a": 2, "b": 40}, timeout_s=2)
+    assert (ok.text, ok.error) == ("42", None)
+    cases = {
+        ("broken", '{"x": 1}'): "broken: ValueError: no luck",
+        ("slow", '{"x": 1}'): "slow: no result after 0.3s",
+        ("number", '{"x": 7}'): "number returned int '7', not a string",
+        ("add", '{"a": 1}'): "add: missing a required argument: 'b'",
+        ("add", '{"a": 1, "b": 2, "c": 3}'): "add: got an unexpected keyword argument 'c'",
+        ("sub", "{}"): "no tool named 'sub' (tools: add, broken, number, slow)",
+    }
+    for (name, args), error in cases.items():
+        out = call_tool(tools, name, json.loads(args), timeout_s=0.3)
+        assert out.error == error and out.text == f"error: {error}", (name, out)
+    assert call_tool(tools, "slow", {"x": 1}, timeout_s=0.3).seconds < 1.5  # it was stopped, not waited for
+
+
+def test_hermes_tool_calls_are_parsed_and_a_malformed_one_is_a_call_with_an_error():
+    text = (
+        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>'
+        "<tool_call>{name: add}</tool_call>"
+        '<tool_call>{"arguments": {}}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": {"a": 5,'  # cut off by the token limit
+    )
+    calls = parse_tool_calls(text, "hermes")
+    assert [(c.name, c.arguments) for c in calls[:2]] == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    assert [c.error for c in calls[:2]] == [None, None]
+    assert calls[2].error.startswith("the tool call is not JSON: Expecting property name")
+    assert calls[3].error == 'a tool call needs a "name" string'
+    assert calls[4] == ToolCall("add", error="add: arguments must be a JSON object", raw=calls[4].raw)
+    assert calls[5].error.startswith("the tool call is not JSON")
+    assert parse_tool_calls("The answer is 3.", "hermes") == []
+
+
+def test_json_tool_calls_in_llama_form():
+    calls = parse_tool_calls('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', "json")
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("add", {"a": 1, "b": 2}, None)]
+    two = parse_tool_calls('[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"x": 1}}]', "json")
+    assert [(c.name, c.arguments) for c in two] == [("a", {}), ("b", {"x": 1})]
+    assert parse_tool_calls("It is 3.", "json") == []
+    assert TOOL_CALL_PARSERS.names() == ["hermes", "json"]
+
+
+ENVIRONMENT = '''
+class GuessTheNumber:
+    """Higher/lower feedback until the model says the secret."""
+
+    def __init__(self, limit: int = 3):
+        self.limit, self.turns = limit, 0
+
+    def reset(self, row):
+        self.secret = row["secret"]
+        return [{"role": "user", "content": "Guess my number from 1 to 9."}]
+
+    def step(self, messages):
+        self.turns += 1
+        guess = int(messages[-1]["content"])
+        if guess == self.secret:
+            return [], 1.0, True
+        hint = "higher" if guess < self.secret else "lower"
+        return [{"role": "user", "content": hint}], None, self.turns >= self.limit
+
+
+class Broken:
+    def reset(self, row):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, messages):
+        if messages[-1]["content"] == "raise":
+            raise RuntimeError("the game crashed")
+        if messages[-1]["content"] == "hang":
+            while True:
+                pass
+        if messages[-1]["content"] == "nan":
+            return [], float("nan"), True
+        return [{"role": "assistant", "content": "I speak for the model"}], None, False
+'''
+
+
+def test_an_environment_plays_and_one_that_fails_ends_only_its_episode(tmp_path):
+    path = tmp_path / "env.py"
+    path.write_text(ENVIRONMENT)
+    env = load_environment(FunctionSpec("guess", path=str(path), function="GuessTheNumber"))(limit=3)
+    opening, error = reset(env, {"secret": 7}, timeout_s=1)
+    assert error is None and opening[0]["role"] == "user"
+    history = [*opening, {"role": "assistant", "content": "5"}]
+    first = step(env, history, timeout_s=1)
+    assert (first.messages, first.reward, first.done, first.error) == (
+        [{"role": "user", "content": "higher"}],
+        None,
+        False,
+        None,
+    )
+    last = step(env, [*history, *first.messages, {"role": "assistant", "content": "7"}], timeout_s=1)
+    assert (last.reward, last.done, last.error) == (1.0, True, None)
+
+    broken = load_environment(FunctionSpec("broken", path=str(path), function="Broken"))()
+    said = lambda text: [{"role": "user", "content": "go"}, {"role": "assistant", "content": text}]  # noqa: E731
+    expected = {
+        "raise": "step: RuntimeError: the game crashed",
+        "hang": "step: no result after 0.3s",
+        "nan": "step: TypeError: step returned reward nan: a finite number or None",
+        "speak": "step: TypeError: step returned a message {'role': 'assistant', 'content': 'I speak for the model'}: "
+        "needs a role of ('user', 'tool', 'system'), text content",
+    }
+    for text, error in expected.items():
+        out = step(broken, said(text), timeout_s=0.3)
+        assert (out.messages, out.reward, out.done, out.error) == ([], None, True, error), text
+
+
+@pytest.fixture(scope="module")
+def chatml_tokenizer(tmp_path_factory):
+    from tasks.data.model_recipe import bpe_tokenizer
+
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.parquet"
+    words = ["add", "the", "numbers", "result", "is", "tool_call", "name", "arguments", "higher", "lower", "guess"]
+    pl.DataFrame(
+        {"text": [" ".join(words[i:] + words[:i]) + ' 0123456789{}:",' for i in range(len(words))]}
+    ).write_parquet(corpus)
+    return bpe_tokenizer(300, [str(corpus)], "chatml")
+
+
+def test_three_turns_appended_token_by_token_read_as_the_template_writes_the_whole_conversation(chatml_tokenizer):
+    """The sampler's ids for each of the model's turns (ending with its end-of-turn token) and the observation ids
+    between them concatenate to exactly the template's rendering of the whole conversation."""
+    tok = chatml_tokenizer
+    messages = [{"role": "user", "content": "add 2 and 40"}]
+    turns = [
+        ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>', {"role": "tool", "content": "42"}),
+        ("guess 41", {"role": "user", "content": "higher"}),
+        ("the result is 42", None),
+    ]
+    trajectory = prompt_ids(tok, messages)
+    conversation = list(messages)
+    for said, answer in turns:
+        sampled = tok(said, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # as vLLM returns it
+        trajectory += sampled
+        conversation.append({"role": "assistant", "content": said})
+        if answer is not None:
+            trajectory += observation_ids(tok, [answer])
+            conversation.append(answer)
+    whole = render_ids(tok, conversation, None, generation_prompt=False)
+    assert trajectory == whole[: len(trajectory)] and tok.decode(whole[len(trajectory) :]) == "\n"  # only the glue
+    assert tok.decode(observation_ids(tok, [{"role": "tool", "content": "42"}])) == (
+        "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_a_template_that_rewrites_earlier_turns_cannot_be_appended_to(chatml_tokenizer):
+    tok = chatml_tokenizer
+    rewriting = "{% for m in messages %}{% if loop.last %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    original, tok.chat_template = tok.chat_template, rewriting
+    try:
+        with pytest.raises(TemplateError, match="renders a finished conversation differently"):
+            observation_ids(tok, [{"role": "user", "content": "higher"}])
+    finally:
+        tok.chat_template = original
+
+
+def test_tool_schemas_reach_a_template_that_renders_them(tool_file, chatml_tokenizer):
+    tok = chatml_tokenizer
+    schema = load_tools([FunctionSpec("add", path=tool_file)])["add"].schema
+    template = textwrap.dedent(
+        """\
+        {%- if tools %}<|im_start|>system
+        {% for t in tools %}{{ t['function']['name'] }}: {{ t['function']['description'] }}
+        {% endfor %}<|im_end|>
+        {% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}
+        {{ m['content'] }}<|im_end|>
+        {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+        {% endif %}"""
+    )
+    original, tok.chat_template = tok.chat_template, template
+    try:
+        text = tok.decode(prompt_ids(tok, [{"role": "user", "content": "add 1 and 2"}], [schema]))
+    finally:
+        tok.chat_template = original
+    assert text.startswith("<|im_start|>system\nadd: Add two integers.\n<|im_end|>")
