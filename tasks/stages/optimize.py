@@ -37,9 +37,9 @@ def training_frame(ctx: RunContext, iteration: int) -> pl.DataFrame:
     """What the trainer needs per sample. `loss_mask` is 0 for a truncated response under DAPO's overlong
     filtering (it stays in the batch, so its group's advantages are unchanged, but gives no gradient)."""
     keys = ["prompt_id", "sample_idx"]
-    rollouts = kept_rollouts(ctx, iteration).select(
-        *keys, "prompt_token_ids", "token_ids", "sampler_logprobs", "truncated"
-    )
+    rollouts = kept_rollouts(ctx, iteration)
+    actions = ["action_mask"] if "action_mask" in rollouts.columns else []  # multi-turn: the model's own tokens
+    rollouts = rollouts.select(*keys, "prompt_token_ids", "token_ids", "sampler_logprobs", "truncated", *actions)
     logprobs = read_stage(ctx.layout, "logprobs", iteration).select(*keys, "old_logprobs", "ref_logprobs", "values")
     adv = read_stage(ctx.layout, "advantages", iteration).select(*keys, "token_advantages", "returns")
     df = rollouts.join(logprobs, on=keys, validate="1:1").join(adv, on=keys, validate="1:1")

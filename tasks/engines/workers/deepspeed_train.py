@@ -132,6 +132,12 @@ class _Update:
         )
         self.lists = {c: data[c].to_list() for c in columns}
         self.loss_mask = data["loss_mask"].to_list()
+        # Multi-turn trajectories: 1 on the model's own tokens, 0 on tool results and environment messages, which are
+        # context the model read, never actions it took: they get no loss (absent for single-turn samples).
+        actions = data["action_mask"].to_list() if "action_mask" in data.columns else [None] * data.height
+        self.action_mask = [
+            [1.0] * len(r) if a is None else [float(x) for x in a] for a, r in zip(actions, self.responses)
+        ]
         self.settings = _policy_settings(request)
         self.totals: dict[str, float] = {}
         self.counts: dict[str, float] = {}  # what the forward passes computed (token_batch.count_into), summed
@@ -144,10 +150,15 @@ class _Update:
         """The minibatch's normalizers, before it is split: accumulation never changes the loss."""
 
         return MinibatchNorm(
-            tokens=float(sum(len(self.responses[i]) * self.loss_mask[i] for i in minibatch)),
-            sequences=float(sum(1 for i in minibatch if self.loss_mask[i] and self.responses[i])),
+            tokens=float(sum(sum(self.action_mask[i]) * self.loss_mask[i] for i in minibatch)),
+            sequences=float(sum(1 for i in minibatch if self.loss_mask[i] and any(self.action_mask[i]))),
             max_len=float(self.request.loss.max_tokens),
         )
+
+    def token_mask(self, idx: list[int], width: int):
+        """(B, width) on the response grid: 1 where a token gets loss (the model's own, in a sample not masked)."""
+        actions = align_responses([self.action_mask[i] for i in idx], width)
+        return actions * torch.tensor([float(self.loss_mask[i]) for i in idx]).unsqueeze(1)
 
     def micro_step(self, engine, idx: list[int], norm, extra_loss=None, scale: float = 1.0) -> None:
         """Forward and backward of one micro-batch, its loss × `scale` (data_parallel.micro_steps: the world size, or 0
@@ -159,7 +170,7 @@ class _Update:
         if scale:
             count_into(self.counts, engine, batch, "update")
         width = batch.shape[1]
-        mask = batch.mask * torch.tensor([float(self.loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, R)
+        mask = self.token_mask(idx, width)  # (B, R)
         old, ref, adv = (
             align_responses([self.lists[c][i] for i in idx], width)
             for c in ("old_logprobs", "ref_logprobs", "token_advantages")
@@ -296,8 +307,11 @@ class _Critic:
 
         p = [update.prompts[i] for i in idx]
         ids, attn, mask = pack(p, [update.responses[i] for i in idx], update.pad)
-        mask = mask * torch.tensor([float(update.loss_mask[i]) for i in idx]).unsqueeze(1)  # (B, L−1)
         plen, width = [len(x) for x in p], mask.shape[1]
+        # The model's own tokens of the samples not masked (_Update.token_mask, on this padded layout)
+        mask = align([update.action_mask[i] for i in idx], plen, width) * torch.tensor(
+            [float(update.loss_mask[i]) for i in idx]
+        ).unsqueeze(1)  # (B, L−1)
         old = align([self.old_values[i] for i in idx], plen, width)
         ret = align([self.returns[i] for i in idx], plen, width)
         values = token_values(self.engine, ids, attn)
