@@ -279,6 +279,11 @@ REWARD_ARGUMENTS = (
     "length",
     "max_tokens",
     "prompt_id",
+    # multi-turn rollouts (the agent section); None, or 0, for a single turn
+    "turns",
+    "env_reward",
+    "tool_calls",
+    "tool_errors",
 )
 # verl's and TRL's names for the same values (per sample), and TRL's batched names (tasks/rewards/loader.py).
 ALIAS_ARGUMENTS = ("solution_str", "completion", "completion_ids")
@@ -361,6 +366,62 @@ class RewardConfig(Section):
         if self.kind == "model" and not self.model_path:
             raise ValueError("reward.kind=model needs reward.model_path (a model trained by `rlpipe rm-train`)")
         return self
+
+
+class UserCodeRef(Section):
+    """A function or class of yours: a file (`path`) or an importable `module`, and its name there."""
+
+    path: str | None = Field(None, description="A Python file defining it (relative to the working directory).")
+    module: str | None = Field(None, description="An importable module defining it, e.g. mypkg.tools.")
+    function: str | None = Field(
+        None, description="Its name in the file or module (for a tool, default: the tool's name)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "UserCodeRef":
+        if bool(self.path) == bool(self.module):
+            raise ValueError("give path or module (one of them)")
+        return self
+
+
+class EnvironmentRef(UserCodeRef):
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for each instance.")
+
+
+class AgentConfig(Section):
+    """Multi-turn rollouts: the model's turns alternate with your tools' results or your environment's messages, up to
+    a limit; every turn is a row of the `turns` table, and only the model's own tokens get loss. Off while it names
+    no tool and no environment."""
+
+    OMITTED_AT_DEFAULT: ClassVar[bool] = True
+
+    tools: dict[str, UserCodeRef] = Field(
+        default_factory=dict,
+        description="name → {path or module, function}: plain functions with type hints and a docstring (their JSON "
+        "schemas go to the chat template's tools=); the model calls them by name.",
+    )
+    environment: EnvironmentRef | None = Field(
+        None,
+        description="{path or module, function: the class, kwargs}: reset(row) → messages; step(messages) → "
+        "(messages, reward or None, done). One instance per sample.",
+    )
+    tool_call_format: Literal["hermes", "json"] = Field(
+        "hermes",
+        description="How the model writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen and most ChatML "
+        "templates) or json (the whole turn one JSON call, Llama 3).",
+    )
+    max_turns: int = Field(4, ge=1, le=64, description="The model's turns per trajectory at most.")
+    max_total_tokens: int = Field(
+        512, ge=1, description="Tokens after the prompt per trajectory at most: the model's and the observations'."
+    )
+    tool_timeout_s: float = Field(5.0, gt=0, description="Per tool call: past it the call's result is an error.")
+    step_timeout_s: float = Field(
+        5.0, gt=0, description="Per environment reset or step: past it the sample's episode ends with an error."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.environment is not None
 
 
 class RolloutConfig(Section):
@@ -560,6 +621,9 @@ class EnginesConfig(Section):
         description="Keep the DeepSpeed engines and the reference in one process across iterations; false starts a "
         "worker process per logprobs and optimize stage that loads everything from disk.",
     )
+    agent_workers: int = Field(
+        2, ge=1, le=64, description="Processes that run the agent section's tools and environment episodes."
+    )
     train_ranks: int = Field(
         1,
         ge=1,
@@ -729,6 +793,9 @@ class RunConfig(Section):
     )
     reward: RewardConfig = Field(RewardConfig(), description="The reward functions (and an optional reward model).")
     rollout: RolloutConfig = Field(RolloutConfig(), description="Sampling with vLLM.")
+    agent: AgentConfig = Field(
+        AgentConfig(), description="Multi-turn rollouts with your tools or environment (off unless one is named)."
+    )
     batch: BatchConfig = Field(BatchConfig(), description="Dynamic sampling and filtering of groups.")
     advantage: AdvantageConfig = Field(AdvantageConfig(), description="The advantage estimator.")
     loss: LossConfig = Field(LossConfig(), description="The policy objective and its aggregation.")

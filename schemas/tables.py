@@ -29,6 +29,7 @@ class TableSchema:
     columns: dict[str, pl.DataType]
     open: bool = False
     unique: tuple[str, ...] = field(default=())  # columns that together must be unique
+    optional: dict[str, pl.DataType] = field(default_factory=dict)  # columns a frame may have, with these dtypes
 
     @property
     def polars(self) -> pl.Schema:
@@ -47,12 +48,16 @@ class TableSchema:
         for col, dtype in self.columns.items():
             if df.schema[col] != dtype:
                 raise TableError(f"{what}: column {col!r} has dtype {df.schema[col]}, expected {dtype}")
-        extra = [c for c in df.columns if c not in self.columns]
+        for col in (c for c in self.optional if c in df.columns):
+            if df.schema[col] != self.optional[col]:
+                raise TableError(f"{what}: column {col!r} has dtype {df.schema[col]}, expected {self.optional[col]}")
+        extra = [c for c in df.columns if c not in self.columns and c not in self.optional]
         if extra and not self.open:
             raise TableError(f"{what}: unexpected column(s) {', '.join(extra)}")
         if self.unique and df.height and df.select(self.unique).is_duplicated().any():
             raise TableError(f"{what}: duplicate rows for key ({', '.join(self.unique)})")
-        return df.select([*self.columns, *extra])
+        present = [c for c in self.optional if c in df.columns]
+        return df.select([*self.columns, *present, *extra])
 
 
 def _table(name: str, version: int, columns: dict, **kw) -> TableSchema:
@@ -114,6 +119,42 @@ ROLLOUTS = _table(
         "policy_version": I32,
     },
     unique=("iteration", "prompt_id", "sample_idx"),
+    # Multi-turn rollouts (the agent section) add these: `text` is then the model's last turn, `token_ids` the whole
+    # trajectory after the prompt (the model's turns and the observations), `action_mask` 1 on the model's own tokens,
+    # `conversation` every message, the prompt's included; `env_reward` sums the environment's rewards (null: none).
+    optional={
+        "action_mask": pl.List(pl.Int8),
+        "conversation": pl.List(pl.Struct({"role": STR, "content": STR})),
+        "turns": I32,
+        "tool_calls": I32,
+        "tool_errors": I32,
+        "env_reward": F64,
+        "agent_error": STR,
+    },
+)
+
+# Multi-turn rollouts, one row per message of each trajectory (the rollouts stage's second table). `turn` counts the
+# model's turns before the row; `token_ids` are the ids the row added to the trajectory: a model turn's as sampled
+# (with its `sampler_logprobs`), an observation's on the last message of it (tool results or the environment's
+# messages, the chat template's glue and the next turn's opening included), none for the prompt's messages.
+TURNS = _table(
+    "turns",
+    1,
+    {
+        "iteration": I32,
+        "round": I32,
+        "prompt_id": STR,
+        "sample_idx": I32,
+        "turn": I32,
+        "role": STR,
+        "text": STR,
+        "token_ids": LIST_I32,
+        "sampler_logprobs": LIST_F32,
+        "tool_name": STR,
+        "tool_arguments": STR,
+        "error": STR,
+        "seconds": F64,
+    },
 )
 
 SCORES = _table(
@@ -286,6 +327,7 @@ TABLES: dict[str, TableSchema] = {
         SFT_METRICS,
         PROMPTS,
         ROLLOUTS,
+        TURNS,
         SCORES,
         BATCH,
         LOGPROBS,

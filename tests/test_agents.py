@@ -276,3 +276,128 @@ def test_tool_schemas_reach_a_template_that_renders_them(tool_file, chatml_token
     finally:
         tok.chat_template = original
     assert text.startswith("<|im_start|>system\nadd: Add two integers.\n<|im_end|>")
+
+
+LOOP_ENV = '''
+class Countdown:
+    """The model must say the numbers down from the row's start; the episode fails on a wrong one."""
+
+    def __init__(self, crash_on: str = ""):
+        self.crash_on = crash_on
+
+    def reset(self, row):
+        self.next = row["start"] - 1
+        return [{"role": "user", "content": f"count down from {row['start']}"}]
+
+    def step(self, messages):
+        said = messages[-1]["content"]
+        if said == self.crash_on:
+            raise RuntimeError("environment bug")
+        if said != str(self.next):
+            return [], 0.0, True
+        self.next -= 1
+        return ([], 1.0, True) if self.next < 0 else ([{"role": "user", "content": "go on"}], 0.5, False)
+'''
+
+
+def scripted(tok, script: dict[int, list[str]], calls: list):
+    """Generation from a script: trajectory i's n-th turn says script[i][n] (its tokens, then EOS; cut at max_tokens,
+    as the sampler cuts)."""
+    from tasks.agents.rollout_loop import Sampled
+
+    def generate(items, max_tokens):
+        calls.append(([i for i, _ in items], max_tokens))
+        out = []
+        for i, ids in items:
+            turn = sum(1 for seen, _ in calls[:-1] if i in seen)
+            said = tok(script[i][turn], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            out.append(
+                Sampled(
+                    said[:max_tokens], [-0.5] * len(said[:max_tokens]), "length" if len(said) > max_tokens else "stop"
+                )
+            )
+        return out
+
+    return generate
+
+
+def trajectory_reads_as_the_template_writes_it(tok, t) -> bool:
+    whole = render_ids(tok, t.messages, None, generation_prompt=False)
+    mine = t.prompt_ids + t.ids
+    return mine == whole[: len(mine)]
+
+
+def test_the_turn_loop_with_tools_ends_each_trajectory_for_its_own_reason(tool_file, chatml_tokenizer):
+    from tasks.agents.rollout_loop import LoopSettings, Trajectory, run_episodes
+    from tasks.agents.workers import AgentWorkers
+
+    tok = chatml_tokenizer
+    specs = [FunctionSpec(n, path=tool_file, kind="tool") for n in ("add", "broken", "slow")]
+    schemas = [t.schema for t in load_tools(specs).values()]
+    call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
+    script = {
+        0: [call.format("add", '{"a": 2, "b": 40}'), "the result is 42"],  # a call, then the answer
+        1: [call.format("broken", '{"x": 1}'), "no luck"],  # a tool that raises: an error observation
+        2: [call.format("slow", '{"x": 1}'), "42"],  # a tool that hangs
+        3: [call.format("add", '{"a": 1, "b": 1}')] * 5,  # calls until max_turns
+        4: ["the result is " + "4" * 150],  # cut by the per-turn limit
+        5: ["<tool_call>{broken json</tool_call>", "sorry"],  # a malformed call: an error observation too
+    }
+    trajectories = [Trajectory(i, f"p{i}", 0, [{"role": "user", "content": "add 2 and 40"}]) for i in script]
+    settings = LoopSettings(3, 400, 100, "hermes", False, schemas)
+    workers = AgentWorkers(specs, None, {}, 2, tool_timeout_s=0.5, step_timeout_s=1)
+    calls = []
+    try:
+        played = run_episodes(trajectories, [{}] * 6, tok, settings, scripted(tok, script, calls), workers)
+    finally:
+        workers.close()
+    got = {t.index: (t.finish_reason, t.model_turns, t.tool_calls, t.tool_errors) for t in played}
+    assert got == {
+        0: ("stop", 2, 1, 0),
+        1: ("stop", 2, 1, 1),
+        2: ("stop", 2, 1, 1),
+        3: ("max_turns", 3, 2, 0),  # the last turn's call is not run: no turn would read its result
+        4: ("length", 1, 0, 0),
+        5: ("stop", 2, 1, 1),
+    }
+    assert [c[0] for c in calls] == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 5], [3]]  # all live ones advance together
+    tool_rows = {t.index: [r for r in t.turns if r["role"] == "tool"] for t in played}
+    assert tool_rows[0][0]["text"] == "42" and tool_rows[0][0]["tool_arguments"] == '{"a": 2, "b": 40}'
+    assert tool_rows[1][0]["error"] == "broken: ValueError: no luck"
+    assert tool_rows[2][0]["error"] == "slow: no result after 0.5s" and tool_rows[2][0]["text"].startswith("error:")
+    assert tool_rows[5][0]["error"].startswith("the tool call is not JSON")
+    for t in played:
+        assert len(t.ids) == len(t.actions) == len(t.logprobs) <= 400
+        model_ids = [i for r in t.turns if r["role"] == "assistant" for i in r["token_ids"]]
+        assert [i for i, a in zip(t.ids, t.actions) if a] == model_ids  # the mask covers exactly the sampled ids
+        if not t.truncated:
+            assert trajectory_reads_as_the_template_writes_it(tok, t), t.index
+    assert played[4].truncated and len(played[4].ids) == 100
+
+
+def test_the_turn_loop_with_an_environment_sums_its_rewards_and_survives_its_failure(tmp_path, chatml_tokenizer):
+    from tasks.agents.rollout_loop import LoopSettings, Trajectory, run_episodes
+    from tasks.agents.workers import AgentWorkers
+
+    tok = chatml_tokenizer
+    path = tmp_path / "countdown.py"
+    path.write_text(LOOP_ENV)
+    env = FunctionSpec("environment", path=str(path), function="Countdown", kind="environment")
+    script = {0: ["2", "1", "0"], 1: ["2", "7"], 2: ["2", "boom"], 3: ["2", "1", "0"]}
+    rows = [{"start": 3}, {"start": 3}, {"start": 3}, {"start": 3}]
+    trajectories = [Trajectory(i, "p", i, [{"role": "user", "content": "unused"}]) for i in script]
+    workers = AgentWorkers([], env, {"crash_on": "boom"}, 2, tool_timeout_s=1, step_timeout_s=1)
+    try:
+        settings = LoopSettings(4, 200, 16, None, True, None)
+        played = run_episodes(trajectories, rows, tok, settings, scripted(tok, script, []), workers)
+    finally:
+        workers.close()
+    got = {t.index: (t.finish_reason, t.model_turns, t.env_reward, t.error) for t in played}
+    assert got == {
+        0: ("stop", 3, 2.0, None),
+        1: ("stop", 2, 0.5, None),
+        2: ("error", 2, 0.5, "step: RuntimeError: environment bug"),
+        3: ("stop", 3, 2.0, None),
+    }
+    assert played[0].messages[0] == {"role": "user", "content": "count down from 3"}  # reset replaced the prompt
+    assert all(trajectory_reads_as_the_template_writes_it(tok, t) for t in played)

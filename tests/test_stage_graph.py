@@ -25,6 +25,7 @@ INVALIDATES = {
         "sft_metrics",
         "prompts",
         "rollouts",
+        "turns",
         "scores",
         "batch",
         "logprobs",
@@ -43,6 +44,7 @@ INVALIDATES = {
     "rollout": [
         "prompts",
         "rollouts",
+        "turns",
         "scores",
         "batch",
         "logprobs",
@@ -117,6 +119,17 @@ INVALIDATES = {
         "dpo_eval",
         "rm_metrics",
         "rm_eval",
+    ],
+    "agent": [
+        "rollouts",
+        "turns",
+        "scores",
+        "batch",
+        "logprobs",
+        "advantages",
+        "prompt_stats",
+        "train_metrics",
+        "eval",
     ],
     "engines": [],
     "rl": [],
@@ -231,6 +244,7 @@ def test_the_iteration_order_is_a_topological_order_of_the_declared_reads():
     assert [s.name for s in graph.in_data_order(shuffled)] == [
         "prompts",
         "rollouts",
+        "turns",
         "scores",
         "batch",
         "logprobs",
@@ -238,7 +252,7 @@ def test_the_iteration_order_is_a_topological_order_of_the_declared_reads():
         "train_metrics",
         "eval",
         "prompt_stats",
-    ]  # from the reads alone (prompt_stats and eval read one table each: declaration order decides between them)
+    ]  # from the reads alone (where several could come next, the declaration order decides)
     a, b = StageSpec("a", ("b",), (), "iteration"), StageSpec("b", ("a",), (), "iteration")
     with pytest.raises(ValueError, match="read each other in a cycle"):
         graph.in_data_order((a, b))

@@ -7,6 +7,10 @@ finished assistant turn: rendered once after a fixed two-message conversation an
 difference taken. Texts are tokenized as prompts are (tasks/data/formatting.py: the template's text, no special tokens
 added). The template's glue after the model's end-of-turn token (ChatML's newline after `<|im_end|>`) belongs to the
 observation, so a trajectory reads as the template would write the whole conversation.
+
+A model without a chat template (a base model, or `prompt.chat_template: never`) reads plain text: the prompt is its
+messages' contents tokenized as a prompt is (special tokens added), an observation its messages' contents tokenized
+without them, right after the model's end-of-turn token.
 """
 
 from __future__ import annotations
@@ -28,8 +32,12 @@ def render_ids(tokenizer, messages: list[dict], tools: list[dict] | None, genera
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def observation_ids(tokenizer, new_messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def observation_ids(
+    tokenizer, new_messages: list[dict], tools: list[dict] | None = None, chat: bool = True
+) -> list[int]:
     """The ids that follow the model's end-of-turn token when `new_messages` answer it and the model speaks next."""
+    if not chat:
+        return list(tokenizer("".join(m["content"] for m in new_messages), add_special_tokens=False)["input_ids"])
     before = render_ids(tokenizer, _BEFORE, tools, generation_prompt=False)
     after = render_ids(tokenizer, _BEFORE + new_messages, tools, generation_prompt=True)
     if after[: len(before)] != before:
@@ -43,6 +51,8 @@ def observation_ids(tokenizer, new_messages: list[dict], tools: list[dict] | Non
     return glue + after[len(before) :]
 
 
-def prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, chat: bool = True) -> list[int]:
     """The opening of a trajectory: the first messages and the model's turn opened."""
+    if not chat:
+        return list(tokenizer("".join(m["content"] for m in messages))["input_ids"])
     return render_ids(tokenizer, messages, tools, generation_prompt=True)

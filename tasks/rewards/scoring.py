@@ -50,10 +50,21 @@ def prompt_arguments(prompts: pl.DataFrame, answer_key: str | None) -> dict[str,
     return out
 
 
+SINGLE_TURN = {"turns": None, "env_reward": None, "tool_calls": 0, "tool_errors": 0}
+
+
 def sample_arguments(
-    shared: dict, text: str, reason: str, length: int, token_ids: list | None, max_tokens: int
+    shared: dict,
+    text: str,
+    reason: str,
+    length: int,
+    token_ids: list | None,
+    max_tokens: int,
+    agent: dict | None = None,
 ) -> dict:
-    """The keyword arguments of one response's call: rlpipe's names, and verl's and TRL's for the same values."""
+    """The keyword arguments of one response's call: rlpipe's names, and verl's and TRL's for the same values. A
+    multi-turn trajectory (`agent`) brings `messages` (the whole conversation, the prompt's included), `turns` (its
+    rows of the turns table, as dicts), `env_reward`, `tool_calls` and `tool_errors`; `response` is its last turn."""
     args = {k: v for k, v in shared.items() if k != "chat"}
     completion = [{"role": "assistant", "content": text}] if shared["chat"] else text
     return {
@@ -65,7 +76,30 @@ def sample_arguments(
         "solution_str": text,
         "completion": completion,
         "completion_ids": token_ids,
+        **(agent or SINGLE_TURN),
     }
+
+
+def agent_arguments(rollouts: pl.DataFrame, turns: pl.DataFrame | None) -> list[dict] | None:
+    """Per rollout row, the multi-turn arguments (sample_arguments), or None for single-turn rollouts."""
+    if "conversation" not in rollouts.columns:
+        return None
+    by_sample: dict = {}
+    if turns is not None:
+        for row in turns.drop("iteration", "round").iter_rows(named=True):
+            by_sample.setdefault((row.pop("prompt_id"), row.pop("sample_idx")), []).append(row)
+    return [
+        {
+            "messages": row["conversation"],
+            "turns": by_sample.get((row["prompt_id"], row["sample_idx"]), []),
+            "env_reward": row["env_reward"],
+            "tool_calls": row["tool_calls"],
+            "tool_errors": row["tool_errors"],
+        }
+        for row in rollouts.select(
+            "prompt_id", "sample_idx", "conversation", "env_reward", "tool_calls", "tool_errors"
+        ).iter_rows(named=True)
+    ]
 
 
 def score_frame(
@@ -74,6 +108,7 @@ def score_frame(
     reward: RewardConfig,
     max_tokens: int,
     answer_key: str | None = "answer",
+    turns: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """One row per rollout: `score_<fn>` and `error_<fn>` per function, the weighted `reward`, and `error`.
 
@@ -87,6 +122,9 @@ def score_frame(
         zip(rollouts["prompt_id"].to_list(), rollouts["text"].to_list(), rollouts["finish_reason"].to_list(), lengths)
     )
     ids = rollouts["token_ids"].to_list() if "token_ids" in rollouts.columns else [None] * rollouts.height
+    agent = agent_arguments(rollouts, turns)
+    if agent is not None:  # a trajectory's reward depends on all of it: every sample is its own key
+        keys = [(*key, k) for k, key in enumerate(keys)]
     # Each distinct sample is scored once: a group's G responses to one prompt are often the same text, and a reward
     # depends only on its arguments (math-verify on 1,024 demo responses: about 1 s, most of it repeats).
     first = {}
@@ -94,14 +132,16 @@ def score_frame(
         first.setdefault(key, token_ids)
     distinct = list(first)
     samples = [
-        sample_arguments(shared[pid], text, reason, n, first[(pid, text, reason, n)], max_tokens)
-        for pid, text, reason, n in distinct
+        sample_arguments(
+            shared[key[0]], *key[1:4], first[key], max_tokens, agent[key[4]] if agent is not None else None
+        )
+        for key in distinct
     ]
     scored = score_samples(list(specs.values()), samples, reward.timeout_s, reward.workers)
     position = {k: i for i, k in enumerate(distinct)}
     cols: dict[str, pl.Series] = {}
     for name, results in scored.items():
-        for (value, _), (_, text, _, _) in zip(results, distinct):
+        for (value, _), (_, text, *_) in zip(results, distinct):
             if not math.isfinite(value):
                 raise RewardError(f"reward function {name!r} returned {value} for response {text[:80]!r}")
         rows = [results[position[k]] for k in keys]

@@ -7,15 +7,18 @@ and eval, and synced to the weights each request names.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
 
 from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
-from storage import StageOutput, read_stage
+from schemas.tables import ROLLOUTS, TURNS
+from storage import StageOutput, fingerprint, read_stage, write_stage
 from tasks.engines.launch import WorkerError
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
+from tasks.stages import agent_rollouts
 from tasks.stages.common import (
     Computed,
     RunContext,
@@ -151,24 +154,64 @@ def merge_engine_responses(resps: list[dict]) -> dict:
     }
 
 
+def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: int, name: str, stamp, inputs: dict):
+    """The agent section's trajectories; their `turns` rows are written first (the rollouts manifest, written last,
+    marks both complete). Returns the rollout rows, the first turn's engine response and the generation totals."""
+    r = ctx.cfg.rollout
+
+    def frames(frame, job, log_name):
+        (df,), resp = generate(ctx, model_path, frame, [job], log_name)
+        return df, resp
+
+    def job(n, job_seed):
+        return sampling_job(ctx, n, r.temperature, job_seed, r.top_p)
+
+    rows, turns, resp, totals = agent_rollouts.play(ctx, model_path, prompts, seed, name, frames, job)
+    round_ = prompts["round"][0]
+    turns_frame = pl.DataFrame(turns, schema_overrides=TURNS.columns, strict=False).with_columns(*stamp)
+    write_stage(
+        ctx.layout,
+        "turns",
+        int(prompts["iteration"][0]),
+        TURNS.validate(turns_frame.select(list(TURNS.columns))),
+        fp=fingerprint("turns", ctx.cfg.section_hash(*SPEC.sections), inputs),
+        inputs=inputs,
+        config_hash=ctx.cfg.section_hash(*SPEC.sections),
+        started=time.time(),
+        table=TURNS,
+        part=round_,
+    )
+    schema = {**ROLLOUTS.columns, **ROLLOUTS.optional}
+    df = pl.DataFrame(rows, schema_overrides={k: v for k, v in schema.items() if k in rows[0]}, strict=False)
+    return (
+        df,
+        resp,
+        {"generate_seconds": totals["generate_seconds"], "tokens": totals["tokens"], "turns": totals["turns"]},
+    )
+
+
 @stage_task("rollouts")
 def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, prompts_fp: str) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
     policy = weights_after(ctx, iteration - 1)
     r = ctx.cfg.rollout
 
+    inputs = {"prompts": prompts_fp, "policy": policy.fingerprint}
+
     def compute():
         prompts = read_stage(ctx.layout, "prompts", iteration).filter(pl.col("round") == round_)
-        job = sampling_job(
-            ctx, r.group_size, r.temperature, ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101, r.top_p
-        )
-        (df,), resp = generate(ctx, policy.path, prompts, [job], f"rollouts-{iteration:05d}-{round_}")
-        df = df.with_columns(
+        seed, name = ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101, f"rollouts-{iteration:05d}-{round_}"
+        stamp = (
             pl.lit(iteration, pl.Int32).alias("iteration"),
             pl.lit(round_, pl.Int32).alias("round"),
-            pl.lit(policy.version, pl.Int32).alias("policy_version"),
         )
-        timing = resp["jobs"][0]
+        if ctx.cfg.agent.enabled:
+            df, resp, timing = multi_turn(ctx, policy.path, prompts, seed, name, stamp, inputs)
+        else:
+            job = sampling_job(ctx, r.group_size, r.temperature, seed, r.top_p)
+            (df,), resp = generate(ctx, policy.path, prompts, [job], name)
+            timing = resp["jobs"][0]
+        df = df.with_columns(*stamp, pl.lit(policy.version, pl.Int32).alias("policy_version"))
         return Computed(
             df,
             engines={"vllm": resp["vllm_version"]},
@@ -185,9 +228,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
             },
         )
 
-    return run_stage(
-        ctx, iteration, part=round_, inputs={"prompts": prompts_fp, "policy": policy.fingerprint}, compute=compute
-    )
+    return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
 
 
 @stage_task("release_engines")
@@ -199,8 +240,11 @@ def release_engines_task() -> None:
 SPEC = StageSpec(
     "rollouts",
     reads=("prompts",),
-    sections=("rollout", "model", "lora"),
+    sections=("rollout", "model", "lora", "agent"),
     scope="round",
+    also_writes=("turns",),
     task=rollouts_task,
     rerunnable=True,  # every round again, from the saved prompts
 )
+# Multi-turn rollouts' messages, the rollouts task's second table (written only under the agent section).
+TURNS_SPEC = StageSpec("turns", reads=("rollouts",), sections=SPEC.sections, scope="round")

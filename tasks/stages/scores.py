@@ -32,7 +32,14 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, rol
     def compute():
         rollouts = read_stage(ctx.layout, "rollouts", iteration).filter(pl.col("round") == round_)
         prompts = read_stage(ctx.layout, "prompts", iteration)
-        scores = score_frame(rollouts, prompts, ctx.cfg.reward, ctx.cfg.rollout.max_tokens, ctx.cfg.data.answer_key)
+        turns = (  # multi-turn rollouts: their turns table, for the reward functions that take `turns`
+            read_stage(ctx.layout, "turns", iteration).filter(pl.col("round") == round_)
+            if "conversation" in rollouts.columns
+            else None
+        )
+        scores = score_frame(
+            rollouts, prompts, ctx.cfg.reward, ctx.cfg.rollout.max_tokens, ctx.cfg.data.answer_key, turns
+        )
         if ctx.cfg.reward.kind == "model":
             scores = add_model_score(
                 scores,
@@ -69,7 +76,7 @@ def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float
 
 SPEC = StageSpec(
     "scores",
-    reads=("rollouts", "prompts"),
+    reads=("rollouts", "prompts", "turns"),
     sections=("reward", "rollout", "data", "optim"),
     scope="round",
     task=scores_task,

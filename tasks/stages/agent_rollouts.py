@@ -1,0 +1,108 @@
+"""The rollouts stage's multi-turn path (the agent section): each prompt's G trajectories played by
+tasks/agents/rollout_loop.py on the resident vLLM engines, the tools and environment in their worker processes. Writes
+the `rollouts` rows (one per trajectory, with the multi-turn columns) and the `turns` rows."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from schemas.tables import LIST_I32
+from tasks.agents.rollout_loop import LoopSettings, Sampled, Trajectory, run_episodes
+from tasks.agents.tools import load_tools
+from tasks.agents.workers import AgentWorkers
+from tasks.data.formatting import load_tokenizer
+from tasks.rewards.loader import FunctionSpec
+
+
+def tool_specs(agent) -> list[FunctionSpec]:
+    return [FunctionSpec(name, t.path, t.module, t.function, kind="tool") for name, t in agent.tools.items()]
+
+
+def environment_spec(agent) -> FunctionSpec | None:
+    e = agent.environment
+    return FunctionSpec("environment", e.path, e.module, e.function, kind="environment") if e else None
+
+
+def play(ctx, model_path: str, prompts: pl.DataFrame, seed: int, log_name: str, generate_frames, sampling_job):
+    """(rollout rows, turn rows, engine response of the first turn, generation totals) for the round's prompts.
+    `generate_frames(frame, job, name)` runs the vLLM engines (rollouts.generate); `sampling_job(n, seed)` the job."""
+    agent, r = ctx.cfg.agent, ctx.cfg.rollout
+    tokenizer = load_tokenizer(model_path)
+    specs = tool_specs(agent)
+    schemas = [t.schema for t in load_tools(specs).values()] or None
+    settings = LoopSettings(
+        agent.max_turns,
+        agent.max_total_tokens,
+        r.max_tokens,
+        agent.tool_call_format if specs else None,
+        agent.environment is not None,
+        schemas,
+        chat=bool(getattr(tokenizer, "chat_template", None)),
+    )
+    rows = [row for row in prompts.iter_rows(named=True) for _ in range(r.group_size)]
+    trajectories = [
+        Trajectory(
+            i,
+            row["prompt_id"],
+            i % r.group_size,
+            [dict(m) for m in row["messages"]],
+            prompt_ids=[] if schemas else list(row["prompt_token_ids"]),  # tools: rendered again, with their schemas
+        )
+        for i, row in enumerate(rows)
+    ]
+    first: dict = {}
+    totals = {"generate_seconds": 0.0, "tokens": 0, "turns": 0}
+
+    def generate(items: list[tuple[int, list[int]]], max_tokens: int) -> list[Sampled]:
+        frame = pl.DataFrame(
+            {
+                "prompt_id": [str(i) for i, _ in items],
+                "prompt_token_ids": pl.Series([ids for _, ids in items], dtype=LIST_I32),
+            }
+        )
+        job = {**sampling_job(1, seed + 7919 * totals["turns"]), "max_tokens": max_tokens}
+        df, resp = generate_frames(frame, job, f"{log_name}-turn{totals['turns']}")
+        first.setdefault("resp", resp)
+        totals["turns"] += 1
+        totals["generate_seconds"] += resp["jobs"][0]["generate_seconds"]
+        totals["tokens"] += resp["jobs"][0]["tokens"]
+        by_id = {row["prompt_id"]: row for row in df.iter_rows(named=True)}
+        return [
+            Sampled(list(o["token_ids"]), list(o["sampler_logprobs"]), o["finish_reason"])
+            for o in (by_id[str(i)] for i, _ in items)
+        ]
+
+    workers = AgentWorkers(
+        specs, environment_spec(agent), agent.environment.kwargs if agent.environment else {},
+        ctx.cfg.engines.agent_workers, agent.tool_timeout_s, agent.step_timeout_s,
+    )  # fmt: skip
+    try:
+        played = run_episodes(trajectories, rows, tokenizer, settings, generate, workers)
+    finally:
+        workers.close()
+    return [rollout_row(t) for t in played], [turn for t in played for turn in turn_rows(t)], first["resp"], totals
+
+
+def rollout_row(t: Trajectory) -> dict:
+    return {
+        "prompt_id": t.prompt_id,
+        "sample_idx": t.sample_idx,
+        "prompt_token_ids": t.prompt_ids,
+        "token_ids": t.ids,
+        "text": t.last_text,
+        "sampler_logprobs": t.logprobs,
+        "finish_reason": t.finish_reason,
+        "truncated": t.truncated,
+        "length": len(t.ids),
+        "action_mask": t.actions,
+        "conversation": t.messages,
+        "turns": t.model_turns,
+        "tool_calls": t.tool_calls,
+        "tool_errors": t.tool_errors,
+        "env_reward": t.env_reward,
+        "agent_error": t.error,
+    }
+
+
+def turn_rows(t: Trajectory) -> list[dict]:
+    return [{"prompt_id": t.prompt_id, "sample_idx": t.sample_idx, **turn} for turn in t.turns]
