@@ -136,3 +136,36 @@ def test_unreadable_dataset(tmp_path):
     path.write_bytes(b"not parquet")
     with pytest.raises(DatasetError, match="cannot read"):
         load(path)
+
+
+@pytest.mark.parametrize(
+    "agent, needle",
+    [
+        (
+            "{environment: {path: '{ws}/env.py', function: Missing}}",
+            "environment 'environment': {ws}/env.py has no function 'Missing'",
+        ),
+        (
+            "{tools: {bare: {path: '{ws}/env.py'}}}",
+            "tool 'bare' ({ws}/env.py:bare): Cannot generate JSON schema for bare because it has no docstring!",
+        ),
+        (
+            "{environment: {path: '{ws}/env.py', function: Game}, max_total_tokens: 100}",
+            "agent.max_total_tokens=100 plus the longest prompt",
+        ),
+        ("{tools: {bare: {}}}", "agent.tools.bare: Value error, give path or module (one of them)"),
+    ],
+)
+def test_a_broken_agent_section_is_one_line_before_any_engine_starts(base_model, agent, needle):
+    workspace, cfg = base_model
+    (workspace / "env.py").write_text("class Game:\n    pass\n\n\ndef bare(x):\n    return x\n")
+    agent, needle = agent.replace("{ws}", str(workspace)), needle.replace("{ws}", str(workspace))
+    proc = rlpipe(
+        "run", str(cfg), "--run-id", "agent-bad", "--set", f"model.path={workspace}/models/base",
+        "--set", f"agent={agent}", cwd=workspace, check=False,
+    )  # fmt: skip
+    error_lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and needle in proc.stderr and len(error_lines) == 1, proc.stderr
+    assert not list((workspace / "runs" / "agent-bad").glob("*/iter=*/_manifest.json")) or all(
+        m.parts[-3] == "dataset" for m in (workspace / "runs" / "agent-bad").glob("*/iter=*/_manifest.json")
+    )

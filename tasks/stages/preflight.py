@@ -23,13 +23,13 @@ class ContextLengthError(UserError, ValueError):
     """A setting the data or the model cannot meet (the context window, the number of prompts)."""
 
 
-def check_context(model_path: str, longest_prompt: int, max_tokens: int) -> None:
+def check_context(model_path: str, longest_prompt: int, max_tokens: int, what: str = "rollout.max_tokens") -> None:
     """Refuse a generation limit that cannot fit the model's context after the longest prompt."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     context = config.get("max_position_embeddings") or config.get("n_positions")
     if context and longest_prompt + max_tokens > context:
         raise ContextLengthError(
-            f"rollout.max_tokens={max_tokens} plus the longest prompt ({longest_prompt} tokens) exceeds "
+            f"{what}={max_tokens} plus the longest prompt ({longest_prompt} tokens) exceeds "
             f"the model's context of {context}"
         )
 
@@ -40,6 +40,27 @@ def check_lora(cfg, model_path: str) -> None:
         from tasks.engines.workers.lora import check_targets
 
         check_targets(model_path, cfg.lora)
+
+
+def check_agent(cfg, model_path: str, max_prompt: int) -> None:
+    """The agent section's tools (each described by its signature and docstring) and environment class load, and the
+    trajectory fits the model's context."""
+    if not cfg.agent.enabled:
+        return
+    from tasks.agents.environments import load_environment
+    from tasks.agents.tools import load_tools
+    from tasks.data.formatting import load_tokenizer
+    from tasks.stages.agent_rollouts import environment_spec, tool_specs
+
+    load_tools(tool_specs(cfg.agent))
+    if cfg.agent.environment is not None:
+        load_environment(environment_spec(cfg.agent))
+    if cfg.prompt.chat_template == "never" and getattr(load_tokenizer(model_path), "chat_template", None):
+        raise ContextLengthError(
+            "agent: multi-turn rollouts follow the model's own chat template when it has one; "
+            "prompt.chat_template=never is not supported with the agent section"
+        )
+    check_context(model_path, max_prompt, cfg.agent.max_total_tokens, "agent.max_total_tokens")
 
 
 def dataset_columns(ctx) -> set[str]:
@@ -68,6 +89,8 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         dataset = dataset_task.fn(storage_root, run_id)
         reward_preflight(cfg.reward, dataset_columns(ctx))
         check_context(cfg.model.path, dataset.extra["longest_prompt_tokens"], cfg.rollout.max_tokens)
+        if flow == "rl":
+            check_agent(cfg, cfg.model.path, dataset.extra["longest_prompt_tokens"])
         train = dataset.extra["prompts"]["train"]
         if flow == "rl" and cfg.rollout.prompts_per_round > train:
             raise ContextLengthError(
