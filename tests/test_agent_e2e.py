@@ -37,6 +37,11 @@ def test_an_environment_episode_is_rows_of_turns_and_trains(tiny_sft):
     scores = read_table(layout, "scores", 1).join(rollouts, on=["prompt_id", "sample_idx"])
     assert (scores["score_solved"] == scores["env_reward"].fill_null(0.0)).all()
     assert read_table(layout, "train_metrics", 2).height == 1
+    # Eval plays the same episodes (greedy, and sampled for pass@k), judged with the environment's reward.
+    for k in (0, 2):
+        summary = read_manifest(layout, "eval", k)["extra"]
+        assert summary["mean_turns"] > 1 and summary["tool_call_rate"] == 0.0, summary
+        assert summary["mean_reward"] == summary["mean_env_reward"]
     out = rlpipe(
         "sql", "agent", "select role, count(*) as n from turns group by role order by role", "--root",
         str(workspace / "runs"), cwd=workspace,

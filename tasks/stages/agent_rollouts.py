@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from schemas.tables import LIST_I32
+from schemas.tables import LIST_I32, ROLLOUTS, TURNS
 from tasks.agents.rollout_loop import LoopSettings, Sampled, Trajectory, run_episodes
 from tasks.agents.tools import load_tools
 from tasks.agents.workers import AgentWorkers
@@ -23,9 +23,12 @@ def environment_spec(agent) -> FunctionSpec | None:
     return FunctionSpec("environment", e.path, e.module, e.function, kind="environment") if e else None
 
 
-def play(ctx, model_path: str, prompts: pl.DataFrame, seed: int, log_name: str, generate_frames, sampling_job):
-    """(rollout rows, turn rows, engine response of the first turn, generation totals) for the round's prompts.
-    `generate_frames(frame, job, name)` runs the vLLM engines (rollouts.generate); `sampling_job(n, seed)` the job."""
+def play(
+    ctx, model_path: str, prompts: pl.DataFrame, group_size: int, seed: int, log_name: str, generate_frames, job_for
+):
+    """(rollouts frame, turns frame, engine response of the first turn, generation totals): `group_size` trajectories
+    of each prompt. `generate_frames(frame, job, name)` runs the vLLM engines (rollouts.generate); `job_for(seed)` is a
+    turn's sampling job (one sample per trajectory)."""
     agent, r = ctx.cfg.agent, ctx.cfg.rollout
     tokenizer = load_tokenizer(model_path)
     specs = tool_specs(agent)
@@ -39,12 +42,12 @@ def play(ctx, model_path: str, prompts: pl.DataFrame, seed: int, log_name: str, 
         schemas,
         chat=bool(getattr(tokenizer, "chat_template", None)),
     )
-    rows = [row for row in prompts.iter_rows(named=True) for _ in range(r.group_size)]
+    rows = [row for row in prompts.iter_rows(named=True) for _ in range(group_size)]
     trajectories = [
         Trajectory(
             i,
             row["prompt_id"],
-            i % r.group_size,
+            i % group_size,
             [dict(m) for m in row["messages"]],
             prompt_ids=[] if schemas else list(row["prompt_token_ids"]),  # tools: rendered again, with their schemas
         )
@@ -60,7 +63,7 @@ def play(ctx, model_path: str, prompts: pl.DataFrame, seed: int, log_name: str, 
                 "prompt_token_ids": pl.Series([ids for _, ids in items], dtype=LIST_I32),
             }
         )
-        job = {**sampling_job(1, seed + 7919 * totals["turns"]), "max_tokens": max_tokens}
+        job = {**job_for(seed + 7919 * totals["turns"]), "max_tokens": max_tokens}
         df, resp = generate_frames(frame, job, f"{log_name}-turn{totals['turns']}")
         first.setdefault("resp", resp)
         totals["turns"] += 1
@@ -80,7 +83,15 @@ def play(ctx, model_path: str, prompts: pl.DataFrame, seed: int, log_name: str, 
         played = run_episodes(trajectories, rows, tokenizer, settings, generate, workers)
     finally:
         workers.close()
-    return [rollout_row(t) for t in played], [turn for t in played for turn in turn_rows(t)], first["resp"], totals
+    rollouts = [rollout_row(t) for t in played]
+    schema = {**ROLLOUTS.columns, **ROLLOUTS.optional}
+    frame = pl.DataFrame(rollouts, schema_overrides={k: v for k, v in schema.items() if k in rollouts[0]}, strict=False)
+    turns = pl.DataFrame(
+        [turn for t in played for turn in turn_rows(t)],
+        schema_overrides={k: v for k, v in TURNS.columns.items() if k not in ("iteration", "round")},
+        strict=False,
+    )
+    return frame, turns, first["resp"], totals
 
 
 def rollout_row(t: Trajectory) -> dict:

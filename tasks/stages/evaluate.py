@@ -17,6 +17,7 @@ from storage import StageOutput
 from tasks.algos.metrics import spearman
 from tasks.rewards.loader import source_hash, specs_from_config
 from tasks.rewards.scoring import score_frame
+from tasks.stages import agent_rollouts
 from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
 from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.prompts import split_of
@@ -29,7 +30,7 @@ from tasks.stages.weights import model_fingerprint, weights_after
 SPEC = StageSpec(
     "eval",
     reads=("dataset", "train_metrics"),
-    sections=("eval", "rollout", "reward", "data", "model", "lora", "optim"),
+    sections=("eval", "rollout", "reward", "data", "model", "lora", "optim", "agent"),
     scope="iteration",
 )
 
@@ -41,10 +42,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def judged(ctx: RunContext, responses: pl.DataFrame, held_out: pl.DataFrame, name: str) -> pl.DataFrame:
-    """The responses with every reward column, the total `reward` and `correct` (the judge's score ≥ threshold)."""
-    frame = responses.with_columns(pl.lit(0, pl.Int32).alias("iteration"), pl.lit(0, pl.Int32).alias("round"))
-    scores = score_frame(frame, held_out, ctx.cfg.reward, ctx.cfg.rollout.max_tokens, ctx.cfg.data.answer_key)
+def judged(
+    ctx: RunContext, responses: pl.DataFrame, held_out: pl.DataFrame, name: str, turns: pl.DataFrame | None = None
+) -> pl.DataFrame:
+    """The responses with every reward column, the total `reward` and `correct` (the judge's score ≥ threshold).
+    Multi-turn responses come with their `turns` rows, for the reward functions that read them."""
+    stamp = (pl.lit(0, pl.Int32).alias("iteration"), pl.lit(0, pl.Int32).alias("round"))
+    frame = responses.with_columns(*stamp)
+    turns = turns.with_columns(*stamp) if turns is not None else None
+    r = ctx.cfg
+    scores = score_frame(frame, held_out, r.reward, r.rollout.max_tokens, r.data.answer_key, turns)
     if ctx.cfg.reward.kind == "model":
         scores = add_model_score(scores, reward_model_scores(ctx, responses, name), ctx.cfg.reward.model_weight)
     e = ctx.cfg.eval
@@ -95,6 +102,45 @@ def eval_summary(ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sample
     return summary
 
 
+def episodes(ctx: RunContext, model_path: str, held_out: pl.DataFrame, name: str):
+    """The agent section's eval: a greedy episode and eval.samples sampled ones per held-out prompt, played as in
+    training and judged with their turns; the greedy episodes' turns, tool calls and their errors summarized."""
+    e = ctx.cfg.eval
+
+    def frames(frame, job, log_name):
+        (df,), resp = generate(ctx, model_path, frame, [job], log_name)
+        return df, resp
+
+    plays = [
+        agent_rollouts.play(
+            ctx,
+            model_path,
+            held_out,
+            n,
+            seed,
+            f"{name}-{which}",
+            frames,
+            lambda s, temperature=temperature: sampling_job(ctx, 1, temperature, s),
+        )  # fmt: skip
+        for which, n, temperature, seed in (
+            ("greedy", 1, 0.0, ctx.cfg.seed),
+            ("sampled", e.samples, e.temperature, ctx.cfg.seed + 1),
+        )
+    ]
+    (greedy, greedy_turns, resp, _), (sampled, sampled_turns, _, _) = plays
+    greedy = judged(ctx, greedy, held_out, f"{name}-rm-greedy", greedy_turns)
+    sampled = judged(ctx, sampled, held_out, f"{name}-rm-sampled", sampled_turns)
+    calls = int(greedy["tool_calls"].sum())
+    extra = {
+        "mean_turns": float(greedy["turns"].mean()),
+        "tool_call_rate": float((greedy["tool_calls"] > 0).mean()),
+        "tool_error_rate": float(greedy["tool_errors"].sum() / calls) if calls else 0.0,
+        "mean_env_reward": float(greedy["env_reward"].fill_null(0.0).mean()),
+        "agent_error_rate": float(greedy["agent_error"].is_not_null().mean()),
+    }
+    return greedy, sampled, resp, extra
+
+
 @stage_task("eval")
 def eval_task(
     storage_root: str, run_id: str, iteration: int, weights_stage: str = "train_metrics", interim: bool = False
@@ -113,13 +159,19 @@ def eval_task(
     def compute():
         held_out = split_of(ctx, "eval")
         held_out = held_out.head(limit) if limit else held_out
-        jobs = [sampling_job(ctx, 1, 0.0, ctx.cfg.seed), sampling_job(ctx, e.samples, e.temperature, ctx.cfg.seed + 1)]
-        (greedy, sampled), resp = generate(ctx, weights.path, held_out, jobs, f"eval-{iteration:05d}")
-        greedy, sampled = (
-            judged(ctx, f, held_out, f"eval-rm-{name}") for f, name in ((greedy, "greedy"), (sampled, "sampled"))
-        )
+        if ctx.cfg.agent.enabled:
+            greedy, sampled, resp, extra = episodes(ctx, weights.path, held_out, f"eval-{iteration:05d}")
+        else:
+            seed = ctx.cfg.seed
+            jobs = [sampling_job(ctx, 1, 0.0, seed), sampling_job(ctx, e.samples, e.temperature, seed + 1)]
+            (greedy, sampled), resp = generate(ctx, weights.path, held_out, jobs, f"eval-{iteration:05d}")
+            greedy, sampled = (
+                judged(ctx, f, held_out, f"eval-rm-{name}") for f, name in ((greedy, "greedy"), (sampled, "sampled"))
+            )
+            extra = {}
         df = eval_table(held_out, greedy, sampled, e.pass_k, iteration)
-        return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=eval_summary(ctx, df, greedy, sampled))
+        summary = {**eval_summary(ctx, df, greedy, sampled), **extra}
+        return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=summary)
 
     inputs = {"weights": weights.fingerprint, "dataset": dataset_fp}
     if ctx.cfg.reward.kind == "model":

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import polars as pl
 
 from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
-from schemas.tables import ROLLOUTS, TURNS
+from schemas.tables import TURNS
 from storage import StageOutput, fingerprint, read_stage, write_stage
 from tasks.engines.launch import WorkerError
 from tasks.engines.resident import close_all
@@ -163,26 +163,23 @@ def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: in
         (df,), resp = generate(ctx, model_path, frame, [job], log_name)
         return df, resp
 
-    def job(n, job_seed):
-        return sampling_job(ctx, n, r.temperature, job_seed, r.top_p)
+    def job_for(job_seed):
+        return sampling_job(ctx, 1, r.temperature, job_seed, r.top_p)
 
-    rows, turns, resp, totals = agent_rollouts.play(ctx, model_path, prompts, seed, name, frames, job)
-    round_ = prompts["round"][0]
-    turns_frame = pl.DataFrame(turns, schema_overrides=TURNS.columns, strict=False).with_columns(*stamp)
+    df, turns, resp, totals = agent_rollouts.play(ctx, model_path, prompts, r.group_size, seed, name, frames, job_for)
+    round_, config_hash = prompts["round"][0], ctx.cfg.section_hash(*SPEC.sections)
     write_stage(
         ctx.layout,
         "turns",
         int(prompts["iteration"][0]),
-        TURNS.validate(turns_frame.select(list(TURNS.columns))),
-        fp=fingerprint("turns", ctx.cfg.section_hash(*SPEC.sections), inputs),
+        TURNS.validate(turns.with_columns(*stamp).select(list(TURNS.columns))),
+        fp=fingerprint("turns", config_hash, inputs),
         inputs=inputs,
-        config_hash=ctx.cfg.section_hash(*SPEC.sections),
+        config_hash=config_hash,
         started=time.time(),
         table=TURNS,
         part=round_,
     )
-    schema = {**ROLLOUTS.columns, **ROLLOUTS.optional}
-    df = pl.DataFrame(rows, schema_overrides={k: v for k, v in schema.items() if k in rows[0]}, strict=False)
     return (
         df,
         resp,
