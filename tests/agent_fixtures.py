@@ -1,5 +1,7 @@
 """A multi-turn task for the end-to-end test (tests/test_agent_e2e.py), in the tiny arithmetic model's alphabet: after
-each answer the environment poses the next sum (each operand one more), three in all; 1 per right answer."""
+each answer the environment poses the next sum (each operand one more), three in all. Each answer earns the share of
+the true sum's digits it gets right in place (partial credit: a group's samples rarely all score the same, which
+dynamic filtering would drop)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ class MoreSums:
         return [{"role": "user", "content": row["text"]}]
 
     def step(self, messages: list[dict]) -> tuple[list[dict], float | None, bool]:
-        right = messages[-1]["content"].strip() == str(self.a + self.b)
+        said, truth = messages[-1]["content"].strip(), str(self.a + self.b)
+        credit = sum(x == y for x, y in zip(said, truth)) / len(truth) if len(said) == len(truth) else 0.0
         if self.posed == self.sums:
-            return [], float(right), True
+            return [], credit, True
         self.a, self.b, self.posed = self.a + 1, self.b + 1, self.posed + 1
-        return [{"role": "user", "content": f"{self.a}+{self.b}="}], float(right), False
+        return [{"role": "user", "content": f"{self.a}+{self.b}="}], credit, False
 
 
 def solved(env_reward=None, **_) -> float:
-    """The right answers of the episode (0 for a single-turn eval, which has no environment)."""
+    """The episode's credit (0 without an environment)."""
     return float(env_reward or 0.0)

@@ -1,6 +1,7 @@
 """Multi-turn rollouts end to end on the tiny SFT model (vLLM, DeepSpeed, Prefect): an environment poses three sums in
 a row. The turns table holds every message; a trajectory's ids are its turns' ids (token in, token out); the trainer
-takes the action mask; SQL reads the turns; scores are recomputed from the saved turns without generating."""
+takes the action mask, and the held-out reward gains; SQL reads the turns; scores are recomputed from the saved turns
+without generating."""
 
 import polars as pl
 
@@ -42,6 +43,8 @@ def test_an_environment_episode_is_rows_of_turns_and_trains(tiny_sft):
         summary = read_manifest(layout, "eval", k)["extra"]
         assert summary["mean_turns"] > 1 and summary["tool_call_rate"] == 0.0, summary
         assert summary["mean_reward"] == summary["mean_env_reward"]
+    start, final = (read_manifest(layout, "eval", k)["extra"]["mean_reward"] for k in (0, 2))
+    assert final > start, (start, final)  # two GRPO iterations on the episodes: the held-out reward gains
     out = rlpipe(
         "sql", "agent", "select role, count(*) as n from turns group by role order by role", "--root",
         str(workspace / "runs"), cwd=workspace,
