@@ -8,7 +8,6 @@ environments.py); a worker that dies is one line naming it, and the stage fails 
 
 from __future__ import annotations
 
-import atexit
 from dataclasses import asdict
 
 from schemas.errors import UserError
@@ -17,7 +16,7 @@ from tasks.agents.contained import contained
 from tasks.agents.tool_calls import ToolCall
 from tasks.agents.tools import Observation, call_tool, load_tools
 from tasks.rewards.loader import FunctionSpec, RewardLoadError
-from tasks.rewards.pool import _WorkerContext
+from tasks.rewards.pool import WorkerContext
 
 
 class AgentWorkerError(UserError, RuntimeError):
@@ -76,7 +75,7 @@ class AgentWorkers:
         tool_timeout_s: float,
         step_timeout_s: float,
     ):
-        ctx = _WorkerContext()
+        ctx = WorkerContext()
         self.conns, self.procs = [], []
         for _ in range(max(1, workers)):
             parent, child = ctx.Pipe()
@@ -87,7 +86,7 @@ class AgentWorkers:
                 env_kwargs,
                 (tool_timeout_s, step_timeout_s),
             )
-            proc = ctx.Process(target=_serve, args=args, daemon=True)
+            proc = ctx.Process(target=_serve, args=args, daemon=True)  # daemonic: ended with the stage's process
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -96,7 +95,6 @@ class AgentWorkers:
             if status == "error":
                 self.close()
                 raise AgentWorkerError(error)
-        atexit.register(self.close)
 
     def _recv(self, conn):
         try:

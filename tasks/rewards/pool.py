@@ -134,7 +134,7 @@ class _WorkerProcess(multiprocessing.context.SpawnProcess):
             sys.modules["__main__"] = main
 
 
-class _WorkerContext(multiprocessing.context.SpawnContext):
+class WorkerContext(multiprocessing.context.SpawnContext):
     # spawn, not fork: the caller is a multi-threaded Prefect process.
     Process = _WorkerProcess
 
@@ -143,7 +143,7 @@ def _pool(workers: int) -> ProcessPoolExecutor:
     global _POOL, _POOL_SIZE
     if _POOL is None or _POOL_SIZE != workers:
         _close()
-        _POOL, _POOL_SIZE = ProcessPoolExecutor(workers, mp_context=_WorkerContext()), workers
+        _POOL, _POOL_SIZE = ProcessPoolExecutor(workers, mp_context=WorkerContext()), workers
     return _POOL
 
 
