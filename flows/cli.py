@@ -367,6 +367,22 @@ def diff(
     _guard(diff_runs, run_a, run_b, stage, iteration, root, limit)
 
 
+@app.command("replay-tools")
+def replay_tools(
+    run_id: str,
+    iteration: int = typer.Option(..., "--iteration"),
+    prompt_id: str = typer.Option(..., "--prompt-id"),
+    sample: int = typer.Option(0, "--sample", help="The sample_idx of the trajectory."),
+    tools: Optional[str] = typer.Option(None, "--tools", help="Read every tool from this file instead."),
+    root: str = typer.Option("runs", "--root"),
+) -> None:
+    """One trajectory's recorded tool calls run again, offline, against the tool code as it is now (or --tools),
+    beside what the model saw. Nothing is generated; the run is not changed."""
+    from tasks.analysis.replay import print_replay, replay_tool_calls
+
+    print_replay(_guard(replay_tool_calls, root, run_id, iteration, prompt_id, sample, tools), Console())
+
+
 @app.command()
 def report(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
     """runs/RUN/report.html: per-iteration plots (PNG) and reward-hacking flags."""

@@ -50,6 +50,8 @@ def test_an_environment_episode_is_rows_of_turns_and_trains(tiny_sft):
         str(workspace / "runs"), cwd=workspace,
     )  # fmt: skip
     assert "assistant" in out.stdout and "user" in out.stdout
+    shown = rlpipe("show", "agent", "--root", str(workspace / "runs"), cwd=workspace)
+    assert "multi-turn rollouts" in shown.stdout
     # Re-score from the saved turns: no generation, the same fingerprints.
     root = str(workspace / "runs")
     rlpipe(

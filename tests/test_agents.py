@@ -401,3 +401,35 @@ def test_the_turn_loop_with_an_environment_sums_its_rewards_and_survives_its_fai
     }
     assert played[0].messages[0] == {"role": "user", "content": "count down from 3"}  # reset replaced the prompt
     assert all(trajectory_reads_as_the_template_writes_it(tok, t) for t in played)
+
+
+def test_replaying_a_trajectorys_tool_calls_against_a_changed_tool(tmp_path, tool_file):
+    import time
+
+    from schemas.config import build_config, dump_config
+    from schemas.tables import TURNS
+    from storage import RunLayout, write_stage
+    from tasks.analysis.replay import replay_tool_calls
+
+    layout = RunLayout(tmp_path / "runs", "r")
+    layout.run_dir.mkdir(parents=True)
+    layout.config_path.write_text(dump_config(build_config({"agent": {"tools": {"add": {"path": tool_file}}}})))
+    row = {"iteration": 1, "round": 0, "prompt_id": "p", "sample_idx": 0, "token_ids": [], "sampler_logprobs": []}
+    turns = pl.DataFrame(
+        [
+            {**row, "turn": 0, "role": "user", "text": "add 2 and 40", "tool_name": None, "tool_arguments": None},
+            {**row, "turn": 1, "role": "tool", "text": "42", "tool_name": "add", "tool_arguments": '{"a": 2, "b": 40}'},
+            {**row, "turn": 2, "role": "tool", "text": "error: bad", "tool_name": "", "tool_arguments": "{x"},
+        ],
+        schema_overrides=TURNS.columns,
+        strict=False,
+    ).with_columns(pl.lit(None, pl.Utf8).alias("error"), pl.lit(0.01).alias("seconds"))
+    write_stage(
+        layout, "turns", 1, TURNS.validate(turns), fp="f", inputs={}, config_hash="", started=time.time(), table=TURNS
+    )
+    same = replay_tool_calls(str(layout.root), "r", 1, "p", 0)
+    assert same.select("tool", "replayed", "same").rows() == [("add", "42", True), ("", None, False)]
+    changed = tmp_path / "changed.py"
+    changed.write_text(TOOLS.replace("return str(a + b)", "return str(a - b)"))
+    replayed = replay_tool_calls(str(layout.root), "r", 1, "p", 0, str(changed))
+    assert replayed.select("replayed", "same").row(0) == ("-38", False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import polars as pl
 from rich.console import Console
 from rich.table import Table
 
@@ -139,6 +140,33 @@ def eval_table(layout) -> Table:
     return table
 
 
+def agent_table(rollouts) -> Table | None:
+    """Multi-turn runs: per iteration, the model's turns, tool calls and their errors per sample, and how the
+    trajectories ended."""
+    if "action_mask" not in rollouts.columns:
+        return None
+    per = (
+        rollouts.group_by("iteration")
+        .agg(
+            pl.col("turns").mean().alias("turns"),
+            pl.col("tool_calls").mean().alias("calls"),
+            (pl.col("tool_errors").sum() / pl.col("tool_calls").sum().clip(1)).alias("call_errors"),
+            pl.col("env_reward").mean().alias("env_reward"),
+            (pl.col("finish_reason") == "max_turns").mean().alias("max_turns"),
+            pl.col("truncated").mean().alias("truncated"),
+            pl.col("agent_error").is_not_null().mean().alias("failed"),
+        )
+        .sort("iteration")
+        .tail(5)
+    )
+    table = Table(title="multi-turn rollouts (means per sample; shares of samples)")
+    for col in ("it", "turns", "calls", "call errors", "env reward", "max turns", "truncated", "failed"):
+        table.add_column(col, justify="right")
+    for row in per.iter_rows():
+        table.add_row(str(row[0]), *("-" if v is None else f"{v:.3g}" for v in row[1:]))
+    return table
+
+
 def show_run(run_id: str, root: str, console: Console, wide: bool = False) -> None:
     layout = RunLayout(Path(root), run_id)
     if not layout.run_dir.is_dir():
@@ -150,4 +178,8 @@ def show_run(run_id: str, root: str, console: Console, wide: bool = False) -> No
     metrics = metrics_table(scan(run_id, "train_metrics", root, verify=True).collect(), wide)
     if metrics is not None:
         out.print(metrics)
+    if "turns" in states:
+        agent = agent_table(scan(run_id, "rollouts", root, verify=True).collect())
+        if agent is not None:
+            out.print(agent)
     out.print(eval_table(layout))
