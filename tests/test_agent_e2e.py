@@ -52,6 +52,8 @@ def test_an_environment_episode_is_rows_of_turns_and_trains(tiny_sft):
     assert "assistant" in out.stdout and "user" in out.stdout
     shown = rlpipe("show", "agent", "--root", str(workspace / "runs"), cwd=workspace)
     assert "multi-turn rollouts" in shown.stdout
+    rlpipe("report", "agent", "--root", str(workspace / "runs"), cwd=workspace)
+    assert (layout.run_dir / "report" / "multi_turn.png").read_bytes()[:4] == b"\x89PNG"
     # Re-score from the saved turns: no generation, the same fingerprints.
     root = str(workspace / "runs")
     rlpipe(

@@ -433,3 +433,31 @@ def test_replaying_a_trajectorys_tool_calls_against_a_changed_tool(tmp_path, too
     changed.write_text(TOOLS.replace("return str(a + b)", "return str(a - b)"))
     replayed = replay_tool_calls(str(layout.root), "r", 1, "p", 0, str(changed))
     assert replayed.select("replayed", "same").row(0) == ("-38", False)
+
+
+def test_multi_turn_figures_per_iteration_by_hand():
+    from tasks.analysis.agent_stats import per_iteration
+
+    rollouts = pl.DataFrame(
+        {
+            "iteration": [1, 1, 2, 2],
+            "action_mask": [[1], [1], [1], [1]],
+            "turns": [1, 3, 2, 2],
+            "tool_calls": [0, 2, 1, 3],
+            "tool_errors": [0, 1, 0, 3],
+            "env_reward": [None, None, 1.0, 0.0],
+            "finish_reason": ["stop", "max_turns", "stop", "length"],
+            "truncated": [False, False, False, True],
+            "agent_error": [None, None, None, "step: boom"],
+        }
+    )
+    got = per_iteration(rollouts).rows(named=True)
+    assert got[0] == {
+        "iteration": 1, "turns": 2.0, "tool_call_rate": 0.5, "calls": 1.0, "call_errors": 0.5, "env_reward": None,
+        "max_turns": 0.5, "truncated": 0.0, "failed": 0.0,
+    }  # fmt: skip
+    assert got[1] == {
+        "iteration": 2, "turns": 2.0, "tool_call_rate": 1.0, "calls": 2.0, "call_errors": 0.75, "env_reward": 0.5,
+        "max_turns": 0.0, "truncated": 0.5, "failed": 0.5,
+    }  # fmt: skip
+    assert per_iteration(rollouts.drop("action_mask")) is None  # single-turn rollouts

@@ -10,6 +10,7 @@ import polars as pl
 
 from schemas.errors import NotFound, UserError
 from storage import RunLayout, read_manifest, scan
+from tasks.analysis.agent_stats import per_iteration
 from tasks.analysis.reward_hacking import Flag, hacking_flags, repetition_rate
 
 # (file stem, title, y label, train_metrics columns): one line per column, x = iteration.
@@ -131,6 +132,16 @@ def write_report(run_id: str, root: str = "runs") -> Path:
         {"repetition_rate": (repetition["iteration"].to_list(), repetition["repetition_rate"].to_list())},
     )
     figures.append(("repetition", "Repetition"))
+    agent = per_iteration(scan(run_id, "rollouts", root, verify=True).collect())
+    if agent is not None:  # a multi-turn run
+        ax = agent["iteration"].to_list()
+        _line_plot(
+            out_dir / "multi_turn.png",
+            "Multi-turn rollouts",
+            "per sample / share",
+            {c: (ax, agent[c].to_list()) for c in ("turns", "tool_call_rate", "call_errors", "truncated", "failed")},
+        )
+        figures.append(("multi_turn", "Multi-turn rollouts: turns, tool use and its errors, endings"))
     seconds = metrics.select("iteration", *[c for c in metrics.columns if c.startswith("seconds_") or c in SUB_TIMERS])
     seconds = seconds.join(evals.select("iteration", "seconds_eval"), on="iteration", how="left")
     _stage_seconds_plot(out_dir / "stage_seconds.png", seconds)

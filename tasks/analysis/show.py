@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import polars as pl
 from rich.console import Console
 from rich.table import Table
 
 from schemas.errors import NotFound
 from storage import RunLayout, read_manifest, scan, verified_parts
+from tasks.analysis.agent_stats import per_iteration
 from tasks.analysis.query import warn_strays
 
 # (train_metrics column, short header) for the 80-column view.
@@ -141,28 +141,17 @@ def eval_table(layout) -> Table:
 
 
 def agent_table(rollouts) -> Table | None:
-    """Multi-turn runs: per iteration, the model's turns, tool calls and their errors per sample, and how the
-    trajectories ended."""
-    if "action_mask" not in rollouts.columns:
+    """Multi-turn runs: the last iterations' turns, tool calls and their errors per sample, and how trajectories
+    ended."""
+    per = per_iteration(rollouts)
+    if per is None:
         return None
-    per = (
-        rollouts.group_by("iteration")
-        .agg(
-            pl.col("turns").mean().alias("turns"),
-            pl.col("tool_calls").mean().alias("calls"),
-            (pl.col("tool_errors").sum() / pl.col("tool_calls").sum().clip(1)).alias("call_errors"),
-            pl.col("env_reward").mean().alias("env_reward"),
-            (pl.col("finish_reason") == "max_turns").mean().alias("max_turns"),
-            pl.col("truncated").mean().alias("truncated"),
-            pl.col("agent_error").is_not_null().mean().alias("failed"),
-        )
-        .sort("iteration")
-        .tail(5)
-    )
+    headers = ("it", "turns", "calls", "call errors", "env reward", "max turns", "truncated", "failed")
     table = Table(title="multi-turn rollouts (means per sample; shares of samples)")
-    for col in ("it", "turns", "calls", "call errors", "env reward", "max turns", "truncated", "failed"):
+    for col in headers:
         table.add_column(col, justify="right")
-    for row in per.iter_rows():
+    shown = ("turns", "calls", "call_errors", "env_reward", "max_turns", "truncated", "failed")
+    for row in per.tail(5).select("iteration", *shown).iter_rows():
         table.add_row(str(row[0]), *("-" if v is None else f"{v:.3g}" for v in row[1:]))
     return table
 
