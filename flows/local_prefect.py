@@ -24,6 +24,8 @@ flow run each; docs/benchmarks.md). Deployed runs (PREFECT_API_URL set, a worker
   run: about 10 s of a command's start. Prefect's "Starting/Stopping temporary server" lines are left out, so that
   bad input is still one line.
 The run's own record is its Parquet stages, manifests and logs, as for every run.
+Imports: Prefect's modules inside the functions: this module sets Prefect's settings, which must happen before Prefect
+is imported.
 """
 
 from __future__ import annotations

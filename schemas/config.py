@@ -3,6 +3,8 @@
 Loaded once from YAML (plus `--set a.b=value` overrides), frozen, and saved resolved as
 `runs/{run_id}/config.yaml`. Every option with a fixed set of values is a `Literal`, so a typo fails at load
 time with a message naming the key, never deep inside a stage.
+Imports: two registries (built-in reward names, estimators' needs) inside the validators: the schemas layer imports
+nothing of tasks at import time (docs/architecture.md, Layout).
 """
 
 from __future__ import annotations

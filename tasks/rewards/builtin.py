@@ -5,6 +5,7 @@ docs/train-your-own-model.md): the response, the ground truth, the prompt as tex
 length, the generation limit, every other column of the dataset, and the entry's `kwargs` from the config. A function
 takes the ones it names (or all, with **kwargs) and returns a number, so it can be debugged on one sample:
 `accuracy(response="95.0", ground_truth="95")`.
+Imports: math-verify inside `accuracy` (it loads sympy): only runs that score with it pay for it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The Prefect artifact of one iteration: its metrics, its reward distribution and three sample rollouts
-(markdown). They show in the Prefect UI on the iteration's flow run; the data stays in Parquet."""
+(markdown). They show in the Prefect UI on the iteration's flow run; the data stays in Parquet.
+Imports: Prefect's artifacts inside the task (the module is imported by the CLI's checks too)."""
 
 from __future__ import annotations
 

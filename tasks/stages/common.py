@@ -1,4 +1,5 @@
-"""What every stage task shares: the run context and the skip-or-compute-then-write runner."""
+"""What every stage task shares: the run context and the skip-or-compute-then-write runner.
+Imports: the LoRA merge (peft) only when a checkpoint is exported merged."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Everything that can be checked before an engine starts, so that bad input fails in seconds with one line: the
 model folder and its tokenizer, the data files (read, mapped, formatted and tokenized: the `dataset` and `sft_data`
 stages run here, and a restart skips them), the reward functions against the dataset's columns, and the context
-window. A built-in example task first writes its files."""
+window. A built-in example task first writes its files.
+Imports: the LoRA check (peft, 4.5 s) and the agent section's loaders (transformers, 0.9 s) are imported only for runs
+that use them."""
 
 from __future__ import annotations
 

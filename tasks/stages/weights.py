@@ -1,4 +1,5 @@
-"""Which weights a stage uses: the policy of iteration k is the checkpoint of k−1, or the starting model."""
+"""Which weights a stage uses: the policy of iteration k is the checkpoint of k−1, or the starting model.
+Imports: `export_run` imports the stage helpers and the LoRA module (peft) only for `rlpipe export`."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ what a fresh load would give. An engine built ahead from a model folder (a warm 
 for that folder, unchanged since (its id and its weight files' time), with a fresh optimizer and the same settings.
 Any other request (another checkpoint, a rewind, a resumed run after a crash, a failed update) loads from disk.
 An engine is taken out of the cache while it trains, so a failure halfway leaves nothing stale behind.
+Imports: the LoRA module (peft) only for adapter checkpoints.
 """
 
 from __future__ import annotations

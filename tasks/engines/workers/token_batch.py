@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tasks.engines.workers.data_parallel import map_in_order
+
 
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     """Return input_ids (N, L), attention_mask (N, L) and response_mask (N, L−1)."""
@@ -282,9 +284,6 @@ def batched(fn, prompts: list[list[int]], responses: list[list[int]], pad_id: in
     """fn(input_ids, attention_mask, response_mask, prompt_lens, response_lens) over micro-batches of the sequences,
     without gradients; the per-sequence results concatenated in order. With several trainer ranks the micro-batches
     are shared among them and every rank gets all the results (tasks/engines/workers/data_parallel.py)."""
-    import torch
-
-    from tasks.engines.workers.data_parallel import map_in_order
 
     def one(idx: list[int]) -> list:
         p, r = [prompts[i] for i in idx], [responses[i] for i in idx]
@@ -307,7 +306,6 @@ def batched_responses(
     """Per-token logprobs and entropies (empty lists without) of every sample, in order, computed without gradients on
     shared-prefix micro-batches of whole groups (shared among the trainer ranks as `batched` does). `totals` gets this
     rank's forward counts (`forward_*`)."""
-    from tasks.engines.workers.data_parallel import map_in_order
 
     def one(idx: list[int]) -> list:
         batch = pack_shared([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)

@@ -8,15 +8,16 @@ that made generation 4× slower than without an adapter (79 s against 20 s for 1
 multiplied by its adapter's matrices once: the same products (up to float summation order), computed in the same
 process before the engine starts. Indices that do not match the input rows (vLLM-CPU's LoRA prompt-logprobs path, which
 fails there) go to vLLM's own function unchanged.
+Imports: vLLM's LoRA ops inside `install`, which the vLLM worker calls once vLLM is loaded with its settings.
 """
 
 from __future__ import annotations
 
+import torch
+
 
 def grouped_products(inputs, weights, indices, dtype):
     """out[t] = weights[indices[t]] @ inputs[t] for every row t: (T, out), one matmul per distinct index."""
-    import torch
-
     w = weights.squeeze(1) if weights.dim() == 4 else weights  # (adapters, out, in)
     x = inputs.to(dtype)
     distinct = torch.unique(indices)
