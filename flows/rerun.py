@@ -179,13 +179,15 @@ def recompute(root: str, run_id: str, stage: str, iteration: int) -> list:
 
     graph = _stages()
     spec = graph.stage(stage)
+    tables = [table for table, _ in graph.fingerprint_parameters(spec).values()]
+    per_round_tables = {t for t in tables if graph.stage(t).scope == "round"}
     fingerprints = {
-        table: upstream_part_fingerprints(root, run_id, table, iteration)
-        if graph.stage(table).scope == "round"
-        else [upstream_fingerprint(root, run_id, table, iteration)]
-        for table, _ in graph.fingerprint_parameters(spec).values()
+        t: upstream_part_fingerprints(root, run_id, t, iteration)
+        if t in per_round_tables
+        else [upstream_fingerprint(root, run_id, t, iteration)]
+        for t in tables
     }
-    rounds = max((len(fps) for t, fps in fingerprints.items() if graph.stage(t).scope == "round"), default=1)
+    rounds = max((len(fingerprints[t]) for t in per_round_tables), default=1)
     per_round = range(rounds) if spec.scope == "round" else [rounds - 1]
     try:
         return [spec.task.fn(**graph.task_arguments(spec, root, run_id, iteration, r, fingerprints)) for r in per_round]

@@ -14,6 +14,7 @@ model's own turns are only ever what it sampled.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -33,9 +34,15 @@ class Step:
     seconds: float
 
 
+def environment_spec(agent) -> FunctionSpec | None:
+    """The agent section's environment class (`AgentConfig.environment`), as `load_environment` takes it."""
+    e = agent.environment
+    return FunctionSpec("environment", e.path, e.module, e.function, kind="environment") if e else None
+
+
 def load_environment(spec: FunctionSpec):
     """The environment class a spec names (`path` or `module`, and `function`: the class's name)."""
-    return load_function(FunctionSpec(spec.name, spec.path, spec.module, spec.function, kind="environment"))
+    return load_function(dataclasses.replace(spec, kind="environment"))
 
 
 def _checked_messages(messages, what: str) -> list[dict]:

@@ -11,6 +11,7 @@ Imports: transformers inside `load_tool` (see there).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass
@@ -40,14 +41,19 @@ class Observation:
     seconds: float
 
 
+def tool_specs(agent) -> list[FunctionSpec]:
+    """The agent section's tools (`AgentConfig.tools`), as the loaders take them."""
+    return [FunctionSpec(name, t.path, t.module, t.function, kind="tool") for name, t in agent.tools.items()]
+
+
 def load_tool(spec: FunctionSpec) -> Tool:
     """The tool a spec names (`path` or `module`, and `function`, defaulting to its name), with its schema."""
-    # transformers (0.9 s of imports) only where tools are described: the Prefect process never imports it.
+    # transformers (0.9 s of imports) only in the processes that describe tools, and only in runs that have some.
     from transformers.utils import get_json_schema
     from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
     try:
-        fn = load_function(FunctionSpec(spec.name, spec.path, spec.module, spec.function, kind="tool"))
+        fn = load_function(dataclasses.replace(spec, kind="tool"))
     except RewardLoadError as exc:  # the reward functions' loader, whose errors already name the tool
         raise ToolLoadError(str(exc)) from None
     try:

@@ -49,7 +49,7 @@ def _serve(conn, tool_specs: list[dict], env_spec: dict | None, env_kwargs: dict
                 out.append(environments.reset(made, row, step_timeout))
         elif op == "step":
             out = [environments.step(episodes[key], messages, step_timeout) for key, messages in items]
-        elif op == "tools":
+        else:  # "tools"
             out = [
                 [
                     Observation(f"error: {c.error}", c.error, 0.0)
@@ -59,9 +59,6 @@ def _serve(conn, tool_specs: list[dict], env_spec: dict | None, env_kwargs: dict
                 ]
                 for _, calls in items
             ]
-        else:  # "end": the episodes of a finished rollout
-            episodes.clear()
-            out = []
         conn.send(("ok", out))
 
 

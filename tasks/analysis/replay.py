@@ -5,6 +5,7 @@ what the model saw. For debugging a tool: nothing is generated and nothing in th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,8 +17,7 @@ from rich.table import Table
 from schemas.config import build_config
 from schemas.errors import NotFound
 from storage import RunLayout, read_stage
-from tasks.agents.tools import call_tool, load_tools
-from tasks.rewards.loader import FunctionSpec
+from tasks.agents.tools import call_tool, load_tools, tool_specs
 
 
 def replay_tool_calls(
@@ -37,12 +37,9 @@ def replay_tool_calls(
     )
     if turns.is_empty():
         raise NotFound(f"run {run_id!r} iteration {iteration}: sample {prompt_id}/{sample_idx} made no tool call")
-    specs = [
-        FunctionSpec(name, tools_file, None, t.function, kind="tool")
-        if tools_file
-        else FunctionSpec(name, t.path, t.module, t.function, kind="tool")
-        for name, t in agent.tools.items()
-    ]
+    specs = tool_specs(agent)
+    if tools_file:
+        specs = [dataclasses.replace(s, path=tools_file, module=None) for s in specs]
     tools = load_tools(specs)
     rows = []
     for row in turns.iter_rows(named=True):

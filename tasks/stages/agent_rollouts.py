@@ -7,20 +7,11 @@ from __future__ import annotations
 import polars as pl
 
 from schemas.tables import LIST_I32, ROLLOUTS, TURNS
+from tasks.agents.environments import environment_spec
 from tasks.agents.rollout_loop import LoopSettings, Sampled, Trajectory, run_episodes
-from tasks.agents.tools import load_tools
+from tasks.agents.tools import load_tools, tool_specs
 from tasks.agents.workers import AgentWorkers
 from tasks.data.formatting import load_tokenizer
-from tasks.rewards.loader import FunctionSpec
-
-
-def tool_specs(agent) -> list[FunctionSpec]:
-    return [FunctionSpec(name, t.path, t.module, t.function, kind="tool") for name, t in agent.tools.items()]
-
-
-def environment_spec(agent) -> FunctionSpec | None:
-    e = agent.environment
-    return FunctionSpec("environment", e.path, e.module, e.function, kind="environment") if e else None
 
 
 def play(

@@ -21,7 +21,7 @@ from tasks.stages import agent_rollouts
 from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
 from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.prompts import split_of
-from tasks.stages.rollouts import generate, sampling_job
+from tasks.stages.rollouts import generate, one_job, sampling_job
 from tasks.stages.scores import add_model_score, reward_model_scores
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint, weights_after
@@ -105,29 +105,14 @@ def eval_summary(ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sample
 def episodes(ctx: RunContext, model_path: str, held_out: pl.DataFrame, name: str):
     """The agent section's eval: a greedy episode and eval.samples sampled ones per held-out prompt, played as in
     training and judged with their turns; the greedy episodes' turns, tool calls and their errors summarized."""
-    e = ctx.cfg.eval
-
-    def frames(frame, job, log_name):
-        (df,), resp = generate(ctx, model_path, frame, [job], log_name)
-        return df, resp
-
-    plays = [
-        agent_rollouts.play(
-            ctx,
-            model_path,
-            held_out,
-            n,
-            seed,
-            f"{name}-{which}",
-            frames,
-            lambda s, temperature=temperature: sampling_job(ctx, 1, temperature, s),
-        )  # fmt: skip
-        for which, n, temperature, seed in (
-            ("greedy", 1, 0.0, ctx.cfg.seed),
-            ("sampled", e.samples, e.temperature, ctx.cfg.seed + 1),
-        )
-    ]
-    (greedy, greedy_turns, resp, _), (sampled, sampled_turns, _, _) = plays
+    e, frames, seed = ctx.cfg.eval, one_job(ctx, model_path), ctx.cfg.seed
+    greedy, greedy_turns, resp, _ = agent_rollouts.play(
+        ctx, model_path, held_out, 1, seed, f"{name}-greedy", frames, lambda s: sampling_job(ctx, 1, 0.0, s)
+    )
+    sampled, sampled_turns, _, _ = agent_rollouts.play(
+        ctx, model_path, held_out, e.samples, seed + 1, f"{name}-sampled", frames,
+        lambda s: sampling_job(ctx, 1, e.temperature, s),
+    )  # fmt: skip
     greedy = judged(ctx, greedy, held_out, f"{name}-rm-greedy", greedy_turns)
     sampled = judged(ctx, sampled, held_out, f"{name}-rm-sampled", sampled_turns)
     calls = int(greedy["tool_calls"].sum())

@@ -49,10 +49,9 @@ def check_agent(cfg, model_path: str, max_prompt: int) -> None:
     trajectory fits the model's context."""
     if not cfg.agent.enabled:
         return
-    from tasks.agents.environments import load_environment
-    from tasks.agents.tools import load_tools
+    from tasks.agents.environments import environment_spec, load_environment
+    from tasks.agents.tools import load_tools, tool_specs
     from tasks.data.formatting import load_tokenizer
-    from tasks.stages.agent_rollouts import environment_spec, tool_specs
 
     load_tools(tool_specs(cfg.agent))
     if cfg.agent.environment is not None:

@@ -154,18 +154,25 @@ def merge_engine_responses(resps: list[dict]) -> dict:
     }
 
 
+def one_job(ctx: RunContext, model_path: str):
+    """`generate` for one job, as the multi-turn loop calls it each turn: (frame, job, log name) → (frame, response)."""
+
+    def frames(frame: pl.DataFrame, job: dict, log_name: str):
+        (df,), resp = generate(ctx, model_path, frame, [job], log_name)
+        return df, resp
+
+    return frames
+
+
 def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: int, name: str, stamp, inputs: dict):
     """The agent section's trajectories; their `turns` rows are written first (the rollouts manifest, written last,
     marks both complete). Returns the rollout rows, the first turn's engine response and the generation totals."""
     r = ctx.cfg.rollout
 
-    def frames(frame, job, log_name):
-        (df,), resp = generate(ctx, model_path, frame, [job], log_name)
-        return df, resp
-
     def job_for(job_seed):
         return sampling_job(ctx, 1, r.temperature, job_seed, r.top_p)
 
+    frames = one_job(ctx, model_path)
     df, turns, resp, totals = agent_rollouts.play(ctx, model_path, prompts, r.group_size, seed, name, frames, job_for)
     round_, config_hash = prompts["round"][0], ctx.cfg.section_hash(*SPEC.sections)
     write_stage(
