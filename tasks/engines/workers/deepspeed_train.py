@@ -40,6 +40,7 @@ from tasks.engines.workers.training import (
     deepspeed_engine,
     save_checkpoint,
     supervised_steps,
+    unreported_grad_norm,
 )
 
 
@@ -142,6 +143,7 @@ class _Update:
         self.totals: dict[str, float] = {}
         self.counts: dict[str, float] = {}  # what the forward passes computed (token_batch.count_into), summed
         self.seconds = dict.fromkeys(("forward", "backward", "step"), 0.0)  # this rank's, for the per-rank timings
+        self.grad_norm: float | None = None  # the last step's, where DeepSpeed reports none (unreported_grad_norm)
 
     def add(self, key: str, value) -> None:
         self.totals[key] = self.totals.get(key, 0.0) + float(value)
@@ -197,6 +199,8 @@ class _Update:
         t1 = time.time()
         engine.backward(total, scale_wrt_gas=False)
         t2 = time.time()
+        if engine.is_gradient_accumulation_boundary():
+            self.grad_norm = unreported_grad_norm(engine)
         engine.step()
         self._time(forward=t1 - t0, backward=t2 - t1, step=time.time() - t2)
         for key, v in sums.items():
@@ -264,6 +268,7 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
                 )  # one rank dies, the rest mid-step
             steps += 1
             gn = engine.get_global_grad_norm()
+            gn = update.grad_norm if gn is None else gn  # ZeRO stage 0 in fp32: the trainer's own
             if gn is not None:
                 grad_norms.append(float(gn))
     seconds = time.time() - t0

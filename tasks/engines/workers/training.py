@@ -57,6 +57,20 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     return engine, optimizer
 
 
+def unreported_grad_norm(engine) -> float | None:
+    """The 2-norm of the gradients an optimizer step is about to apply (before clipping), where DeepSpeed keeps none:
+    at ZeRO stage 0 in fp32 it clips with torch's clip_grad_norm_ and drops the norm it computed, so its
+    get_global_grad_norm() stays None. Call it at an accumulation boundary after the backward pass, when every rank
+    holds the gradients averaged over the ranks: the local norm is the global one. None where DeepSpeed reports its
+    own (ZeRO 1-3, bf16)."""
+    import torch
+
+    if engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+
 def check_saved_world(resume_state: str, zero_stage: int) -> None:
     """ZeRO's optimizer state is saved one partition per rank: resuming it needs as many ranks as saved it."""
     from tasks.engines.workers.engine_cache import read_state
