@@ -210,8 +210,9 @@ def run() -> list[dict]:
                 **{f"{s}_gflop_s": flops[s] / seconds[s] / 1e9 for s in flops},
             }
         )
-    print(pl.DataFrame(rows))
-    print(overhead_breakdown(layout, ends))
+    with pl.Config(tbl_rows=-1, fmt_str_lengths=60, tbl_width_chars=120):  # every row of the breakdown, unabridged
+        print(pl.DataFrame(rows))
+        print(overhead_breakdown(layout, ends))
     fraction = {s: totals[f"{s}_flops"] / totals[f"{s}_s"] / peak for s in ("rollout", "logprobs", "update")}
     overhead = 1 - totals["engine_s"] / totals["wall"]
     print(
