@@ -3,7 +3,7 @@ GRPO 16 prompts × 8 samples, 10 iterations, the demo's reward file), once train
 rate and once with `lora.rank` set at the learning rate LoRA wants (LORA below), each `rlpipe run` in its own process,
 one after the other (two 2-thread processes on 2 cores would slow each other).
 
-Rows (ratio: rlpipe-with-LoRA's advantage, greater is better):
+Rows (ratio: the LoRA side's value over full training's; smaller is better for memory, sync and seconds):
 - lora_trainer_memory_ratio: the resident trainer's peak resident memory (train_metrics.trainer_peak_rss_gib, the
   largest over the iterations), LoRA over full;
 - lora_sync_vs_full: seconds to bring the sampler to the new weights (weight_sync_seconds, mean over iterations 2..N),
