@@ -623,6 +623,12 @@ class EnginesConfig(Section):
         description="Keep the DeepSpeed engines and the reference in one process across iterations; false starts a "
         "worker process per logprobs and optimize stage that loads everything from disk.",
     )
+    defer_optimizer_state: bool = Field(
+        True,
+        description="The resident trainer (one rank) answers an update once its weights are written and writes the "
+        "DeepSpeed optimizer state while the next stages run; a command stopped before it is done redoes that update. "
+        "false: the state is written before the optimize stage completes.",
+    )
     agent_workers: int = Field(
         2, ge=1, le=64, description="Processes that run the agent section's tools and environment episodes."
     )

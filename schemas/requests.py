@@ -232,6 +232,9 @@ class UpdateRequest:
     critic: CriticRequest | None
     ptx: PtxRequest | None
     crash_point: str
+    # Where the caller commits tmp_dir. Given, a resident trainer with one rank answers once the weights are written and
+    # writes the optimizer state into that folder while the next stages run (tasks/engines/workers/deferred_state.py).
+    final_dir: str = ""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ and check that every complete stage is untouched.
 
 The points: every stage, after its Parquet part is in place and before its manifest; `optimize`, inside the
 DeepSpeed worker after the new weights are saved and before the optimizer state is; `optimize:K:rankR`, trainer rank
-R alone (SIGKILL of that one process) after its first micro-step of iteration K's update, the others mid-step.
+R alone (SIGKILL of that one process) after its first micro-step of iteration K's update, the others mid-step;
+`optimize:K:state`, the resident trainer after update K is marked complete and before its optimizer state, written
+after the answer, is moved into the checkpoint (tasks/engines/workers/deferred_state.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import pytest
 
 from storage import RunLayout, read_manifest
 from storage.crash import CRASH_ENV
+from tasks.engines.workers.engine_cache import state_pending
 from tasks.stages import graph
 from tests.conftest import ROOT, read_table, rlpipe, run_until_killed, write_rankings
 
@@ -18,16 +19,19 @@ pytestmark = pytest.mark.e2e
 
 
 def complete_digest(layout: RunLayout) -> dict[str, str]:
-    """sha256 of every file of every complete stage-iteration, and of every committed checkpoint."""
+    """sha256 of every file of every complete stage-iteration, and of every committed checkpoint. An update whose
+    checkpoint's optimizer state is still pending (its command stopped while the trainer wrote it) is not complete:
+    the next command redoes it."""
     out = {}
+    pending = {it for it in layout.checkpoint_iterations() if state_pending(str(layout.checkpoint_dir(it)))}
     for stage in layout.stages():
         for it in layout.iterations(stage):
-            if read_manifest(layout, stage, it, verify=False) is None:
+            if read_manifest(layout, stage, it, verify=False) is None or (stage == "train_metrics" and it in pending):
                 continue
             for f in sorted(layout.stage_dir(stage, it).iterdir()):
                 if not f.name.startswith("."):
                     out[f"{stage}/{it}/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
-    for it in layout.checkpoint_iterations():
+    for it in set(layout.checkpoint_iterations()) - pending:
         for f in sorted(layout.checkpoint_dir(it).rglob("*")):
             if f.is_file():
                 out[str(f.relative_to(layout.run_dir))] = hashlib.sha256(f.read_bytes()).hexdigest()
@@ -36,7 +40,8 @@ def complete_digest(layout: RunLayout) -> dict[str, str]:
 
 # Crash once inside each stage, in order, resuming each time: iteration 1's rollouts, scores, logprobs and
 # advantages are each killed after their Parquet part is written and before the manifest; optimize is
-# killed inside the DeepSpeed worker with new weights saved and the optimizer state not.
+# killed inside the DeepSpeed worker with new weights saved and the optimizer state not; `optimize:2:state` after
+# update 2 is marked complete and before the resident trainer has put its optimizer state in place (at the run's end).
 CRASHES = [("rollouts", 1), ("scores", 1), ("logprobs", 1), ("advantages", 1), ("optimize", 1), ("optimize", 2)]
 
 
@@ -56,9 +61,17 @@ def test_sigkill_inside_each_stage_then_resume(tiny_sft):
         after = complete_digest(layout)
         assert {k: after.get(k) for k in done_before} == done_before, f"complete files changed by the crash in {stage}"
     done_before = complete_digest(layout)
+    run_until_killed(workspace, cfg, "crashy", "optimize:2:state")
+    ckpt = layout.checkpoint_dir(2)
+    assert layout.manifest_path("train_metrics", 2).exists() and state_pending(str(ckpt))
+    assert not (ckpt / "ds_state").exists() and (ckpt.with_name(ckpt.name + ".state-tmp") / "ds_state").exists()
+    weights = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
     rlpipe("run", str(cfg), "--run-id", "crashy", cwd=workspace)
     after = complete_digest(layout)
     assert {k: after.get(k) for k in done_before} == done_before  # completed stages were skipped, files untouched
+    # The update redone from state 1 (the optimizer state it lost needs it) gives the same weights
+    assert after["checkpoints/iter=00002/model.safetensors"] == weights and (ckpt / "ds_state").is_dir()
+    assert not state_pending(str(ckpt)) and not ckpt.with_name(ckpt.name + ".state-tmp").exists()
     summary = json.loads(layout.summary_path.read_text())
     assert summary["iterations"] == 2 and summary["eval_prompts"] == 32
     assert layout.checkpoint_iterations() == [1, 2] and layout.iterations("train_metrics") == [1, 2]

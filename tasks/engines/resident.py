@@ -183,23 +183,27 @@ class ResidentProcess:
         return resp
 
     def close(self) -> None:
-        self.request_shutdown()
+        error = self.request_shutdown()
         self.wait_ended()
+        if error:
+            raise WorkerError(error)
 
-    def request_shutdown(self) -> None:
-        """Ask the server to end (it answers, then exits), or kill it if it was spawned early and never asked anything:
-        no shutdown message reaches it."""
+    def request_shutdown(self) -> str | None:
+        """Ask the server to end (it finishes what it still writes, answers, then exits), or kill it if it was spawned
+        early and never asked anything: no shutdown message reaches it. Returns the server's error line, if what it
+        finished failed."""
         if self.conn is None:
             for proc in self.procs:
                 proc.kill()
-            return
+            return None
         try:
             self.conn.send({"shutdown": True})
-            self.conn.recv()
+            resp = self.conn.recv()
         except (EOFError, OSError):
-            pass
+            resp = {}
         self.conn.close()
         self.conn = None
+        return f"{self.name} failed at its shutdown: {resp['error']} [log: {self.log}]" if "error" in resp else None
 
     def wait_ended(self) -> None:
         for proc in self.procs:
@@ -239,10 +243,11 @@ def close_all() -> None:
     """End every server, all asked first and then waited for, so that their exits overlap."""
     servers = list(_PROCESSES.values())
     _PROCESSES.clear()
-    for server in servers:
-        server.request_shutdown()
+    errors = [error for server in servers if (error := server.request_shutdown())]
     for server in servers:
         server.wait_ended()
+    if errors:
+        raise WorkerError(errors[0])
 
 
 def close_held() -> None:
@@ -279,6 +284,8 @@ def serve_main(make_answer: Callable[[object], Callable[[dict], dict]], warm: Ca
     socket exists, so the client's wait covers it), then answer messages until `shutdown` or the parent dies.
     `warm` is what a held server does before its settings come: the imports.
     A failed request is reported to the client as one line; a single-process server keeps serving.
+    `answer.finish`, where the answering function has one, is called before a shutdown is acknowledged and when the
+    client is gone: what the server still writes after its answers (the trainer's optimizer state).
 
     With several ranks (WORLD_SIZE > 1) rank 0 owns the socket and broadcasts each message to the others, which
     answer it too (they hold their share of the engines) and drop their answer. A failure on any rank ends that
@@ -301,13 +308,23 @@ def serve_main(make_answer: Callable[[object], Callable[[dict], dict]], warm: Ca
         _exit_without_teardown()
         return
     authkey = bytes.fromhex(os.environ["RLPIPE_AUTHKEY"])
+    finish = getattr(answer, "finish", lambda: None)
     with Listener(socket_path, family="AF_UNIX", authkey=authkey) as listener, listener.accept() as conn:
         while True:
-            msg = conn.recv()
+            try:
+                msg = conn.recv()
+            except EOFError:  # the client is gone: what the last answer left to write is still written
+                finish()
+                raise
             if world > 1:
                 broadcast(msg)
             if msg.get("shutdown"):
-                conn.send({"ok": True})
+                try:
+                    finish()
+                    conn.send({"ok": True})
+                except Exception as exc:
+                    traceback.print_exc()
+                    conn.send({"error": f"{type(exc).__name__}: {exc}"})
                 break
             try:
                 resp = answer(msg)

@@ -75,8 +75,10 @@ def run_stage(
     compute: Callable[[], Computed],
     part: int = 0,
     salt: str = "",
+    recompute: bool = False,
 ) -> StageOutput:
-    """Skip the stage if its part is complete with the same fingerprint; otherwise compute and write it.
+    """Skip the stage if its part is complete with the same fingerprint (unless `recompute`: an output beside the
+    table is known incomplete); otherwise compute and write it.
 
     The fingerprint covers the stage name, the config sections it declares (plus `salt`, e.g. a hash of
     reward-function code) and the fingerprints of its inputs.
@@ -84,7 +86,7 @@ def run_stage(
     stage = ctx.spec.name
     config_hash = ctx.cfg.section_hash(*ctx.spec.sections) + salt
     fp = fingerprint(stage, config_hash, inputs)
-    done = find_complete(ctx.layout, stage, iteration, fp, part)
+    done = None if recompute else find_complete(ctx.layout, stage, iteration, fp, part)
     if done is not None:
         return done
     started = time.time()

@@ -17,6 +17,8 @@ from schemas.requests import CriticRequest, EngineSettings, LossSettings, PtxReq
 from storage import StageOutput, commit_dir, read_manifest, read_stage, temp_dir_for
 from tasks.algos.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
 from tasks.engines.trainer_client import call_trainer
+from tasks.engines.workers.deferred_state import staging_dir
+from tasks.engines.workers.engine_cache import state_pending
 from tasks.engines.workers.lora import describe, is_adapter
 from tasks.stages.common import (
     Computed,
@@ -146,8 +148,10 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         masked = float((samples["loss_mask"] == 0).mean())
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = temp_dir_for(final)
+        shutil.rmtree(staging_dir(str(final)), ignore_errors=True)  # a stopped command's unpublished optimizer state
         prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
-        if prev_state and not Path(prev_state).exists():
+        # A pending state is being written by this run's trainer, which finishes it before it takes this request.
+        if prev_state and not Path(prev_state).exists() and not state_pending(policy.path):
             raise NotFound(
                 f"the optimizer state of checkpoint {policy.version} was removed (engines.keep_optimizer_states="
                 f"{ctx.cfg.engines.keep_optimizer_states}): iteration {iteration} cannot be redone from it"
@@ -167,6 +171,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
             critic=critic_request(ctx, iteration, tmp),
             ptx=PtxRequest(lc.ptx_coef, lc.ptx_batch, str(ptx_file(ctx))) if lc.ptx_coef else None,
             crash_point=f"optimize:{iteration}",
+            final_dir=str(final) if ctx.cfg.engines.defer_optimizer_state else "",
         )
         resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"optimize-{iteration:05d}")
         commit_dir(tmp, final)
@@ -211,6 +216,9 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         salt=f"beta={beta:.12g}",
         compute=compute,
         inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint, "ptx": ptx_fp},
+        # A command stopped while its trainer wrote this update's optimizer state (tasks/engines/workers/
+        # deferred_state.py): the update is redone from the state before it, which gives the same weights.
+        recompute=state_pending(str(ctx.layout.checkpoint_dir(iteration))),
     )
 
 

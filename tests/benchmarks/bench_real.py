@@ -14,9 +14,15 @@ seconds, as a fraction of that peak:
   trainer reports (`logprobs_forward_*`);
 - optimize: the update's forward and backward (`update_*`), over `seconds_forward_backward`.
 
-Rows: real_rollout_peak_fraction, real_logprobs_peak_fraction, real_optimize_peak_fraction (ratio: the fraction),
-real_padding_fraction (computed positions that are padding, trainer passes), real_iteration_overhead (the fraction of an
-iteration outside generation, forward and backward passes) and real_samples_per_s.
+Two runs, one after the other: `rlpipe run`'s own settings, then a baseline with `engines.defer_optimizer_state=false`
+(each update's DeepSpeed state written before its optimize stage completes, instead of while the next rollouts run).
+Their breakdowns of an iteration are printed side by side.
+
+Rows (from the first run): real_rollout_peak_fraction, real_logprobs_peak_fraction, real_optimize_peak_fraction
+(ratio: the fraction), real_padding_fraction (computed positions that are padding, trainer passes),
+real_iteration_overhead (the fraction of an iteration outside generation, forward and backward passes),
+real_samples_per_s; and real_deferred_state_samples_per_s, samples/s over the baseline's (a state writer that slowed the
+next generation down would show here, where the overhead row would count it as generation).
 """
 
 from __future__ import annotations
@@ -135,7 +141,9 @@ def overhead_breakdown(layout, ends: list[float]) -> pl.DataFrame:
                 "logprobs: rest": walls.pop("logprobs") - m["seconds_logprobs_forward"],
                 "optimize: forward+backward": m["seconds_forward_backward"],
                 "optimize: trainer rest (load, prepare)": m["seconds_optimize"] - m["seconds_forward_backward"],
-                "optimize: checkpoint (weights, probe, optimizer state)": m["seconds_save_checkpoint"],
+                "optimize: checkpoint before the answer (weights, probe; state unless deferred)": m[
+                    "seconds_save_checkpoint"
+                ],
                 "optimize: client rest (frame, commit, metrics)": optimize
                 - m["seconds_optimize"]
                 - m["seconds_save_checkpoint"],
@@ -147,39 +155,14 @@ def overhead_breakdown(layout, ends: list[float]) -> pl.DataFrame:
     return means.transpose(include_header=True, header_name="seconds per iteration", column_names=["mean"])
 
 
-def run() -> list[dict]:
-    from schemas.config import load_config
+def measure(shapes: dict, run_id: str, overrides: list[str]) -> tuple[dict, pl.DataFrame]:
+    """A fresh run of ITERATIONS demo iterations: (totals over iterations 2..N, the breakdown of one iteration)."""
     from storage import read_stage
     from tests.benchmarks.trl_match import run_iterations
 
-    cfg = load_config(CONFIG)
-    shapes = model_shapes(cfg.model.path)
-    print(
-        f"real: {cfg.model.path}: decoder weights {shapes['layer_weights'] / 1e6:.1f}M, output layer "
-        f"{shapes['head_weights'] / 1e6:.1f}M"
-    )
-    peak = gemm_peak(shapes)
-    print(f"real: fp32 matmul at the model's GEMM shapes: {peak / 1e9:.1f} GFLOP/s (the limit below)")
-    layout, ends = run_iterations(CONFIG, [f"storage_root={ROOT}"], "real", ITERATIONS)
-    rows, totals = (
-        [],
-        dict.fromkeys(
-            (
-                "rollout_flops",
-                "rollout_s",
-                "logprobs_flops",
-                "logprobs_s",
-                "update_flops",
-                "update_s",
-                "engine_s",
-                "wall",
-                "samples",
-                "padding",
-                "positions",
-            ),
-            0.0,
-        ),
-    )
+    layout, ends = run_iterations(CONFIG, [f"storage_root={ROOT}", *overrides], run_id, ITERATIONS)
+    keys = ("rollout_flops", "rollout_s", "logprobs_flops", "logprobs_s", "update_flops", "update_s")
+    rows, totals = [], dict.fromkeys((*keys, "engine_s", "wall", "samples", "padding", "positions"), 0.0)
     for k in range(2, ITERATIONS + 1):
         m = read_stage(layout, "train_metrics", k).row(0, named=True)
         flops = {
@@ -210,25 +193,55 @@ def run() -> list[dict]:
                 **{f"{s}_gflop_s": flops[s] / seconds[s] / 1e9 for s in flops},
             }
         )
-    with pl.Config(tbl_rows=-1, fmt_str_lengths=60, tbl_width_chars=120):  # every row of the breakdown, unabridged
+    with pl.Config(tbl_rows=-1, tbl_width_chars=120):
+        print(f"real {run_id}:")
         print(pl.DataFrame(rows))
-        print(overhead_breakdown(layout, ends))
+    return totals, overhead_breakdown(layout, ends)
+
+
+def run() -> list[dict]:
+    from schemas.config import load_config
+
+    cfg = load_config(CONFIG)
+    shapes = model_shapes(cfg.model.path)
+    print(
+        f"real: {cfg.model.path}: decoder weights {shapes['layer_weights'] / 1e6:.1f}M, output layer "
+        f"{shapes['head_weights'] / 1e6:.1f}M"
+    )
+    peak = gemm_peak(shapes)
+    print(f"real: fp32 matmul at the model's GEMM shapes: {peak / 1e9:.1f} GFLOP/s (the limit below)")
+    # The same run as `rlpipe run` makes it, then a baseline with the update's optimizer state written before the
+    # optimize stage completes (instead of while the next rollouts run): one after the other, never side by side.
+    totals, breakdown = measure(shapes, "real", [])
+    base_totals, base_breakdown = measure(shapes, "real-state-first", ["engines.defer_optimizer_state=false"])
+    with pl.Config(tbl_rows=-1, fmt_str_lengths=60, tbl_width_chars=120):  # every row of the breakdown, unabridged
+        print(
+            breakdown.rename({"mean": "rlpipe"}).join(
+                base_breakdown.rename({"mean": "state written first"}),
+                on="seconds per iteration",
+                how="full",
+                coalesce=True,
+                maintain_order="left",
+            )
+        )
     fraction = {s: totals[f"{s}_flops"] / totals[f"{s}_s"] / peak for s in ("rollout", "logprobs", "update")}
     overhead = 1 - totals["engine_s"] / totals["wall"]
+    base_overhead = 1 - base_totals["engine_s"] / base_totals["wall"]
+    samples_per_s, base_samples_per_s = totals["samples"] / totals["wall"], base_totals["samples"] / base_totals["wall"]
     print(
         f"real: peak fractions rollouts {fraction['rollout']:.2f}, logprobs {fraction['logprobs']:.2f}, optimize "
-        f"{fraction['update']:.2f}; padding {totals['padding'] / totals['positions']:.3f}; overhead {overhead:.3f}; "
-        f"{totals['samples'] / totals['wall']:.2f} samples/s"
+        f"{fraction['update']:.2f}; padding {totals['padding'] / totals['positions']:.3f}; overhead {overhead:.3f} "
+        f"({base_overhead:.3f} with the state written first); {samples_per_s:.2f} samples/s ({base_samples_per_s:.2f})"
     )
 
-    def row(name, value, unit, target):
+    def row(name, value, unit, target, baseline="target"):
         return {
             "benchmark": name,
-            "baseline": "target",
+            "baseline": baseline,
             "baseline_value": target,
             "rlpipe_value": value,
             "unit": unit,
-            "ratio": value,
+            "ratio": value if baseline == "target" else value / target,
         }
 
     gflops = f"of {peak / 1e9:.0f} GFLOP/s (fp32 matmul, model shapes)"
@@ -238,5 +251,12 @@ def run() -> list[dict]:
         row("real_optimize_peak_fraction", fraction["update"], gflops, 0.5),
         row("real_padding_fraction", totals["padding"] / totals["positions"], "fraction of trainer positions", 0.05),
         row("real_iteration_overhead", overhead, "fraction of iteration wall", 0.05),
-        row("real_samples_per_s", totals["samples"] / totals["wall"], "samples/s", float("nan")),
+        row("real_samples_per_s", samples_per_s, "samples/s", float("nan")),
+        row(
+            "real_deferred_state_samples_per_s",
+            samples_per_s,
+            "samples/s",
+            base_samples_per_s,
+            baseline="optimizer state written before optimize completes",
+        ),
     ]

@@ -10,6 +10,7 @@ No Prefect import: this runs in its own process.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import deepspeed
@@ -364,8 +365,20 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
         engine, optimizer, metrics, critic = _rl(request, tokenizer, cache)
         metrics["trainer_peak_rss_gib"] = peak_rss_gib()  # rank 0's: each rank holds as much
         train_seconds = time.time() - t0
-        state_id = save_checkpoint(engine, tokenizer, request.tmp_dir, request.crash_point)
-        critic_id = save_checkpoint(critic.engine, tokenizer, request.critic.out_dir) if critic is not None else None
+        defer = cache is not None and cache.deferred is not None and bool(request.final_dir)
+        state_id = save_checkpoint(engine, tokenizer, request.tmp_dir, request.crash_point, defer)
+        critic_id = (
+            save_checkpoint(critic.engine, tokenizer, request.critic.out_dir, defer_state=defer)
+            if critic is not None
+            else None
+        )
+        if defer:  # the optimizer state is written while the next stages run, the critic's first
+            engines = (
+                [(os.path.relpath(request.critic.out_dir, request.tmp_dir), critic.engine, critic_id)]
+                if critic is not None
+                else []
+            )
+            cache.deferred.start([*engines, ("", engine, state_id)], request.final_dir, f"{request.crash_point}:state")
         metrics["seconds_save_checkpoint"] = time.time() - t0 - train_seconds
         if cache is not None:
             cache.keep_engine("policy", state_id, engine, optimizer, request.engine)

@@ -35,11 +35,23 @@ def read_state_id(checkpoint: str) -> str | None:
     return read_state(checkpoint).get("id")
 
 
-def write_state_id(checkpoint: str, world_size: int = 1) -> str:
-    state_id = uuid.uuid4().hex
-    with open(os.path.join(checkpoint, STATE_FILE), "w") as f:
-        json.dump({"id": state_id, "world_size": world_size}, f)
+def write_state_id(checkpoint: str, world_size: int = 1, state_id: str | None = None, pending: bool = False) -> str:
+    """Mark the checkpoint's optimizer state complete under a new id (or `state_id`), or with `pending` as still being
+    written by the resident trainer (tasks/engines/workers/deferred_state.py). Written by a rename: never half a
+    file."""
+    state_id = state_id or uuid.uuid4().hex
+    state = {"id": state_id, "world_size": world_size, **({"pending": True} if pending else {})}
+    tmp = os.path.join(checkpoint, f".{STATE_FILE}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+    os.replace(tmp, os.path.join(checkpoint, STATE_FILE))
     return state_id
+
+
+def state_pending(checkpoint: str) -> bool:
+    """True while the checkpoint's weights are in place and its optimizer state is not yet: the resident trainer writes
+    it after answering the update, and a command that stopped before it was done left it so for good."""
+    return bool(read_state(checkpoint).get("pending"))
 
 
 @dataclass
@@ -53,7 +65,11 @@ class _Slot:
     def holds(self, checkpoint: str, resume_state: str | None) -> bool:
         if self.loaded_from is not None:
             return resume_state is None and self.loaded_from == (checkpoint, _identity(checkpoint))
-        return resume_state == os.path.join(checkpoint, "ds_state") and self.state_id == read_state_id(checkpoint)
+        return (
+            resume_state == os.path.join(checkpoint, "ds_state")
+            and self.state_id == read_state_id(checkpoint)
+            and not state_pending(checkpoint)
+        )
 
 
 class EngineCache:
@@ -65,6 +81,9 @@ class EngineCache:
         self._slots: dict[str, _Slot] = {}
         self._frozen: dict[tuple[str, str | None, float], object] = {}
         self.hits = {"engine": 0, "frozen": 0}
+        # A DeferredState (tasks/engines/workers/deferred_state.py) where the trainer writes optimizer states after
+        # answering: a resident trainer with one rank.
+        self.deferred = None
 
     def take_engine(self, role: str, checkpoint: str, resume_state: str | None, settings):
         """(engine, optimizer) whose state is exactly `checkpoint` + `resume_state`, or None."""

@@ -26,6 +26,10 @@ def make_answer(warm_start):
 
     data_parallel.init_process_group()  # every rank joins before rank 0 opens the socket
     cache = EngineCache()
+    if data_parallel.world() == 1:  # DeepSpeed's save has collectives, which must not run beside a request's
+        from tasks.engines.workers.deferred_state import DeferredState
+
+        cache.deferred = DeferredState()
     if warm_start is not None:
         load_ahead(warm_start, cache)
     handlers = {LogprobsRequest: torch_logprobs.handle, UpdateRequest: deepspeed_train.handle}
@@ -36,6 +40,7 @@ def make_answer(warm_start):
             raise ValueError(f"the trainer does not take a {type(request).__name__}")
         hits = dict(cache.hits)
         t0 = time.time()
+        finish_deferred()  # the last update's optimizer state, before anything touches its engine
         print(
             f"[trainer rank {data_parallel.rank()}/{data_parallel.world()}] {type(request).__name__} "
             f"{msg.get('label', '')}",
@@ -46,6 +51,14 @@ def make_answer(warm_start):
         print(f"[trainer] done in {time.time() - t0:.2f}s {reused}", flush=True)
         return {**resp, **reused}
 
+    def finish_deferred() -> None:
+        seconds = cache.deferred.finish() if cache.deferred is not None else None
+        if seconds is not None:
+            print(
+                f"[trainer] wrote the last update's optimizer state in {seconds:.2f}s, while the stages ran", flush=True
+            )
+
+    answer.finish = finish_deferred  # before the trainer shuts down (tasks/engines/resident.py)
     return answer
 
 

@@ -72,10 +72,17 @@ def unreported_grad_norm(engine) -> float | None:
 
 
 def check_saved_world(resume_state: str, zero_stage: int) -> None:
-    """ZeRO's optimizer state is saved one partition per rank: resuming it needs as many ranks as saved it."""
+    """The state is complete, and (ZeRO's optimizer state is saved one partition per rank) resuming it needs as many
+    ranks as saved it."""
     from tasks.engines.workers.engine_cache import read_state
 
-    saved = read_state(os.path.dirname(resume_state)).get("world_size", 1)
+    state = read_state(os.path.dirname(resume_state))
+    if state.get("pending"):
+        raise ValueError(
+            f"{os.path.dirname(resume_state)} has its weights but not its optimizer state (the command that wrote it "
+            "stopped first): redo that iteration's optimize stage (`rlpipe run` of the same run redoes it)"
+        )
+    saved = state.get("world_size", 1)
     if zero_stage > 0 and saved != data_parallel.world():
         raise ValueError(
             f"{resume_state} holds ZeRO-{zero_stage} optimizer state of {saved} trainer rank(s), and this trainer has "
@@ -83,10 +90,11 @@ def check_saved_world(resume_state: str, zero_stage: int) -> None:
         )
 
 
-def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "") -> str:
+def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "", defer_state: bool = False) -> str:
     """HF weights + tokenizer (what vLLM loads), the sync probe, then the DeepSpeed state; returns the state id, written
-    last (a checkpoint without one is never reused by a resident trainer). Every rank calls it: ZeRO-3's weights are
-    gathered from all ranks, rank 0 writes the consolidated HF folder, each rank saves its optimizer partition."""
+    last (a checkpoint without one is never reused by a resident trainer). With `defer_state` the id is marked pending
+    and the state is left to the caller's tasks/engines/workers/deferred_state.py. Every rank calls it: ZeRO-3's weights
+    are gathered from all ranks, rank 0 writes the consolidated HF folder, each rank saves its optimizer partition."""
     from tasks.engines.workers.engine_cache import write_state_id
     from tasks.engines.workers.sync_probe import write_probe
 
@@ -101,6 +109,8 @@ def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "") -> st
     # The sampler checks its weight sync against these logprobs; under ZeRO-3 a forward needs every rank.
     write_probe(engine.module, tokenizer, out_dir, write=data_parallel.rank() == 0)
     crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
+    if defer_state:
+        return write_state_id(out_dir, data_parallel.world(), pending=True)
     engine.save_checkpoint(os.path.join(out_dir, "ds_state"), tag="state", exclude_frozen_parameters=adapter)
     state_id = write_state_id(out_dir, data_parallel.world()) if data_parallel.rank() == 0 else None
     return data_parallel.broadcast(state_id)
