@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class DeferredState:
 
         def write() -> None:
             t0 = time.time()
+            background_priority()
             try:
                 for rel, engine, _ in job.engines:
                     engine.save_checkpoint(
@@ -75,14 +77,16 @@ class DeferredState:
         job.thread.start()
         self._job = job
 
-    def finish(self) -> float | None:
-        """Wait for the state in flight and publish it; the seconds its writing took, or None when none was in
-        flight. Raises what the writer raised. A checkpoint that was not committed (its update failed on the caller's
-        side, or another update replaced it) gets nothing: its staged state is removed."""
+    def finish(self) -> tuple[float, float] | None:
+        """Wait for the state in flight and publish it; (the seconds its writing took, the seconds waited for it here),
+        or None when none was in flight. Raises what the writer raised. A checkpoint that was not committed (its update
+        failed on the caller's side, or another update replaced it) gets nothing: its staged state is removed."""
         job, self._job = self._job, None
         if job is None:
             return None
+        t0 = time.time()
         job.thread.join()
+        waited = time.time() - t0
         staged = staging_dir(job.checkpoint_dir)
         if job.error is not None:
             shutil.rmtree(staged, ignore_errors=True)
@@ -96,4 +100,14 @@ class DeferredState:
                 os.replace(os.path.join(staged, rel, "ds_state"), os.path.join(folder, "ds_state"))
                 write_state_id(folder, state_id=sid)
         shutil.rmtree(staged, ignore_errors=True)
-        return job.seconds
+        return job.seconds, waited
+
+
+def background_priority() -> None:
+    """The lowest CPU priority for the calling thread (Linux gives each thread its own nice value): the writer takes
+    what the sampler's weight sync and generation leave of the cores, instead of slowing them down."""
+    if sys.platform == "linux":
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass

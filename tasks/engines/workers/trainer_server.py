@@ -52,10 +52,12 @@ def make_answer(warm_start):
         return {**resp, **reused}
 
     def finish_deferred() -> None:
-        seconds = cache.deferred.finish() if cache.deferred is not None else None
-        if seconds is not None:
+        done = cache.deferred.finish() if cache.deferred is not None else None
+        if done is not None:
             print(
-                f"[trainer] wrote the last update's optimizer state in {seconds:.2f}s, while the stages ran", flush=True
+                f"[trainer] wrote the last update's optimizer state in {done[0]:.2f}s while the stages ran "
+                f"(waited {done[1]:.2f}s for it here)",
+                flush=True,
             )
 
     answer.finish = finish_deferred  # before the trainer shuts down (tasks/engines/resident.py)
