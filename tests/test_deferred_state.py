@@ -1,6 +1,7 @@
 """The resident trainer's optimizer state written after its answer (tasks/engines/workers/deferred_state.py): published
-into the checkpoint only once the checkpoint is committed and the state complete, equal to the engine's own, dropped
-for a checkpoint that was never committed, and a writer's failure reported by `finish`.
+into the checkpoint only once the checkpoint is committed and the state complete, equal to the engine's own with the
+weights loaded from the checkpoint's HF files (the state holds no second copy), dropped for a checkpoint that was never
+committed, and a writer's failure reported by `finish`.
 The engines run in a fresh interpreter: DeepSpeed's process group must not outlive the test in pytest's process."""
 
 import json
@@ -27,7 +28,7 @@ engine.step()
 out = {}
 
 committed = os.path.join(root, "iter=00001")
-os.makedirs(committed + ".tmp")
+engine.module.save_pretrained(committed + ".tmp")  # the weights: what a resume loads the model from
 sid = write_state_id(committed + ".tmp", pending=True)
 deferred = DeferredState()
 deferred.start([("", engine, sid)], committed)
@@ -37,7 +38,10 @@ out["seconds"] = deferred.finish()
 out["pending_after"] = state_pending(committed)
 out["same_id"] = read_state_id(committed) == sid
 out["staging_left"] = os.path.exists(staging_dir(committed))
-fresh, _ = deepspeed_engine(LlamaForCausalLM(cfg), settings, gas=1, resume_state=os.path.join(committed, "ds_state"))
+saved = torch.load(os.path.join(committed, "ds_state", "state", "mp_rank_00_model_states.pt"), weights_only=False)
+out["module_in_state"] = len(saved["module"])  # the weights are not written twice
+resumed = LlamaForCausalLM.from_pretrained(committed)
+fresh, _ = deepspeed_engine(resumed, settings, gas=1, resume_state=os.path.join(committed, "ds_state"))
 mine, theirs = engine.optimizer.state_dict()["state"], fresh.optimizer.state_dict()["state"]
 out["moments_equal"] = all(
     torch.equal(mine[k]["exp_avg_sq"], theirs[k]["exp_avg_sq"]) and mine[k]["exp_avg_sq"].abs().sum() > 0 for k in mine
@@ -51,6 +55,8 @@ out["uncommitted_left"] = os.path.exists(never) or os.path.exists(staging_dir(ne
 
 class Broken:
     module = engine.module
+    def zero_optimization_stage(self):
+        return 0
     def save_checkpoint(self, *a, **k):
         raise OSError("No space left on device")
 
@@ -71,5 +77,6 @@ def test_the_optimizer_state_is_published_after_the_commit_and_only_then(tmp_pat
     assert out["pending_before_finish"] and not out["pending_after"] and out["same_id"]
     assert out["seconds"] is not None and not out["staging_left"]
     assert out["moments_equal"] and out["weights_equal"]  # what a resume loads is the engine's own state
+    assert out["module_in_state"] == 0
     assert not out["uncommitted_left"]
     assert "iter=00003" in out["error"] and "No space left on device" in out["error"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from storage.crash import crash_point
 from tasks.engines.workers.engine_cache import read_state_id, write_state_id
-from tasks.engines.workers.lora import is_peft
+from tasks.engines.workers.training import save_optimizer_state
 
 
 def staging_dir(checkpoint_dir: str) -> str:
@@ -64,11 +64,7 @@ class DeferredState:
             background_priority()
             try:
                 for rel, engine, _ in job.engines:
-                    engine.save_checkpoint(
-                        os.path.join(staging_dir(checkpoint_dir), rel, "ds_state"),
-                        tag="state",
-                        exclude_frozen_parameters=is_peft(engine.module),
-                    )
+                    save_optimizer_state(engine, os.path.join(staging_dir(checkpoint_dir), rel, "ds_state"))
             except BaseException as exc:  # reported by finish, on the trainer's next request
                 job.error = exc
             job.seconds = time.time() - t0

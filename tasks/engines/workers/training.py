@@ -49,12 +49,39 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if resume_state:
         check_saved_world(resume_state, settings.zero_stage)
-        # An adapter's state holds the trainable weights only (save_checkpoint): the frozen base comes from the model
-        # folder.
-        engine.load_checkpoint(resume_state, tag="state", load_module_strict=not is_peft(model))
+        # The weights come from the checkpoint's own files, which `model` was loaded from (save_optimizer_state).
+        engine.load_checkpoint(
+            resume_state,
+            tag="state",
+            load_module_strict=not is_peft(model),
+            custom_load_fn=None if settings.zero_stage == 3 else _module_weights_if_saved,
+        )
         for group in engine.optimizer.param_groups:
             group["lr"] = settings.lr
     return engine, optimizer
+
+
+def save_optimizer_state(engine, state_dir: str) -> None:
+    """DeepSpeed's state (optimizer moments, fp32 master weights under ZeRO 1-2 or bf16, step counts) without a second
+    copy of the module's weights: the checkpoint's HF or adapter files hold them exactly, and a resume loads the model
+    from them first. That is a third less to write for full-weight fp32 training (0.54 of 1.6 GB on the demo model).
+    ZeRO-3 keeps DeepSpeed's own layout (its module state is saved partitioned)."""
+    adapter = is_peft(engine.module)
+    if engine.zero_optimization_stage() == 3:
+        engine.save_checkpoint(state_dir, tag="state", exclude_frozen_parameters=adapter)
+        return
+    engine.module_state_dict = lambda *args, **kwargs: {}  # read by save_checkpoint alone, restored below
+    try:
+        engine.save_checkpoint(state_dir, tag="state", exclude_frozen_parameters=adapter)
+    finally:
+        del engine.module_state_dict  # the engine's own method again
+
+
+def _module_weights_if_saved(src: dict, dst) -> None:
+    """DeepSpeed's module loading, for a state that holds the weights (one written before save_optimizer_state left
+    them out); an adapter's state holds the trainable weights only, the frozen base comes from the model folder."""
+    if src:
+        dst.load_state_dict(src, strict=not is_peft(dst))
 
 
 def unreported_grad_norm(engine) -> float | None:
@@ -111,7 +138,7 @@ def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "", defer
     crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
     if defer_state:
         return write_state_id(out_dir, data_parallel.world(), pending=True)
-    engine.save_checkpoint(os.path.join(out_dir, "ds_state"), tag="state", exclude_frozen_parameters=adapter)
+    save_optimizer_state(engine, os.path.join(out_dir, "ds_state"))
     state_id = write_state_id(out_dir, data_parallel.world()) if data_parallel.rank() == 0 else None
     return data_parallel.broadcast(state_id)
 
