@@ -654,9 +654,9 @@ class EnginesConfig(Section):
     keep_optimizer_states: int | None = Field(
         2,
         ge=2,
-        description="Keep the DeepSpeed optimizer state (`ds_state/`, about 4× the weights) of the last N RL "
+        description="Keep the DeepSpeed optimizer state (`ds_state/`, 2-3× the weights) of the last N RL "
         "checkpoints only; every checkpoint keeps its weights. A resume needs the last two; rerunning an older update "
-        "needs its predecessor's. None: keep all (10 iterations of a 135M model then take 26 GB).",
+        "needs its predecessor's. None: keep all (10 iterations of a 135M model then take 16 GB).",
     )
 
 
