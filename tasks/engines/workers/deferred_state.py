@@ -1,7 +1,7 @@
 """The optimizer state of an update, written while the next stages run.
 
 An update's checkpoint is the weights (what vLLM loads next, 0.54 GB for a 135M model in fp32) and DeepSpeed's state
-(what an exact resume needs: the weights again and Adam's two moments, 3× that). The sampler needs only the weights, so
+(what an exact resume needs besides: Adam's two moments, 2× that). The sampler needs only the weights, so
 a resident trainer with one rank writes the weights, answers, and writes the state in a thread of its own while the
 next iteration's rollouts run (it holds the engine untouched until then):
 
