@@ -1,7 +1,7 @@
 """How close each heavy stage runs to this machine's limit, on the real model (`make bench ARGS=real`).
 
 In one process: this machine's fp32 matmul throughput at the model's own GEMM shapes (torch, the trainer's thread
-count; measured before and after the runs, the faster taken), and ITERATIONS iterations of the demo config
+count; the mean of a measurement before and one after the runs), and ITERATIONS iterations of the demo config
 (SmolLM2-135M-Instruct, from the pretrained model) as `rlpipe run` runs them. For the iterations after the first (the
 first pays the engines' start), each heavy stage's useful FLOPs over its seconds, as a fraction of that peak:
 
@@ -213,12 +213,13 @@ def run() -> list[dict]:
     # optimize stage completes (instead of while the next rollouts run): one after the other, never side by side.
     totals, breakdown = measure(shapes, "real", [])
     base_totals, base_breakdown = measure(shapes, "real-state-first", ["engines.defer_optimizer_state=false"])
-    # This machine's speed drifts over minutes: the limit is the faster of two measurements, before and after the runs
-    # (a fraction over a slow spell's peak would flatter the stages).
-    peak = max(first, gemm_peak(shapes))
+    # This machine's speed drifts over minutes: the limit is the mean of two measurements, before and after the runs,
+    # as the stages' rates are means over the time between them (one taken in a slow spell flattered the stages).
+    last = gemm_peak(shapes)
+    peak = (first + last) / 2
     print(
         f"real: fp32 matmul at the model's GEMM shapes: {peak / 1e9:.1f} GFLOP/s (the limit below; "
-        f"{first / 1e9:.1f} before the runs)"
+        f"{first / 1e9:.1f} before the runs, {last / 1e9:.1f} after)"
     )
     with pl.Config(tbl_rows=-1, fmt_str_lengths=60, tbl_width_chars=120):  # every row of the breakdown, unabridged
         print(
