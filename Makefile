@@ -48,7 +48,7 @@ test-fast: setup
 
 # Side-by-side benchmarks (not part of make test): prints ratios, writes runs/bench/results.parquet.
 # TRL is only the e2e_vs_trl baseline, not a dependency of rlpipe (it adds accelerate, datasets, pandas).
-bench: setup
+bench: model
 	$(PY) -m pip install -q trl==1.16.0
 	$(PY) -m tests.benchmarks.run $(ARGS)
 
