@@ -121,6 +121,12 @@ def temp_dir_for(final: Path) -> Path:
     return tmp
 
 
+def state_dir_for(final: Path) -> Path:
+    """Where the resident trainer writes a committed checkpoint's optimizer state before moving it in
+    (tasks/engines/workers/deferred_state.py): beside `final`, so that no rename of `final` disturbs it."""
+    return final.with_name(final.name + ".state-tmp")
+
+
 def commit_dir(tmp: Path, final: Path) -> None:
     """Publish a folder written under a temporary name (a checkpoint) by renaming it into place."""
     if final.exists():

@@ -12,7 +12,9 @@ SCRIPT = """
 import json, os, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from schemas.requests import EngineSettings
-from tasks.engines.workers.deferred_state import DeferredState, staging_dir
+from pathlib import Path
+from storage import state_dir_for
+from tasks.engines.workers.deferred_state import DeferredState
 from tasks.engines.workers.engine_cache import read_state_id, state_pending, write_state_id
 from tasks.engines.workers.training import deepspeed_engine
 
@@ -37,7 +39,7 @@ out["pending_before_finish"] = state_pending(committed)
 out["seconds"] = deferred.finish()
 out["pending_after"] = state_pending(committed)
 out["same_id"] = read_state_id(committed) == sid
-out["staging_left"] = os.path.exists(staging_dir(committed))
+out["staging_left"] = state_dir_for(Path(committed)).exists()
 saved = torch.load(os.path.join(committed, "ds_state", "state", "mp_rank_00_model_states.pt"), weights_only=False)
 out["module_in_state"] = len(saved["module"])  # the weights are not written twice
 resumed = LlamaForCausalLM.from_pretrained(committed)
@@ -51,7 +53,7 @@ out["weights_equal"] = all(torch.equal(a, b) for a, b in zip(engine.module.param
 never = os.path.join(root, "iter=00002")  # the caller failed before its commit
 deferred.start([("", engine, "x")], never)
 deferred.finish()
-out["uncommitted_left"] = os.path.exists(never) or os.path.exists(staging_dir(never))
+out["uncommitted_left"] = os.path.exists(never) or state_dir_for(Path(never)).exists()
 
 class Broken:
     module = engine.module

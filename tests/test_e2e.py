@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from storage import RunLayout, read_manifest
+from storage import RunLayout, read_manifest, state_dir_for
 from storage.crash import CRASH_ENV
 from tasks.engines.workers.engine_cache import state_pending
 from tasks.stages import graph
@@ -64,14 +64,14 @@ def test_sigkill_inside_each_stage_then_resume(tiny_sft):
     run_until_killed(workspace, cfg, "crashy", "optimize:2:state")
     ckpt = layout.checkpoint_dir(2)
     assert layout.manifest_path("train_metrics", 2).exists() and state_pending(str(ckpt))
-    assert not (ckpt / "ds_state").exists() and (ckpt.with_name(ckpt.name + ".state-tmp") / "ds_state").exists()
+    assert not (ckpt / "ds_state").exists() and (state_dir_for(ckpt) / "ds_state").exists()
     weights = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
     rlpipe("run", str(cfg), "--run-id", "crashy", cwd=workspace)
     after = complete_digest(layout)
     assert {k: after.get(k) for k in done_before} == done_before  # completed stages were skipped, files untouched
     # The update redone from state 1 (the optimizer state it lost needs it) gives the same weights
     assert after["checkpoints/iter=00002/model.safetensors"] == weights and (ckpt / "ds_state").is_dir()
-    assert not state_pending(str(ckpt)) and not ckpt.with_name(ckpt.name + ".state-tmp").exists()
+    assert not state_pending(str(ckpt)) and not state_dir_for(ckpt).exists()
     summary = json.loads(layout.summary_path.read_text())
     assert summary["iterations"] == 2 and summary["eval_prompts"] == 32
     assert layout.checkpoint_iterations() == [1, 2] and layout.iterations("train_metrics") == [1, 2]

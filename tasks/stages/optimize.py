@@ -14,10 +14,9 @@ import polars as pl
 
 from schemas.errors import NotFound
 from schemas.requests import CriticRequest, EngineSettings, LossSettings, PtxRequest, UpdateRequest
-from storage import StageOutput, commit_dir, read_manifest, read_stage, temp_dir_for
+from storage import StageOutput, commit_dir, read_manifest, read_stage, state_dir_for, temp_dir_for
 from tasks.algos.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
 from tasks.engines.trainer_client import call_trainer
-from tasks.engines.workers.deferred_state import staging_dir
 from tasks.engines.workers.engine_cache import state_pending
 from tasks.engines.workers.lora import describe, is_adapter
 from tasks.stages.common import (
@@ -148,7 +147,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         masked = float((samples["loss_mask"] == 0).mean())
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = temp_dir_for(final)
-        shutil.rmtree(staging_dir(str(final)), ignore_errors=True)  # a stopped command's unpublished optimizer state
+        shutil.rmtree(state_dir_for(final), ignore_errors=True)  # a stopped command's unpublished optimizer state
         prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
         # A pending state is being written by this run's trainer, which finishes it before it takes this request.
         if prev_state and not Path(prev_state).exists() and not state_pending(policy.path):

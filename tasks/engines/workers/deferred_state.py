@@ -26,14 +26,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from storage import state_dir_for
 from storage.crash import crash_point
 from tasks.engines.workers.engine_cache import read_state_id, write_state_id
 from tasks.engines.workers.training import save_optimizer_state
-
-
-def staging_dir(checkpoint_dir: str) -> str:
-    return checkpoint_dir.rstrip("/") + ".state-tmp"
 
 
 @dataclass
@@ -54,17 +52,18 @@ class DeferredState:
 
     def start(self, engines: list[tuple[str, object, str]], checkpoint_dir: str, crash_name: str = "") -> None:
         """Write each engine's DeepSpeed state in a thread; `finish` publishes it into `checkpoint_dir`. The engines
-        must not change before `finish`."""
+        must not change before `finish`. The staging folder is empty: the optimize stage clears what a killed command
+        left there before it asks for the update."""
         self.finish()
         job = _Job(engines, checkpoint_dir, crash_name)
-        shutil.rmtree(staging_dir(checkpoint_dir), ignore_errors=True)  # what a killed command left there
+        staged = str(state_dir_for(Path(checkpoint_dir)))
 
         def write() -> None:
             t0 = time.time()
             background_priority()
             try:
                 for rel, engine, _ in job.engines:
-                    save_optimizer_state(engine, os.path.join(staging_dir(checkpoint_dir), rel, "ds_state"))
+                    save_optimizer_state(engine, os.path.join(staged, rel, "ds_state"))
             except BaseException as exc:  # reported by finish, on the trainer's next request
                 job.error = exc
             job.seconds = time.time() - t0
@@ -83,7 +82,7 @@ class DeferredState:
         t0 = time.time()
         job.thread.join()
         waited = time.time() - t0
-        staged = staging_dir(job.checkpoint_dir)
+        staged = state_dir_for(Path(job.checkpoint_dir))
         if job.error is not None:
             shutil.rmtree(staged, ignore_errors=True)
             raise RuntimeError(

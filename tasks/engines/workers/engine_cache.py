@@ -65,10 +65,11 @@ class _Slot:
     def holds(self, checkpoint: str, resume_state: str | None) -> bool:
         if self.loaded_from is not None:
             return resume_state is None and self.loaded_from == (checkpoint, _identity(checkpoint))
+        state = read_state(checkpoint)
         return (
             resume_state == os.path.join(checkpoint, "ds_state")
-            and self.state_id == read_state_id(checkpoint)
-            and not state_pending(checkpoint)
+            and self.state_id == state.get("id")
+            and not state.get("pending")
         )
 
 

@@ -48,7 +48,7 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if resume_state:
-        check_saved_world(resume_state, settings.zero_stage)
+        check_saved_state(resume_state, settings.zero_stage)
         # The weights come from the checkpoint's own files, which `model` was loaded from (save_optimizer_state).
         engine.load_checkpoint(
             resume_state,
@@ -98,7 +98,7 @@ def unreported_grad_norm(engine) -> float | None:
     return float(torch.nn.utils.get_total_norm(grads)) if grads else None
 
 
-def check_saved_world(resume_state: str, zero_stage: int) -> None:
+def check_saved_state(resume_state: str, zero_stage: int) -> None:
     """The state is complete, and (ZeRO's optimizer state is saved one partition per rank) resuming it needs as many
     ranks as saved it."""
     from tasks.engines.workers.engine_cache import read_state
