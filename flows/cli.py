@@ -4,14 +4,52 @@ stage graph and torch (`import flows.rl` alone is 2.7 s of imports on the 2-core
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
 from pathlib import Path
 from typing import Optional
 
-import typer
-from rich.console import Console
+# What a command that keeps stages says when a signal stops it (_stop_on_signals); any other command just stops.
+_STOPPED = {"resume_hint": ""}
+
+
+def _stop(signum, frame) -> None:
+    """SIGINT/SIGTERM: end every process this command started, then print one line, the last thing the command
+    prints, and exit 128+signum. The line must come last however the signal lands: other threads (an engine's start,
+    a worker's progress) and children may still be writing while the processes are ended, so fds 1 and 2 are pointed
+    at /dev/null first, and the line goes to a private copy of fd 2."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C does not restart the cleanup halfway
+    out = os.dup(2)
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    from tasks.engines.reaper import OWNER_ENV, sweep
+
+    if os.environ.get(OWNER_ENV) == str(os.getpid()):  # the reaper was started: end what it would end
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        sweep(os.getpid())  # marked grandchildren, and the servers' sockets
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    os.write(out, f"{what}{_STOPPED['resume_hint']}\n".encode())
+    os._exit(128 + signum)
+
+
+# Installed before anything slow is imported: a signal during the imports gets its one line too. Not in a
+# multiprocessing child that imports this module again as its __main__ (the reward pool's spawned workers).
+if multiprocessing.parent_process() is None:
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
 
 # Prefect keeps its state in the project folder (ignored by git) unless the user points it elsewhere.
 os.environ.setdefault("PREFECT_HOME", str(Path.cwd() / ".prefect"))
@@ -54,36 +92,22 @@ def _guard(fn, *args, **kwargs):
 
 
 def _stop_on_signals() -> None:
-    """Ctrl-C (SIGINT) and SIGTERM stop the command at once, with one line. Prefect would otherwise swallow the
-    KeyboardInterrupt and carry on, and on SIGTERM its flow engine runs crash handling against a temporary API server
-    the same signal may already have stopped (minutes of retries). Stopping hard is safe: every stage writes
-    atomically with its manifest last, and the same command resumes from the last complete stage. A reaper process
-    (tasks/engines/reaper.py) kills whatever this command started even when it is SIGKILLed."""
-    from tasks.engines.reaper import start_reaper, sweep
+    """Ctrl-C (SIGINT) and SIGTERM stop a command that runs stages at once, with one line (_stop). Prefect would
+    otherwise swallow the KeyboardInterrupt and carry on, and on SIGTERM its flow engine runs crash handling against
+    a temporary API server the same signal may already have stopped (minutes of retries). Stopping hard is safe:
+    every stage writes atomically with its manifest last, and the same command resumes from the last complete stage.
+    A reaper process (tasks/engines/reaper.py) kills whatever this command started even when it is SIGKILLed."""
+    from tasks.engines.reaper import start_reaper
 
+    _STOPPED["resume_hint"] = ": complete stages are kept; run the same command again to resume"
     start_reaper()
-
-    def stop(signum, frame):
-        import psutil
-
-        what = "interrupted" if signum == signal.SIGINT else "terminated"
-        sys.stderr.write(f"{what}: complete stages are kept; run the same command again to resume\n")
-        sys.stderr.flush()
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        sweep(os.getpid())  # what the reaper (killed above) would do: marked grandchildren, and the servers' sockets
-        os._exit(128 + signum)
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
     # Prefect installs its own SIGTERM bridge for every flow run (prefect.utilities.engine.capture_sigterm looks it up
     # by this name): in a command started from this CLI it is ours. Deployed runs keep Prefect's.
     import prefect.utilities.engine
 
-    prefect.utilities.engine._prefect_sigterm_handler = stop
+    prefect.utilities.engine._prefect_sigterm_handler = _stop
+    signal.signal(signal.SIGINT, _stop)  # again: nothing imported since the module's start may replace them
+    signal.signal(signal.SIGTERM, _stop)
 
 
 ReconfigureOpt = typer.Option(
@@ -162,11 +186,12 @@ def sft(
 ) -> None:
     """Supervised fine-tuning of model.base_path on sft.files (DeepSpeed); exports to model.path."""
 
+    _stop_on_signals()
+
     def run():
         from flows.deployments import prepare_checked_run
         from flows.sft import sft_flow
 
-        _stop_on_signals()
         root = prepare_checked_run(
             config, overrides, run_id, flow="sft", reconfigure=reconfigure
         )  # the API starts meanwhile
@@ -188,6 +213,7 @@ def run(
     reconfigure: bool = ReconfigureOpt,
 ) -> None:
     """Run (or resume) RL: one Prefect flow run per iteration. Re-running the same command resumes."""
+    _stop_on_signals()
     from flows.rl import rl_run
 
     _guard(_start, rl_run, config, overrides, run_id, algo, "rl", reconfigure)
@@ -199,7 +225,6 @@ def _start(
     """Validate and save the config, check the model, data and reward functions (before any engine starts), run."""
     from flows.deployments import prepare_checked_run
 
-    _stop_on_signals()
     root = prepare_checked_run(
         config, overrides, run_id, algo, flow, reconfigure
     )  # an RL run's engines start loading here
@@ -216,6 +241,7 @@ def rm_train(
 ) -> None:
     """Train a Bradley–Terry reward model on preference data (generated from the task when
     preference.data is unset); exported to reward_model.out_path. Re-running resumes."""
+    _stop_on_signals()
     from flows.reward_model import reward_model_flow
 
     _guard(_start, reward_model_flow, config, overrides, run_id, None, "rm", reconfigure)
@@ -229,6 +255,7 @@ def dpo(
     reconfigure: bool = ReconfigureOpt,
 ) -> None:
     """DPO from model.path on preference data; exported to dpo.out_path. Re-running resumes."""
+    _stop_on_signals()
     from flows.dpo import dpo_flow
 
     _guard(_start, dpo_flow, config, overrides, run_id, None, "dpo", reconfigure)
@@ -244,9 +271,9 @@ def demo(
 ) -> None:
     """RL with evals on the demo's pretrained model (`make model` fetches it) into runs/demo, with progress and a
     summary. With a config whose model comes from a recipe: init-model → SFT → RL → eval."""
+    _stop_on_signals()
     from flows.demo import run_demo
 
-    _stop_on_signals()
     _print_summary(_guard(run_demo, config, overrides or [], run_id, console))
 
 
@@ -317,13 +344,14 @@ def rerun(
 def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
     """Continue a run with its saved config (after a crash, or after `rerun`)."""
 
+    _stop_on_signals()
+
     def go():
         from flows.rl import rl_run
         from storage.lock import acquire_run_lock
         from tasks.stages.common import load_run
         from tasks.stages.start_engines import start_engines
 
-        _stop_on_signals()
         acquire_run_lock(load_run(root, run_id).layout, "resume")  # a missing run fails here, before a flow starts
         start_engines(root, run_id)  # the engines load while Prefect starts its temporary API
         with local_flow_settings():

@@ -416,6 +416,12 @@ class AgentConfig(Section):
     max_total_tokens: int = Field(
         512, ge=1, description="Tokens after the prompt per trajectory at most: the model's and the observations'."
     )
+    max_tool_output_tokens: int | None = Field(
+        256,
+        ge=1,
+        description="A tool result longer than this is cut to its first N tokens plus '...(truncated)' (the cut is "
+        "the turns table's cut_tokens), so one long result cannot eat max_total_tokens; null: never cut.",
+    )
     tool_timeout_s: float = Field(5.0, gt=0, description="Per tool call: past it the call's result is an error.")
     step_timeout_s: float = Field(
         5.0, gt=0, description="Per environment reset or step: past it the sample's episode ends with an error."

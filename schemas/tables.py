@@ -139,7 +139,7 @@ ROLLOUTS = _table(
 # messages, the chat template's glue and the next turn's opening included), none for the prompt's messages.
 TURNS = _table(
     "turns",
-    1,
+    2,
     {
         "iteration": I32,
         "round": I32,
@@ -154,6 +154,7 @@ TURNS = _table(
         "tool_arguments": STR,
         "error": STR,
         "seconds": F64,
+        "cut_tokens": I32,  # a tool result cut to agent.max_tool_output_tokens: how many tokens were cut
     },
 )
 

@@ -184,6 +184,62 @@ def test_gae_hand_values():
     )
 
 
+def test_gae_skips_observation_tokens_by_hand():
+    # A multi-turn response: 2 model tokens, 2 observation tokens (a tool's result), 1 model token; r = 1,
+    # V = [0.5, 0.25, 9, -9, 0.75], γ = 1, λ = 0.5, no KL. Over the model's tokens only (V = [0.5, 0.25, 0.75]):
+    # A_4 = 1 − 0.75 = 0.25; A_1 = 0.75 − 0.25 + 0.5·0.25 = 0.625; A_0 = 0.25 − 0.5 + 0.5·0.625 = 0.0625.
+    # The observations carry A_4 and its value: A = 0.25, returns = 0.25 + 0.75.
+    values = [0.5, 0.25, 9.0, -9.0, 0.75]
+    df = frame({"a": [1.0]}, lengths=[5]).with_columns(
+        pl.Series("values", [values], dtype=F32), pl.Series("action_mask", [[1, 1, 0, 0, 1]], dtype=pl.List(pl.Int8))
+    )
+    out = compute_advantages(df, "gae", AdvantageSettings(gamma=1.0, lam=0.5))
+    assert out["returns"].to_list()[0] == pytest.approx([0.5625, 0.875, 1.0, 1.0, 1.0])
+    raw = [0.0625, 0.625, 0.25]  # whitened over the model's 3 tokens only
+    mean, std = statistics.mean(raw), statistics.stdev(raw)
+    white = [(x - mean) / (std + 1e-6) for x in raw]
+    assert out["token_advantages"].to_list()[0] == pytest.approx([white[0], white[1], white[2], white[2], white[2]])
+
+
+def test_gae_with_a_mask_equals_gae_without_the_observations_and_ignores_their_values():
+    """The critic's values (and KL) on observation tokens do not move any advantage or return of a model token;
+    masked GAE equals plain GAE over the responses with the observation tokens cut out."""
+    rnd = random.Random(3)
+    n, lengths = 12, [rnd.randint(1, 40) for _ in range(12)]
+    masks = [[1] + [int(rnd.random() < 0.6) for _ in range(k - 1)] for k in lengths]
+    values = [[rnd.uniform(-1, 1) for _ in range(k)] for k in lengths]
+    old = [[-rnd.random() for _ in range(k)] for k in lengths]
+    ref = [[-rnd.random() for _ in range(k)] for k in lengths]
+
+    def run(values, old, ref, masks, lengths):
+        df = pl.DataFrame(
+            {"prompt_id": [f"p{i // 3}" for i in range(n)], "sample_idx": [i % 3 for i in range(n)]},
+            schema_overrides={"sample_idx": pl.Int32},
+        ).with_columns(
+            pl.Series("reward", [float(i % 2) for i in range(n)]),
+            pl.Series("length", lengths, dtype=pl.Int32),
+            pl.Series("values", values, dtype=F32),
+            pl.Series("old_logprobs", old, dtype=F32),
+            pl.Series("ref_logprobs", ref, dtype=F32),
+            *([pl.Series("action_mask", masks, dtype=pl.List(pl.Int8))] if masks is not None else []),
+        )
+        return compute_advantages(df, "gae", AdvantageSettings(gamma=0.99, lam=0.9, kl_beta=0.05))
+
+    def cut(lists):
+        return [[x for x, a in zip(xs, m) if a] for xs, m in zip(lists, masks)]
+
+    masked = run(values, old, ref, masks, lengths)
+    plain = run(cut(values), cut(old), cut(ref), None, [sum(m) for m in masks])
+    for col in ("token_advantages", "returns"):
+        got = [x for xs in cut(masked[col].to_list()) for x in xs]
+        assert got == pytest.approx([x for xs in plain[col].to_list() for x in xs], abs=1e-5)
+    noise = [[v if a else rnd.uniform(-50, 50) for v, a in zip(vs, m)] for vs, m in zip(values, masks)]
+    noisy_kl = [[o if a else rnd.uniform(-50, 0) for o, a in zip(os_, m)] for os_, m in zip(old, masks)]
+    again = run(noise, noisy_kl, ref, masks, lengths)
+    for col in ("token_advantages", "returns", "advantage"):
+        assert again[col].to_list() == masked[col].to_list(), col
+
+
 # ---- DCPO ---------------------------------------------------------------------------------------------------
 
 

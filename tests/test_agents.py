@@ -56,6 +56,15 @@ def number(x: int) -> int:
     return x
 
 
+def shout(x: int) -> str:
+    """A long result.
+
+    Args:
+        x: How many times.
+    """
+    return " ".join(["the result is 42"] * x)
+
+
 def undocumented(x):
     return "x"
 '''
@@ -344,7 +353,10 @@ def test_the_turn_loop_with_tools_ends_each_trajectory_for_its_own_reason(tool_f
         5: ["<tool_call>{broken json</tool_call>", "sorry"],  # a malformed call: an error observation too
     }
     trajectories = [Trajectory(i, f"p{i}", 0, [{"role": "user", "content": "add 2 and 40"}]) for i in script]
-    settings = LoopSettings(3, 400, 100, "hermes", False, schemas)
+    settings = LoopSettings(
+        max_turns=3, max_total_tokens=400, max_tokens_per_turn=100, tool_call_format="hermes", environment=False,
+        tools=schemas,
+    )  # fmt: skip
     workers = AgentWorkers(specs, None, {}, 2, tool_timeout_s=0.5, step_timeout_s=1)
     calls = []
     try:
@@ -375,6 +387,38 @@ def test_the_turn_loop_with_tools_ends_each_trajectory_for_its_own_reason(tool_f
     assert played[4].truncated and len(played[4].ids) == 100
 
 
+def test_a_long_tool_result_is_cut_to_max_tool_output_tokens_and_the_cut_recorded(tool_file, chatml_tokenizer):
+    from tasks.agents.rollout_loop import CUT_MARK, LoopSettings, Trajectory, run_episodes
+    from tasks.agents.workers import AgentWorkers
+
+    tok = chatml_tokenizer
+    specs = [FunctionSpec("shout", path=tool_file, kind="tool")]
+    call = '<tool_call>{"name": "shout", "arguments": {"x": %d}}</tool_call>'
+    script = {0: [call % 30, "42"], 1: [call % 1, "42"]}
+    said = {0: " ".join(["the result is 42"] * 30), 1: "the result is 42"}
+    full = {i: len(tok(text, add_special_tokens=False)["input_ids"]) for i, text in said.items()}
+    assert full[0] > 12 >= full[1]
+    trajectories = [Trajectory(i, f"p{i}", 0, [{"role": "user", "content": "shout"}]) for i in script]
+    settings = LoopSettings(
+        max_turns=2, max_total_tokens=400, max_tokens_per_turn=100, tool_call_format="hermes", environment=False,
+        tools=[t.schema for t in load_tools(specs).values()], max_tool_output_tokens=12,
+    )  # fmt: skip
+    workers = AgentWorkers(specs, None, {}, 1, tool_timeout_s=2, step_timeout_s=1)
+    try:
+        played = run_episodes(trajectories, [{}, {}], tok, settings, scripted(tok, script, []), workers)
+    finally:
+        workers.close()
+    long, short = ([r for r in t.turns if r["role"] == "tool"][0] for t in played)
+    assert long["cut_tokens"] == full[0] - 12 and long["text"].endswith(CUT_MARK)
+    assert (
+        tok(long["text"][: -len(CUT_MARK)], add_special_tokens=False)["input_ids"]
+        == tok(" ".join(["the result is 42"] * 30), add_special_tokens=False)["input_ids"][:12]
+    )
+    assert played[0].messages[2] == {"role": "tool", "content": long["text"]}  # what the model read is the cut text
+    assert short["cut_tokens"] is None and short["text"] == "the result is 42"
+    assert all(trajectory_reads_as_the_template_writes_it(tok, t) for t in played)
+
+
 def test_the_turn_loop_with_an_environment_sums_its_rewards_and_survives_its_failure(tmp_path, chatml_tokenizer):
     from tasks.agents.rollout_loop import LoopSettings, Trajectory, run_episodes
     from tasks.agents.workers import AgentWorkers
@@ -388,7 +432,10 @@ def test_the_turn_loop_with_an_environment_sums_its_rewards_and_survives_its_fai
     trajectories = [Trajectory(i, "p", i, [{"role": "user", "content": "unused"}]) for i in script]
     workers = AgentWorkers([], env, {"crash_on": "boom"}, 2, tool_timeout_s=1, step_timeout_s=1)
     try:
-        settings = LoopSettings(4, 200, 16, None, True, None)
+        settings = LoopSettings(
+            max_turns=4, max_total_tokens=200, max_tokens_per_turn=16, tool_call_format=None, environment=True,
+            tools=None,
+        )  # fmt: skip
         played = run_episodes(trajectories, rows, tok, settings, scripted(tok, script, []), workers)
     finally:
         workers.close()
@@ -423,7 +470,7 @@ def test_replaying_a_trajectorys_tool_calls_against_a_changed_tool(tmp_path, too
         ],
         schema_overrides=TURNS.columns,
         strict=False,
-    ).with_columns(pl.lit(None, pl.Utf8).alias("error"), pl.lit(0.01).alias("seconds"))
+    ).with_columns(error=pl.lit(None, pl.Utf8), seconds=pl.lit(0.01), cut_tokens=pl.lit(None, pl.Int32))
     write_stage(
         layout, "turns", 1, TURNS.validate(turns), fp="f", inputs={}, config_hash="", started=time.time(), table=TURNS
     )
@@ -461,3 +508,80 @@ def test_multi_turn_figures_per_iteration_by_hand():
         "max_turns": 0.0, "truncated": 0.5, "failed": 0.5,
     }  # fmt: skip
     assert per_iteration(rollouts.drop("action_mask")) is None  # single-turn rollouts
+
+
+ROW_ENV = '''
+class Quiz:
+    """Reads the dataset's own columns, as the docs describe the row."""
+
+    def reset(self, row):
+        if row.get("level") == "broken":
+            raise KeyError("level")
+        assert row["extra"]["question"] == row["question"]  # also kept nested, as before
+        self.answer = row["answer"]
+        return [{"role": "user", "content": f"{row['question']} (level {row['level']})"}]
+
+    def step(self, messages):
+        return [], float(messages[-1]["content"].strip() == self.answer), True
+'''
+
+
+def agent_play(tmp_path, tok, rows: list[dict], script: list[str]):
+    """The rollouts stage's multi-turn path (agent_rollouts.play) on prompts read by the dataset loader from a JSONL
+    file, with the environment above in its worker processes and generation scripted (each trajectory says the next
+    line of `script`)."""
+    from types import SimpleNamespace
+
+    from schemas.config import AgentConfig, DataConfig
+    from tasks.data.datasets import prompt_rows
+    from tasks.stages import agent_rollouts
+
+    (tmp_path / "model").mkdir()
+    tok.save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "env.py").write_text(ROW_ENV)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = prompt_rows([str(data)], DataConfig(), "data.train_files", "train").with_columns(
+        text=pl.col("prompt"),
+        messages=pl.col("prompt").map_elements(lambda p: [{"role": "user", "content": p}], return_dtype=pl.Object),
+        prompt_token_ids=pl.lit([1, 2], dtype=pl.List(pl.Int32)),
+    )
+    agent = AgentConfig(environment={"path": str(tmp_path / "env.py"), "function": "Quiz"}, max_turns=2)
+    rollout, engines = SimpleNamespace(max_tokens=8), SimpleNamespace(agent_workers=1)
+    ctx = SimpleNamespace(cfg=SimpleNamespace(agent=agent, rollout=rollout, engines=engines))
+    said = iter(script)
+
+    def generate_frames(frame, job, name):
+        ids = [tok(next(said), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _ in frame["prompt_id"]]
+        logprobs = pl.Series([[-0.1] * len(i) for i in ids])
+        out = frame.select("prompt_id").with_columns(
+            token_ids=pl.Series(ids), sampler_logprobs=logprobs, finish_reason=pl.lit("stop")
+        )
+        return out, {"jobs": [{"generate_seconds": 0.0, "tokens": sum(map(len, ids))}]}
+
+    return agent_rollouts.play(ctx, str(tmp_path / "model"), prompts, 1, 0, "t", generate_frames, lambda seed: {})
+
+
+def test_an_environments_reset_gets_the_dataset_columns_at_the_top_of_the_row(tmp_path, chatml_tokenizer):
+    rows = [
+        {"prompt": "unused", "answer": "5", "question": "add 2 3", "level": 1},
+        {"prompt": "unused", "answer": "9", "question": "add 4 5", "level": 2},
+    ]
+    frame, turns, _, _ = agent_play(tmp_path, chatml_tokenizer, rows, ["5", "7"])
+    assert frame["agent_error"].to_list() == [None, None]
+    assert frame["env_reward"].to_list() == [1.0, 0.0]
+    opening = turns.filter(pl.col("role") == "user")["text"].to_list()
+    assert opening == ["add 2 3 (level 1)", "add 4 5 (level 2)"]
+
+
+def test_every_episode_ending_before_the_first_turn_is_one_line_with_an_example_error(tmp_path, chatml_tokenizer):
+    from tasks.stages.agent_rollouts import NoTurnError
+
+    rows = [{"prompt": "p", "answer": "5", "question": "q", "level": "broken"}] * 3
+    with pytest.raises(NoTurnError) as e:
+        agent_play(tmp_path, chatml_tokenizer, rows, [])
+    assert str(e.value) == (
+        "agent: all 3 episodes ended before the model's first turn (3 with an environment error; e.g. prompt "
+        "'train-000000': reset: KeyError: 'level')"
+    )

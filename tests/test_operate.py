@@ -5,12 +5,14 @@ bounds and unreadable configs are one line, a full disk names the path and leave
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
 import polars as pl
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from schemas.config import ConfigError, RunConfig, dump_config, load_config
@@ -306,6 +308,34 @@ def test_show_fits_80_columns(tmp_path):
     text = "\n".join(c.export_text() for c in printed if c.record)
     assert text and max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
     assert "1-30" in text and "train_metrics" in text
+
+
+def test_show_reports_disk_use_per_part_and_per_iteration(tmp_path):
+    from tasks.analysis.show import disk_table, disk_use
+
+    layout, _ = fake_run(tmp_path, iterations=3)
+    shutil.rmtree(layout.checkpoints_root, ignore_errors=True)
+    for k, state in [(2, 0), (3, 5000)]:
+        folder = layout.checkpoint_dir(k)
+        (folder / "critic").mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 1000)
+        (folder / "critic" / "model.safetensors").write_bytes(b"x" * 100)
+        if state:
+            for sub in (folder, folder / "critic"):
+                (sub / "ds_state").mkdir()
+                (sub / "ds_state" / "optim.pt").write_bytes(b"y" * state)
+    (layout.run_dir / "logs").mkdir(exist_ok=True)
+    (layout.run_dir / "logs" / "engine.log").write_bytes(b"z" * 77)
+    use = disk_use(layout)
+    assert use["checkpoints"] == {2: {"weights": 1100, "state": 0}, 3: {"weights": 1100, "state": 10000}}
+    everything = sum(f.stat().st_size for f in layout.run_dir.rglob("*") if f.is_file())
+    parts = sum(f.stat().st_size for f in layout.run_dir.rglob("iter=*/*") if "checkpoints" not in f.parts)
+    assert use["total"] == everything and sum(use["tables"].values()) == parts and use["iterations"] == 3
+    assert use["other"] == everything - parts - 2 * 1100 - 10000 >= 77
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(disk_table(use))
+    text = console.export_text()
+    assert "optimizer states (1 kept)" in text and "10.0 KB" in text and "checkpoint weights (2 kept)" in text
 
 
 def test_the_time_plot_stacks_only_disjoint_stage_times():

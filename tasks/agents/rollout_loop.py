@@ -31,7 +31,7 @@ class Sampled:
     finish_reason: str  # stop | length
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoopSettings:
     max_turns: int
     max_total_tokens: int
@@ -40,6 +40,7 @@ class LoopSettings:
     environment: bool
     tools: list[dict] | None  # the tools' schemas, for the chat template
     chat: bool = True  # False: a model without a chat template reads plain text (turn_tokens.py)
+    max_tool_output_tokens: int | None = None  # a longer tool result is cut to this many tokens, and marked
 
 
 class Workers(Protocol):
@@ -84,6 +85,7 @@ class Trajectory:
                 "tool_arguments": extra.pop("tool_arguments", None),
                 "error": extra.pop("error", None),
                 "seconds": extra.pop("seconds", None),
+                "cut_tokens": extra.pop("cut_tokens", None),
             }
         )
 
@@ -139,6 +141,20 @@ def _take_model_turn(t: Trajectory, out: Sampled, tokenizer, max_total_tokens: i
         t.end("length", truncated=True)
 
 
+CUT_MARK = "...(truncated)"  # what the model reads after a cut tool result (verl's marker)
+
+
+def capped(text: str, tokenizer, limit: int | None) -> tuple[str, int | None]:
+    """A tool result cut to its first `limit` tokens plus CUT_MARK, and the number of tokens cut (None: uncut), so
+    that one long result cannot eat the trajectory's token budget."""
+    if limit is None:
+        return text, None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= limit:
+        return text, None
+    return tokenizer.decode(ids[:limit]) + CUT_MARK, len(ids) - limit
+
+
 def _observe(answered: list[Trajectory], tokenizer, settings: LoopSettings, workers: Workers, last: bool) -> None:
     """Tool results for the turns that call tools; the environment's step (or the end) for the others. After the
     `last` turn nothing more is appended (no model turn would read it): its tool calls are not run, and the
@@ -157,12 +173,12 @@ def _observe(answered: list[Trajectory], tokenizer, settings: LoopSettings, work
         for call, result in zip(calls[t.index], results):
             t.tool_calls += 1
             t.tool_errors += result.error is not None
-            message = {"role": "tool", "content": result.text}
-            new[t.index].append(message)
+            text, cut = capped(result.text, tokenizer, settings.max_tool_output_tokens)
+            new[t.index].append({"role": "tool", "content": text})
             arguments = json.dumps(call.arguments, sort_keys=True) if not call.error else call.raw
             t.add_turn(
-                "tool", result.text, [], tool_name=call.name, tool_arguments=arguments, error=result.error,
-                seconds=result.seconds,
+                "tool", text, [], tool_name=call.name, tool_arguments=arguments, error=result.error,
+                seconds=result.seconds, cut_tokens=cut,
             )  # fmt: skip
     rest = [t for t in answered if t.index not in calls and not t.done]
     if settings.environment and rest:

@@ -3,7 +3,8 @@ compiled over the token lists' flat buffers (tasks.algos.token_scan). Pure: no I
 
 Input: one row per response with prompt_id, sample_idx, reward (Float64) and length (Int32); estimators
 that need token data also read the list columns old_logprobs and ref_logprobs (KL in the reward) and
-values (GAE). Output: the same rows plus `advantage` (per sequence), `token_advantages` and `returns`
+values (GAE), and action_mask where a multi-turn rollout has one (GAE skips observation tokens). Output: the
+same rows plus `advantage` (per sequence), `token_advantages` and `returns`
 (list<float32>, one value per response token).
 
 Edge rules (tested):
@@ -269,7 +270,8 @@ def dcpo(df: pl.DataFrame, s: AdvantageSettings, history: pl.DataFrame | None = 
 @register("gae", needs_critic=True)
 def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     """Token rewards R_t = −β·kl_t, plus r on the last token; δ_t = R_t + γ·V_{t+1} − V_t (V_{T+1} = 0);
-    A_t = δ_t + γλ·A_{t+1}; returns = A + V; then A is whitened over the batch's response tokens.
+    A_t = δ_t + γλ·A_{t+1}; returns = A + V; then A is whitened over the batch's response tokens. With an
+    action_mask the recursion runs over the model's own tokens only (observations skipped, as if absent).
     The scan runs on the list columns' flat buffers (tasks.algos.token_scan)."""
     from tasks.algos.token_scan import gae_flat  # numba (0.6 s to import) loads only for the estimator that needs it
 
@@ -282,10 +284,15 @@ def gae(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
             if not np.array_equal(col_offsets, offsets):
                 raise ValueError(f"gae: {col} and values have different lengths in some response")
         penalty = pl.DataFrame(flat).select(-s.kl_beta * kl_expr(s.kl_estimator)).to_series().to_numpy()
-    advantages, returns = gae_flat(values, offsets, df["reward"].to_numpy(), penalty, s.gamma, s.lam, s.eps)
+    mask = None
+    if "action_mask" in df.columns and not df["action_mask"].null_count():  # multi-turn: skip the observations
+        mask, mask_offsets = flat_lists(df["action_mask"])
+        if not np.array_equal(mask_offsets, offsets):
+            raise ValueError("gae: action_mask and values have different lengths in some response")
+    advantages, returns = gae_flat(values, offsets, df["reward"].to_numpy(), penalty, s.gamma, s.lam, s.eps, mask=mask)
     nonempty = offsets[1:] > offsets[:-1]
     first = np.zeros(df.height)
-    first[nonempty] = advantages[offsets[:-1][nonempty]]
+    first[nonempty] = advantages[offsets[:-1][nonempty]]  # the first token: a model token, even in multi-turn
     return df.with_columns(
         from_flat("token_advantages", advantages, offsets),
         from_flat("returns", returns, offsets),

@@ -58,6 +58,31 @@ def _gae_pass(values, token_rewards, rewards, offsets, gamma, lam, advantages, r
 
 
 @numba.njit(cache=True, fastmath=_FAST, parallel=True)
+def _gae_pass_masked(
+    values, token_rewards, rewards, mask, offsets, gamma, lam, advantages, returns
+):  # pragma: no cover - compiled  # noqa: E501
+    """Multi-turn: the recursion skips observation tokens (mask 0) as if they were absent, as verl's GAE does:
+    V_{t+1} and A_{t+1} carry across them unchanged, their own values and token rewards are never read, and the
+    outcome reward lands on the last action token. An observation's outputs are the carried A and A + V_carried
+    (no loss reads them). Returns the sums of A and A² and the count over action tokens, for the whitening."""
+    has_token_rewards = token_rewards.shape[0] > 0
+    c = gamma * lam
+    total, squares, count = 0.0, 0.0, 0
+    for s in numba.prange(offsets.shape[0] - 1):
+        outcome, v_next, a = rewards[s], 0.0, 0.0
+        for i in range(offsets[s + 1] - 1, offsets[s] - 1, -1):
+            if mask[i]:
+                v = np.float64(values[i])
+                a = outcome + (token_rewards[i] if has_token_rewards else 0.0) + gamma * v_next - v + c * a
+                outcome, v_next = 0.0, v
+                total += a
+                squares += a * a
+                count += 1
+            advantages[i], returns[i] = a, a + v_next
+    return total, squares, count
+
+
+@numba.njit(cache=True, fastmath=_FAST, parallel=True)
 def _scale_in_place(x, shift, scale):  # pragma: no cover - compiled
     for i in numba.prange(x.shape[0]):
         x[i] = (np.float64(x[i]) - shift) * scale
@@ -71,23 +96,21 @@ def gae_flat(
     gamma: float,
     lam: float,
     eps: float,
+    mask: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(whitened advantages, returns), flat float32 over `offsets`; rewards has one entry per response and
-    token_rewards (per token, e.g. the KL penalty) may be None."""
+    token_rewards (per token, e.g. the KL penalty) may be None. `mask` (per token, 1 on the model's own tokens):
+    observations are skipped by the recursion and left out of the whitening; None, every token is an action."""
     advantages = np.empty(values.shape[0], np.float32)
     returns = np.empty(values.shape[0], np.float32)
     extra = np.empty(0, np.float64) if token_rewards is None else np.ascontiguousarray(token_rewards, np.float64)
-    total, squares = _gae_pass(
-        np.ascontiguousarray(values),
-        extra,
-        np.ascontiguousarray(rewards, np.float64),
-        offsets,
-        float(gamma),
-        float(lam),
-        advantages,
-        returns,
-    )
-    n = values.shape[0]
+    inputs = (np.ascontiguousarray(values), extra, np.ascontiguousarray(rewards, np.float64))
+    if mask is None:  # the hot path: no per-token branch
+        total, squares = _gae_pass(*inputs, offsets, float(gamma), float(lam), advantages, returns)
+        n = values.shape[0]
+    else:
+        mask = np.ascontiguousarray(mask, np.uint8)
+        total, squares, n = _gae_pass_masked(*inputs, mask, offsets, float(gamma), float(lam), advantages, returns)
     if n:  # whiten: (A − mean)/(std + ε), std unbiased (0 for a single token)
         mean = total / n
         std = np.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1)) if n > 1 else 0.0

@@ -173,3 +173,57 @@ def show_run(run_id: str, root: str, console: Console, wide: bool = False) -> No
         if agent is not None:
             out.print(agent)
     out.print(eval_table(layout))
+    out.print(disk_table(disk_use(layout)))
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def disk_use(layout: RunLayout) -> dict:
+    """Bytes on disk: the stage tables (and how many iterations they span), the checkpoints (each one's weights and
+    DeepSpeed state apart: the state is the bulk, and `checkpoint.keep_optimizer_states` bounds it), the rest
+    (logs, report, tracking) and the total."""
+    tables = {stage: _tree_bytes(layout.stage_root(stage)) for stage in layout.stages()}
+    checkpoints = {}
+    for k in layout.checkpoint_iterations():
+        folder = layout.checkpoint_dir(k)
+        state = sum(_tree_bytes(d) for d in folder.rglob("ds_state") if d.is_dir())
+        checkpoints[k] = {"weights": _tree_bytes(folder) - state, "state": state}
+    total = _tree_bytes(layout.run_dir)
+    iterations = max((max(layout.iterations(stage), default=0) for stage in tables), default=0)
+    held = sum(tables.values()) + sum(c["weights"] + c["state"] for c in checkpoints.values())
+    return {
+        "tables": tables, "checkpoints": checkpoints, "iterations": iterations, "other": total - held, "total": total
+    }  # fmt: skip
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def disk_table(use: dict) -> Table:
+    """`show`'s disk panel: what each part of the run takes, and per iteration."""
+    table = Table(title="disk", title_justify="left", box=None)
+    for col in ("what", "bytes", "per iteration"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    n = max(use["iterations"], 1)
+    tables = sum(use["tables"].values())
+    table.add_row(f"stage tables ({use['iterations']} iterations)", human_bytes(tables), human_bytes(tables / n))
+    ckpts = use["checkpoints"]
+    if ckpts:
+        weights = sum(c["weights"] for c in ckpts.values())
+        state = sum(c["state"] for c in ckpts.values())
+        with_state = sum(1 for c in ckpts.values() if c["state"])
+        each = human_bytes(weights / len(ckpts))
+        table.add_row(f"checkpoint weights ({len(ckpts)} kept)", human_bytes(weights), each)
+        table.add_row(
+            f"optimizer states ({with_state} kept)", human_bytes(state), human_bytes(state / max(with_state, 1))
+        )
+    table.add_row("logs, report, other", human_bytes(use["other"]), "")
+    table.add_row("total", human_bytes(use["total"]), "")
+    return table

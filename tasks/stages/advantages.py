@@ -29,12 +29,15 @@ KEYS = ["prompt_id", "sample_idx"]
 
 
 def advantage_inputs(ctx: RunContext, iteration: int, kept_only: bool = True) -> pl.DataFrame:
-    """One row per response: prompt_id, sample_idx, reward, length, and the logprobs table's lists."""
+    """One row per response: prompt_id, sample_idx, reward, length (and a multi-turn rollout's action_mask), and
+    the logprobs table's lists."""
     scores = read_stage(ctx.layout, "scores", iteration).select("iteration", *KEYS, "reward")
     if kept_only:
         kept = read_stage(ctx.layout, "batch", iteration).filter("kept").select("prompt_id")
         scores = scores.join(kept, on="prompt_id", how="semi")
-    lengths = read_stage(ctx.layout, "rollouts", iteration).select(*KEYS, "length")
+    rollouts = read_stage(ctx.layout, "rollouts", iteration)
+    actions = ["action_mask"] if "action_mask" in rollouts.columns else []  # multi-turn: GAE skips observations
+    lengths = rollouts.select(*KEYS, "length", *actions)
     df = scores.join(lengths, on=KEYS, how="inner", validate="1:1", maintain_order="left")
     if kept_only:
         lists = read_stage(ctx.layout, "logprobs", iteration).select(*KEYS, "old_logprobs", "ref_logprobs", "values")

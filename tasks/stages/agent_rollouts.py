@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from schemas.errors import UserError
 from schemas.tables import LIST_I32, ROLLOUTS, TURNS
 from tasks.agents.environments import environment_spec
 from tasks.agents.rollout_loop import LoopSettings, Sampled, Trajectory, run_episodes
@@ -25,15 +26,16 @@ def play(
     specs = tool_specs(agent)
     schemas = [t.schema for t in load_tools(specs).values()] or None
     settings = LoopSettings(
-        agent.max_turns,
-        agent.max_total_tokens,
-        r.max_tokens,
-        agent.tool_call_format if specs else None,
-        agent.environment is not None,
-        schemas,
+        max_turns=agent.max_turns,
+        max_total_tokens=agent.max_total_tokens,
+        max_tokens_per_turn=r.max_tokens,
+        tool_call_format=agent.tool_call_format if specs else None,
+        environment=agent.environment is not None,
+        tools=schemas,
         chat=bool(getattr(tokenizer, "chat_template", None)),
+        max_tool_output_tokens=agent.max_tool_output_tokens,
     )
-    rows = [row for row in prompts.iter_rows(named=True) for _ in range(group_size)]
+    rows = [episode_row(row) for row in prompts.iter_rows(named=True) for _ in range(group_size)]
     trajectories = [
         Trajectory(
             i,
@@ -74,6 +76,8 @@ def play(
         played = run_episodes(trajectories, rows, tokenizer, settings, generate, workers)
     finally:
         workers.close()
+    if "resp" not in first:
+        raise NoTurnError(no_turn_line(played))
     rollouts = [rollout_row(t) for t in played]
     schema = {**ROLLOUTS.columns, **ROLLOUTS.optional}
     frame = pl.DataFrame(rollouts, schema_overrides={k: v for k, v in schema.items() if k in rollouts[0]}, strict=False)
@@ -83,6 +87,26 @@ def play(
         strict=False,
     )
     return frame, turns, first["resp"], totals
+
+
+class NoTurnError(UserError, RuntimeError):
+    """Every episode of a batch ended before the model's first turn: there is nothing to train or evaluate."""
+
+
+def no_turn_line(played: list[Trajectory]) -> str:
+    failed = [t for t in played if t.error]
+    example = f"; e.g. prompt {failed[0].prompt_id!r}: {failed[0].error}" if failed else ""
+    return (
+        f"agent: all {len(played)} episodes ended before the model's first turn ({len(failed)} with an environment "
+        f"error{example})"
+    )
+
+
+def episode_row(prompt: dict) -> dict:
+    """The row an environment's `reset` gets: the dataset's own columns at the top level, as the docs promise
+    (`row["question"]`), then rlpipe's (prompt_id, prompt, messages, answer, text, ...), which win on a clash; the
+    dataset's columns also stay nested under `extra`."""
+    return {**(prompt.get("extra") or {}), **prompt, "prompt": prompt["text"]}
 
 
 def rollout_row(t: Trajectory) -> dict:
