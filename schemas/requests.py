@@ -36,6 +36,7 @@ class VLLMSettings:
     gpu_memory_utilization: float  # on a GPU, vLLM's share (a colocated trainer has the rest)
     tensor_parallel_size: int = 1
     max_lora_rank: int | None = None  # LoRA enabled (the policy's adapters are loaded per request), or None
+    prefix_caching: bool = True  # vLLM's automatic prefix caching: a multi-turn turn re-reads its whole trajectory
 
     @classmethod
     def from_config(

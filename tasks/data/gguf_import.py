@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from schemas.errors import UserError
-from tasks.data.registry_model import sha256_of
+from storage.stage_io import sha256_file
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = ("float32", "bfloat16")
@@ -110,7 +110,7 @@ def _record_source(folder: Path, src: Path, architecture: str, dtype: str) -> No
 
     info = {
         "gguf_file": src.name,
-        "gguf_sha256": sha256_of(src),
+        "gguf_sha256": sha256_file(src),
         "architecture": architecture,
         "dtype": dtype,
         "imported_by": "rlpipe import-gguf",

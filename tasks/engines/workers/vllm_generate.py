@@ -79,7 +79,7 @@ def _start_engine(settings: VLLMSettings):
         seed=settings.seed,
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=True,
-        enable_prefix_caching=True,
+        enable_prefix_caching=settings.prefix_caching,
         **extra,
     )
 
