@@ -170,27 +170,30 @@ def fork(src_layout, dst_layout, stage: str, iteration: int) -> int:
 
 
 def recompute(root: str, run_id: str, stage: str, iteration: int) -> list:
-    """Run one stage's task body on its cached inputs, handed as the flow hands them (tasks/stages/graph.py binds
-    them by name), their fingerprints read from their manifests: a per-round stage recomputes every round its input
-    has; a stage that gathers the rounds gets them all. Engines it started are released after (a rerun is one
+    """Run one stage's task body on its cached inputs, handed as the flow hands them (tasks/stages/graph.py), their
+    fingerprints read from their manifests: a per-round stage recomputes every round its input has; a stage that
+    gathers the rounds gets them all. Engines it started are released after (a rerun is one
     command)."""
     from tasks.engines.resident import close_all
     from tasks.stages.common import upstream_fingerprint, upstream_part_fingerprints
 
     graph = _stages()
     spec = graph.stage(stage)
-    tables = [table for table, _ in graph.fingerprint_parameters(spec).values()]
-    per_round_tables = {t for t in tables if graph.stage(t).scope == "round"}
+    every_round = {s.name for s in graph.RL_ITERATION if s.scope == "round"}
+    in_iteration = [t for t in spec.reads if t in {s.name for s in graph.RL_ITERATION}]  # the rest: the graph's
     fingerprints = {
         t: upstream_part_fingerprints(root, run_id, t, iteration)
-        if t in per_round_tables
+        if t in every_round
         else [upstream_fingerprint(root, run_id, t, iteration)]
-        for t in tables
+        for t in in_iteration
     }
-    rounds = max((len(fingerprints[t]) for t in per_round_tables), default=1)
+    rounds = max((len(fingerprints[t]) for t in in_iteration if t in every_round), default=1)
     per_round = range(rounds) if spec.scope == "round" else [rounds - 1]
     try:
-        return [spec.task.fn(**graph.task_arguments(spec, root, run_id, iteration, r, fingerprints)) for r in per_round]
+        return [
+            spec.task.fn(**graph.task_arguments(spec, root, run_id, iteration, r, fingerprints, every_round))
+            for r in per_round
+        ]
     finally:
         close_all()
 

@@ -14,9 +14,10 @@ from tasks.stages.artifacts import artifacts_task
 from tasks.stages.common import plan_task
 from tasks.stages.dataset import dataset_task
 from tasks.stages.evaluate import eval_task
-from tasks.stages.graph import ITERATION_TASKS, gathers_rounds, task_arguments
+from tasks.stages.graph import ITERATION_TASKS, task_arguments
 from tasks.stages.rollouts import release_engines_task
 from tasks.stages.sft import sft_data_task
+from tasks.stages.spec import AnotherRound
 from tasks.stages.start_engines import start_engines
 from tasks.stages.summary import summary_task
 from tasks.stages.tracking import track_task
@@ -26,22 +27,20 @@ def run_iteration_stages(storage_root: str, run_id: str, iteration: int, stages=
     """Call each stage's task in the graph's data order, handing each the fingerprints of the tables it reads.
 
     Dynamic sampling: the per-round stages (prompts → rollouts → scores) run again, one round more, while the stage
-    that gathers their rounds (batch: it alone knows target_groups and max_rounds) returns None.
+    that gathers their rounds (batch: it alone knows target_groups and max_rounds) returns AnotherRound.
     Returns table → its StageOutput (a per-round table's: its last round's) and `rounds`."""
     fingerprints: dict[str, list[str]] = {}
     outputs: dict[str, StageOutput] = {}
+    every_round = {s.name for s in stages if s.scope == "round"}
     round_ = 0
     while True:
         for spec in (s for s in stages if s.scope == "round"):
-            outputs[spec.name] = spec.task(
-                **task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints)
-            )
+            args = task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints, every_round)
+            outputs[spec.name] = spec.task(**args)
             fingerprints.setdefault(spec.name, []).append(outputs[spec.name].fingerprint)
         for spec in (s for s in stages if s.scope != "round"):
-            out = spec.task(**task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints))
-            if out is None:
-                if not gathers_rounds(spec):
-                    raise RuntimeError(f"stage {spec.name!r} returned no output")
+            out = spec.task(**task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints, every_round))
+            if isinstance(out, AnotherRound):
                 break
             outputs[spec.name], fingerprints[spec.name] = out, [out.fingerprint]
         else:

@@ -2,22 +2,34 @@
 
 Loaded once from YAML (plus `--set a.b=value` overrides), frozen, and saved resolved as
 `runs/{run_id}/config.yaml`. Every option with a fixed set of values is a `Literal`, so a typo fails at load
-time with a message naming the key, never deep inside a stage.
-Imports: two registries (built-in reward names, estimators' needs) inside the validators: the schemas layer imports
-nothing of tasks at import time (docs/architecture.md, Layout).
+time with a message naming the key, never deep inside a stage; a choice that a registry holds (estimators,
+objectives, aggregations, KL estimators, tool-call formats) is checked against that registry, its one list.
+Imports: the registries (built-in reward names, the algorithms' and tool-call formats' names, estimators' needs)
+inside the validators: the schemas layer imports nothing of tasks at import time (docs/architecture.md, Layout).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
 import string
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from schemas.errors import UserError
 
@@ -44,6 +56,31 @@ def _as_list(value: Any) -> Any:
 
 
 FileList = Annotated[list[str], BeforeValidator(_as_list)]
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A choice whose values are a registry's names (tasks/registry.py): written once, at the registry's `register`
+    calls. The registry is imported when a config is validated, not with this module (the schemas layer imports
+    nothing of tasks at import time); the config reference lists its names (schemas/reference.py)."""
+
+    where: str  # "module:ATTRIBUTE"
+
+    def registry(self):
+        module, attr = self.where.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def __call__(self, value: str) -> str:
+        registry = self.registry()
+        if value not in registry:
+            raise ValueError(f"unknown {registry.family} {value!r}: choose one of {', '.join(registry.names())}")
+        return value
+
+
+def registered(where: str):
+    """The type of a config field whose choices are the names of the registry at `where`."""
+    check = Registered(where)
+    return Annotated[str, AfterValidator(check), check]
 
 
 class ModelConfig(Section):
@@ -407,7 +444,7 @@ class AgentConfig(Section):
         description="{path or module, function: the class, kwargs}: reset(row) → messages; step(messages) → "
         "(messages, reward or None, done). One instance per sample.",
     )
-    tool_call_format: Literal["hermes", "json"] = Field(
+    tool_call_format: registered("tasks.agents.tool_calls:TOOL_CALL_PARSERS") = Field(
         "hermes",
         description="How the model writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen and most ChatML "
         "templates) or json (the whole turn one JSON call, Llama 3).",
@@ -507,18 +544,16 @@ class BatchConfig(Section):
     )
 
 
-Estimator = Literal["gae", "grpo", "drgrpo", "lite_ppo", "rloo", "reinforce_pp_baseline", "dcpo"]
-Objective = Literal["clip", "gspo", "gspo_token", "dcpo"]
-Aggregation = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "only-token-mean"
-]
+Estimator = registered("tasks.algos.advantages:ADVANTAGE_ESTIMATORS")
+Objective = registered("tasks.algos.losses:OBJECTIVES")
+Aggregation = registered("tasks.algos.losses:AGGREGATIONS")
+KLEstimator = registered("tasks.algos.kl:KL_ESTIMATORS")
 
 
 class AdvantageConfig(Section):
     estimator: Estimator = Field(
         "grpo",
-        description="The advantage estimator (docs/algorithms.md): gae (PPO's critic), grpo, drgrpo, lite_ppo, rloo, "
-        "reinforce_pp_baseline, dcpo.",
+        description="The advantage estimator (docs/algorithms.md); gae trains PPO's critic.",
     )
     eps: float = Field(1e-6, gt=0, description="Added to a group's reward standard deviation before dividing by it.")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount γ.")
@@ -526,13 +561,10 @@ class AdvantageConfig(Section):
 
 
 class LossConfig(Section):
-    objective: Objective = Field(
-        "clip", description="The policy objective (docs/algorithms.md): clip (PPO's), gspo, gspo_token, dcpo."
-    )
+    objective: Objective = Field("clip", description="The policy objective (docs/algorithms.md); clip is PPO's.")
     aggregation: Aggregation = Field(
         "token-mean",
-        description="How token losses become the minibatch's loss: token-mean, seq-mean-token-mean, "
-        "seq-mean-token-sum, seq-mean-token-sum-norm, only-token-mean.",
+        description="How token losses become the minibatch's loss (docs/algorithms.md).",
     )
     clip_eps_low: float = Field(0.2, ge=0, description="The ratio's lower clip, 1 − ε_low.")
     clip_eps_high: float = Field(
@@ -563,9 +595,7 @@ class LossConfig(Section):
 
 
 class KLConfig(Section):
-    estimator: Literal["k1", "k2", "k3", "k3+"] = Field(
-        "k3", description="The per-token KL estimator to the reference (docs/algorithms.md): k1, k2, k3, k3+."
-    )
+    estimator: KLEstimator = Field("k3", description="The per-token KL estimator (docs/algorithms.md).")
     placement: Literal["reward", "loss", "none"] = Field(
         "loss",
         description="Where the KL goes: loss (β·KL added to the policy loss), reward (subtracted from the token "

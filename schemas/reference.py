@@ -12,7 +12,7 @@ import typing
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from schemas.config import RunConfig, Section
+from schemas.config import Registered, RunConfig, Section
 
 HEADER = """# Config reference
 
@@ -35,7 +35,10 @@ def _sections(annotation) -> list[type[BaseModel]]:
     return out
 
 
-def _type(annotation) -> str:
+def _type(annotation, metadata=()) -> str:
+    registered = next((m for m in metadata if isinstance(m, Registered)), None)
+    if registered is not None:  # a registry's names (schemas.config.registered), shown as a Literal's would be
+        return " | ".join(repr(name) for name in registered.registry().names())
     sections = _sections(annotation)
     if sections and typing.get_origin(annotation) is dict:
         return f"dict[str, {sections[0].__name__}]"
@@ -65,7 +68,7 @@ def fields(cls: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str
     rows = []
     for name, field in cls.model_fields.items():
         key = f"{prefix}{name}"
-        rows.append((key, _type(field.annotation), _default(field), field.description or ""))
+        rows.append((key, _type(field.annotation, field.metadata), _default(field), field.description or ""))
         for section in _sections(field.annotation):
             named = "name" in section.model_fields  # one of a union, told apart by its name
             inner = f"{key}[name={section.model_fields['name'].default}]." if named else key + "."

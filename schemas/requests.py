@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel
 
 from schemas.config import (
     DPOConfig,
+    KLConfig,
     LoraConfig,
     LossConfig,
     ModelConfig,
@@ -25,7 +28,7 @@ from schemas.config import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VLLMSettings:
     """How the resident vLLM engine starts."""
 
@@ -43,17 +46,17 @@ class VLLMSettings:
         cls, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int, lora: LoraConfig
     ) -> "VLLMSettings":
         return cls(
-            model_path,
-            model.dtype,
-            seed,
-            rollout.kv_cache_gib,
-            rollout.gpu_memory_utilization,
-            rollout.tensor_parallel_size,
-            lora.rank,
+            model_path=model_path,
+            dtype=model.dtype,
+            seed=seed,
+            kv_cache_gib=rollout.kv_cache_gib,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            max_lora_rank=lora.rank,
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerationJob:
     """One sampling pass over a prompts file (prompt_id, prompt_token_ids) into an output file (one row per sample)."""
 
@@ -69,13 +72,13 @@ class GenerationJob:
     min_tokens: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerateRequest:
     model_path: str  # the weights to sample with: the engine syncs to them in place first
     jobs: tuple[GenerationJob, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoraSettings:
     """The policy's adapter (peft LoRA), created from the seed when training starts from a plain model folder."""
 
@@ -91,10 +94,17 @@ class LoraSettings:
         if not lora.enabled:
             return None
         targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
-        return cls(lora.rank, lora.alpha, lora.dropout, targets, tuple(lora.modules_to_save), seed)
+        return cls(
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=targets,
+            modules_to_save=tuple(lora.modules_to_save),
+            seed=seed,
+        )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSettings:
     """A DeepSpeed engine's settings (a resident trainer reuses an engine only when these are equal)."""
 
@@ -110,14 +120,14 @@ class EngineSettings:
     @classmethod
     def for_policy(cls, optim: OptimConfig, model: ModelConfig, lora: LoraSettings | None) -> "EngineSettings":
         return cls(
-            optim.zero_stage,
-            optim.lr,
-            optim.weight_decay,
-            optim.grad_clip,
-            optim.micro_batch_size,
-            model.dtype,
-            model.gradient_checkpointing,
-            lora,
+            zero_stage=optim.zero_stage,
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            grad_clip=optim.grad_clip,
+            micro_batch_size=optim.micro_batch_size,
+            dtype=model.dtype,
+            gradient_checkpointing=model.gradient_checkpointing,
+            lora=lora,
         )
 
     @classmethod
@@ -125,7 +135,14 @@ class EngineSettings:
         cls, sft: SFTConfig, optim: OptimConfig, model: ModelConfig, lora: LoraSettings | None
     ) -> "EngineSettings":
         return cls(
-            sft.zero_stage, sft.lr, 0.0, 1.0, optim.micro_batch_size, model.dtype, model.gradient_checkpointing, lora
+            zero_stage=sft.zero_stage,
+            lr=sft.lr,
+            weight_decay=0.0,  # SFT: no decay and the default clip (the sft section has neither key)
+            grad_clip=1.0,
+            micro_batch_size=optim.micro_batch_size,
+            dtype=model.dtype,
+            gradient_checkpointing=model.gradient_checkpointing,
+            lora=lora,
         )
 
     @classmethod
@@ -133,18 +150,18 @@ class EngineSettings:
         cls, trainer: RewardModelConfig | DPOConfig, model: ModelConfig, lora: LoraSettings | None
     ) -> "EngineSettings":
         return cls(
-            trainer.zero_stage,
-            trainer.lr,
-            trainer.weight_decay,
-            1.0,
-            trainer.micro_batch_size,
-            model.dtype,
-            model.gradient_checkpointing,
-            lora,
+            zero_stage=trainer.zero_stage,
+            lr=trainer.lr,
+            weight_decay=trainer.weight_decay,
+            grad_clip=1.0,  # the preference sections have no clip key
+            micro_batch_size=trainer.micro_batch_size,
+            dtype=model.dtype,
+            gradient_checkpointing=model.gradient_checkpointing,
+            lora=lora,
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Schedule:
     """Supervised training's steps: batch_size elements a step, linear warmup then cosine to 10% of lr."""
 
@@ -153,7 +170,7 @@ class Schedule:
     warmup_steps: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SFTRequest:
     model_path: str
     tmp_dir: str  # the checkpoint is written here; the caller renames it into place
@@ -164,40 +181,36 @@ class SFTRequest:
     schedule: Schedule
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LossSettings:
-    objective: str
-    aggregation: str
-    clip_eps_low: float
-    clip_eps_high: float
-    dual_clip: float | None
-    kl_estimator: str
-    kl_in_loss: bool
-    kl_beta: float  # the iteration's β (adaptive or fixed)
-    entropy_coef: float
-    tis_cap: float | None
-    max_tokens: int  # L_max of seq-mean-token-sum-norm
+    """The policy loss's settings: the one type the optimize stage sends and the algorithms read
+    (tasks/algos/losses.py). The `loss` and `kl` sections travel whole, so a new loss key is its config field and
+    the code that reads it; the two values computed per iteration come beside them. Where each field comes from:
+    CONFIG_KEYS (checked by a test)."""
+
+    loss: LossConfig = LossConfig()
+    kl: KLConfig = KLConfig()
+    kl_beta: float = KLConfig.model_fields["beta"].default  # the iteration's β (tasks/stages/kl_control.py)
+    max_tokens: int = RolloutConfig.model_fields["max_tokens"].default  # L_max of seq-mean-token-sum-norm
+
+    CONFIG_KEYS: ClassVar[dict[str, str]] = {
+        "loss": "loss",
+        "kl": "kl",
+        "kl_beta": "kl.beta, or the adaptive controller's β when kl.target is set",
+        "max_tokens": "rollout.max_tokens",
+    }
 
     @classmethod
-    def from_config(
-        cls, loss: LossConfig, kl_estimator: str, kl_in_loss: bool, beta: float, max_tokens: int
-    ) -> "LossSettings":
-        return cls(
-            loss.objective,
-            loss.aggregation,
-            loss.clip_eps_low,
-            loss.clip_eps_high,
-            loss.dual_clip,
-            kl_estimator,
-            kl_in_loss,
-            beta,
-            loss.entropy_coef,
-            loss.tis_cap,
-            max_tokens,
-        )
+    def for_iteration(cls, cfg, kl_beta: float) -> "LossSettings":
+        """From a run's config (a stage's view of it, with the loss, kl and rollout sections) and the iteration's β."""
+        return cls(loss=cfg.loss, kl=cfg.kl, kl_beta=kl_beta, max_tokens=cfg.rollout.max_tokens)
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.kl.placement == "loss"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CriticRequest:
     path: str
     fresh: bool  # build from the policy checkpoint at `path` with a zeroed head
@@ -208,14 +221,14 @@ class CriticRequest:
     coef: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PtxRequest:
     coef: float
     batch: int
     data_path: str  # prompt_token_ids, response_token_ids
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UpdateRequest:
     """One RL policy update: ppo_epochs × minibatches optimizer steps on the training frame."""
 
@@ -238,7 +251,7 @@ class UpdateRequest:
     final_dir: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LogprobsRequest:
     policy_path: str
     ref_path: str
@@ -250,7 +263,7 @@ class LogprobsRequest:
     critic_fresh: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PreferenceTrainRequest:
     """A Bradley–Terry reward model (rm) or DPO (dpo), trained by DeepSpeed."""
 
@@ -266,7 +279,7 @@ class PreferenceTrainRequest:
     nll_coef: float  # DPO only
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainerWarmStart:
     """What a resident trainer loads as it starts, while the rest of the run starts too: the model the first update
     starts from (the run's starting weights), as the frozen reference the logprobs stage reads, and its DeepSpeed
@@ -278,7 +291,7 @@ class TrainerWarmStart:
     engine: EngineSettings
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScoreRequest:
     """Forward passes without training: a reward model's score of each sequence (rm_score), or a causal LM's
     sequence logprobs of each pair's two responses (seq_logprobs)."""
@@ -312,7 +325,12 @@ KINDS = {
 
 
 def to_wire(request) -> dict:
-    return {"kind": type(request).__name__, "fields": dataclasses.asdict(request)}
+    return {"kind": type(request).__name__, "fields": dataclasses.asdict(request, dict_factory=_plain)}
+
+
+def _plain(items: list[tuple[str, object]]) -> dict:
+    """asdict's dicts with config sections (pydantic, carried whole by LossSettings) as their JSON form."""
+    return {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in items}
 
 
 def from_wire(message: dict):
@@ -339,6 +357,8 @@ def _value(hint, value):
     for arg in typing.get_args(hint) or (hint,):
         if dataclasses.is_dataclass(arg) and isinstance(value, dict):
             return _build(arg, value)
+        if isinstance(arg, type) and issubclass(arg, BaseModel) and isinstance(value, dict):
+            return arg.model_validate(value)
     origin = typing.get_origin(hint)
     if origin is tuple:
         inner = typing.get_args(hint)[0]

@@ -1,10 +1,13 @@
 """The one registry helper: a named family of functions (advantage estimators, objectives, aggregations, KL
-estimators, reward functions, example tasks) with per-entry capabilities, so code asks an entry what it needs
-(`needs_critic`, `keeps_prompt_state`) instead of testing its name."""
+estimators, reward functions, tool-call formats, example tasks), each family's names written once, at its
+`register` calls. The config validates its choices against them (schemas/config.py, `registered`) and the config
+reference lists them. An entry's capabilities are a typed dataclass of its family, so code asks an entry what it
+needs (`needs_critic`, `keeps_prompt_state`) instead of testing its name, and a misspelled capability fails at
+import instead of reading as False."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from schemas.errors import UserError
@@ -18,30 +21,38 @@ class RegistryError(UserError, KeyError):
 
 
 @dataclass(frozen=True)
+class NoCapabilities:
+    """A family whose entries differ only in their function."""
+
+
+@dataclass(frozen=True)
 class Entry(Generic[F]):
     name: str
     fn: F
-    capabilities: dict[str, Any] = field(default_factory=dict)
+    capabilities: Any  # the family's capabilities dataclass
 
     def __getattr__(self, key: str) -> Any:
-        """A capability by attribute (`entry.needs_critic`); an undeclared one is False."""
+        """A capability by attribute (`entry.needs_critic`); one the family does not have is an AttributeError."""
         if key.startswith("__"):
             raise AttributeError(key)
-        return self.capabilities.get(key, False)
+        return getattr(self.capabilities, key)
 
 
 class Registry(Generic[F]):
-    def __init__(self, family: str):
+    def __init__(self, family: str, capabilities: type = NoCapabilities):
         self.family = family
+        self.capabilities = capabilities
         self._entries: dict[str, Entry[F]] = {}
 
     def register(self, name: str, **capabilities: Any) -> Callable[[F], F]:
-        """Decorator: add `fn` under `name`; a second entry under one name is a bug, refused at import."""
+        """Decorator: add `fn` under `name` with its capabilities (the family's dataclass: an unknown one is a
+        TypeError); a second entry under one name is a bug, refused at import."""
+        caps = self.capabilities(**capabilities)
 
         def wrap(fn: F) -> F:
             if name in self._entries:
                 raise ValueError(f"{self.family} {name!r} is registered twice")
-            self._entries[name] = Entry(name, fn, dict(capabilities))
+            self._entries[name] = Entry(name, fn, caps)
             return fn
 
         return wrap

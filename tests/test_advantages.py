@@ -315,14 +315,6 @@ def test_dcpo_matches_a_reference_loop_over_many_steps():
     assert history.height == len({p for g in steps for p in g})
 
 
-def test_every_configured_estimator_is_registered():
-    from typing import get_args
-
-    from schemas.config import Estimator
-
-    assert set(get_args(Estimator)) == set(ADVANTAGE_ESTIMATORS)
-
-
 # ---- compare-advantages statistics -----------------------------------------------------------------------
 
 

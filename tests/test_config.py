@@ -105,3 +105,44 @@ def test_validating_a_config_imports_no_stage_code():
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+REGISTERED = {
+    "advantage.estimator": "tasks.algos.advantages:ADVANTAGE_ESTIMATORS",
+    "loss.objective": "tasks.algos.losses:OBJECTIVES",
+    "loss.aggregation": "tasks.algos.losses:AGGREGATIONS",
+    "kl.estimator": "tasks.algos.kl:KL_ESTIMATORS",
+    "agent.tool_call_format": "tasks.agents.tool_calls:TOOL_CALL_PARSERS",
+}
+
+
+@pytest.mark.parametrize("key", sorted(REGISTERED))
+def test_a_registrys_names_are_the_configs_choices_and_the_references(key):
+    """The registry is the one list: every name it holds is accepted, anything else is refused naming them all, and the
+    config reference shows exactly them."""
+    import importlib
+
+    from schemas.reference import fields
+
+    module, attr = REGISTERED[key].split(":")
+    names = getattr(importlib.import_module(module), attr).names()
+    for name in names:
+        build_config({}, [f"{key}={name}"])
+    with pytest.raises(ConfigError) as err:
+        build_config({}, [f"{key}=nope"])
+    assert f"{key}:" in str(err.value) and str(err.value).endswith(f"'nope': choose one of {', '.join(names)}")
+    shown = next(t for k, t, _, _ in fields() if k == key)
+    assert shown == " | ".join(repr(n) for n in names)
+
+
+def test_a_misspelled_capability_fails_at_registration():
+    from tasks.algos.advantages import EstimatorNeeds
+    from tasks.registry import Registry
+
+    registry = Registry("advantage estimator", EstimatorNeeds)
+    registry.register("mine", needs_critic=True)(lambda df, s, h: df)
+    assert registry.entry("mine").needs_critic and not registry.entry("mine").keeps_prompt_state
+    with pytest.raises(TypeError):
+        registry.register("typo", needs_critc=True)
+    with pytest.raises(AttributeError):
+        registry.entry("mine").needs_critc

@@ -22,7 +22,8 @@ root = sys.argv[1]
 torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=32)
-settings = EngineSettings(0, 1e-3, 0.0, 1.0, 2, "float32", False, None)
+settings = EngineSettings(zero_stage=0, lr=1e-3, weight_decay=0.0, grad_clip=1.0, micro_batch_size=2, dtype="float32",
+                          gradient_checkpointing=False, lora=None)
 engine, _ = deepspeed_engine(LlamaForCausalLM(cfg), settings, gas=1)
 ids = torch.tensor([[1, 5, 9, 3, 7, 2, 8]])
 engine.backward(engine(input_ids=ids, labels=ids).loss)

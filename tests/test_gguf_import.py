@@ -76,8 +76,8 @@ def test_vllm_greedy_tokens_on_the_folder_equal_hf_generate(imported, tmp_path):
         schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
     ).write_parquet(path)
     job = GenerationJob(
-        str(path),
-        str(tmp_path / "out.parquet"),
+        prompts_path=str(path),
+        out_path=str(tmp_path / "out.parquet"),
         n=1,
         temperature=0.0,
         top_p=1.0,
@@ -89,8 +89,8 @@ def test_vllm_greedy_tokens_on_the_folder_equal_hf_generate(imported, tmp_path):
     engine = ResidentEngine(tmp_path / "vllm.log")
     try:
         engine.generate(
-            GenerateRequest(str(out), (job,)),
-            VLLMSettings(str(out), "float32", 0, kv_cache_gib=1, gpu_memory_utilization=0.5),
+            GenerateRequest(model_path=str(out), jobs=(job,)),
+            VLLMSettings(model_path=str(out), dtype="float32", seed=0, kv_cache_gib=1, gpu_memory_utilization=0.5),
         )
     finally:
         engine.close()

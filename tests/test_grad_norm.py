@@ -32,7 +32,9 @@ def loss_of(module, k):
 plain = copy.deepcopy(model)  # the reference: plain torch, both micro-batches' losses summed
 (loss_of(plain, 0) + loss_of(plain, 1)).backward()
 by_hand = float(sum(float((p.grad.double() ** 2).sum()) for p in plain.parameters()) ** 0.5)
-engine, _ = deepspeed_engine(model, EngineSettings(stage, 1e-3, 0.0, 0.01, 2, "float32", False, None), gas=2)
+settings = EngineSettings(zero_stage=stage, lr=1e-3, weight_decay=0.0, grad_clip=0.01, micro_batch_size=2,
+                          dtype="float32", gradient_checkpointing=False, lora=None)
+engine, _ = deepspeed_engine(model, settings, gas=2)
 for k in range(2):  # two micro-batches accumulate into one step
     engine.set_gradient_accumulation_boundary(k == 1)
     engine.backward(loss_of(engine, k), scale_wrt_gas=False)

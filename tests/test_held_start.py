@@ -15,8 +15,8 @@ from schemas.requests import GenerateRequest, VLLMSettings
 from tasks.engines.launch import WorkerError
 from tasks.engines.resident import ResidentProcess, close_held, resident
 
-SETTINGS = VLLMSettings("models/x", "float32", 7, 1.0, 0.5)
-REQUEST = GenerateRequest("models/x", ())
+SETTINGS = VLLMSettings(model_path="models/x", dtype="float32", seed=7, kv_cache_gib=1.0, gpu_memory_utilization=0.5)
+REQUEST = GenerateRequest(model_path="models/x", jobs=())
 
 
 def held_outputs() -> list[str]:

@@ -33,7 +33,7 @@ def tiny_model(tmp_path):
 
 
 def lora(targets=("q_proj", "v_proj"), seed=0) -> LoraSettings:
-    return LoraSettings(RANK, ALPHA, 0.0, targets, (), seed)
+    return LoraSettings(rank=RANK, alpha=ALPHA, dropout=0.0, target_modules=targets, modules_to_save=(), seed=seed)
 
 
 def test_only_the_adapter_trains_and_one_update_equals_the_hand_computed_one(tiny_model):

@@ -239,7 +239,7 @@ def test_changing_the_sft_settings_recomputes_the_ppo_ptx_demonstrations(tmp_pat
 def test_the_iteration_order_is_a_topological_order_of_the_declared_reads():
     order = [s.name for s in graph.RL_ITERATION]
     for i, spec in enumerate(graph.RL_ITERATION):
-        assert not set(spec.reads) & set(order[i + 1 :]), spec.name  # nothing it reads comes after it
+        assert not set(spec.all_reads) & set(order[i + 1 :]), spec.name  # nothing it reads comes after it
     shuffled = tuple(reversed(graph.RL_ITERATION))
     assert [s.name for s in graph.in_data_order(shuffled)] == [
         "prompts",
@@ -264,23 +264,24 @@ class Out:
 
 
 def toy_graph(calls: list, rounds_needed: int):
-    """Four stages as the flow sees them: two per round, one that gathers the rounds (None until it has
+    """Four stages as the flow sees them: two per round, one that gathers the rounds (AnotherRound until it has
     `rounds_needed`), one after it; each task records what it was handed."""
+    from tasks.stages.spec import AnotherRound
 
-    def draw(storage_root, run_id, iteration, round_):
-        calls.append(("draw", round_))
+    def draw(storage_root, run_id, iteration, round_, upstream):
+        calls.append(("draw", round_, upstream))
         return Out(f"draw{iteration}.{round_}")
 
-    def judge(storage_root, run_id, iteration, round_, draw_fp):
-        calls.append(("judge", round_, draw_fp))
-        return Out(f"judge({draw_fp})")
+    def judge(storage_root, run_id, iteration, round_, upstream):
+        calls.append(("judge", round_, upstream))
+        return Out(f"judge({upstream['draw']})")
 
-    def gather(storage_root, run_id, iteration, round_, judge_fps):
-        calls.append(("gather", round_, judge_fps))
-        return Out("gathered") if len(judge_fps) >= rounds_needed else None
+    def gather(storage_root, run_id, iteration, round_, upstream):
+        calls.append(("gather", round_, upstream))
+        return Out("gathered") if len(upstream) >= rounds_needed else AnotherRound("not enough")
 
-    def learn(run_id, iteration, gather_fp, judge_fps, extra_knob: int = 3):
-        calls.append(("learn", gather_fp, judge_fps, extra_knob))
+    def learn(run_id, iteration, upstream, extra_knob: int = 3):
+        calls.append(("learn", upstream, extra_knob))
         return Out("learned")
 
     # declared out of order on purpose: the order comes from the reads
@@ -296,40 +297,68 @@ def toy_graph(calls: list, rounds_needed: int):
     )
 
 
-def test_the_flow_calls_the_graph_in_order_with_the_fingerprints_its_tasks_name():
+def test_the_flow_calls_the_graph_in_order_with_the_fingerprints_of_what_each_stage_reads():
     from flows.rl import run_iteration_stages
 
     calls = []
     out = run_iteration_stages("root", "r", 7, toy_graph(calls, rounds_needed=2))
+    j0, j1 = "judge(draw7.0)", "judge(draw7.1)"
     assert calls == [
-        ("draw", 0),
-        ("judge", 0, "draw7.0"),
-        ("gather", 0, ["judge(draw7.0)"]),  # not enough: another round
-        ("draw", 1),
-        ("judge", 1, "draw7.1"),
-        ("gather", 1, ["judge(draw7.0)", "judge(draw7.1)"]),
-        ("learn", "gathered", ["judge(draw7.0)", "judge(draw7.1)"], 3),
+        ("draw", 0, {}),
+        ("judge", 0, {"draw": "draw7.0"}),
+        ("gather", 0, {"judge_round0": j0}),  # not enough: another round
+        ("draw", 1, {}),
+        ("judge", 1, {"draw": "draw7.1"}),
+        ("gather", 1, {"judge_round0": j0, "judge_round1": j1}),
+        ("learn", {"gather": "gathered", "judge_round0": j0, "judge_round1": j1}, 3),
     ]
     assert out["rounds"] == 2 and out["learn"].fingerprint == "learned"
 
 
 def test_a_task_whose_parameters_the_graph_cannot_bind_fails_at_import_naming_it():
-    def t(run_id, iteration, batch_fp):
-        return Out("x")
-
     def u(run_id, iteration, knob):
         return Out("x")
 
-    def v(run_id, iteration, draw_fp):  # a per-iteration stage must take a per-round table's every round
+    def v(run_id, iteration, round_, upstream):
         return Out("x")
 
-    draw = StageSpec("draw", (), (), "round", task=lambda run_id, iteration, round_: Out("d"))
-    with pytest.raises(TypeError, match="'batch_fp' names 'batch', not a table of the iteration it reads"):
-        graph.checked((StageSpec("t", ("draw",), (), "iteration", task=t), draw))
-    with pytest.raises(TypeError, match="task parameter 'knob' is neither context nor"):
+    once = StageSpec("once", (), (), "iteration", task=lambda run_id, upstream: Out("o"))
+    with pytest.raises(TypeError, match="task parameter 'knob' is not one the graph hands a task"):
         graph.checked((StageSpec("u", (), (), "iteration", task=u),))
-    with pytest.raises(TypeError, match="'draw_fp': a per-iteration stage takes a per-round table's _fps"):
-        graph.checked((draw, StageSpec("v", ("draw",), (), "iteration", task=v)))
+    with pytest.raises(TypeError, match="stage 'v' runs every round but reads a table written once per iteration"):
+        graph.checked((once, StageSpec("v", ("once",), (), "round", task=v)))
+
+
+def test_a_second_table_is_written_by_the_runner_with_its_stages_inputs_before_the_stage(tmp_path):
+    """advantages' prompt_stats: the runner writes it first (the stage's manifest, last, marks both complete), its
+    fingerprint over its own name, the stage's sections without the salt, and the stage's inputs; a table the stage
+    does not declare is refused."""
+    from schemas.tables import PROMPT_STATS
+    from storage import fingerprint, read_manifest
+    from tasks.algos.advantages import empty_prompt_stats
+    from tasks.stages import advantages
+
+    cfg = load_config("infra/configs/demo.yaml")
+    layout = RunLayout(tmp_path, "r")
+    layout.run_dir.mkdir(parents=True)
+    layout.config_path.write_text(dump_config(cfg))
+    ctx = load_run(str(tmp_path), "r", advantages.SPEC)
+    f32 = pl.List(pl.Float32)
+    frame = pl.DataFrame(
+        {"iteration": [1], "prompt_id": ["p"], "sample_idx": [0], "reward": [1.0], "advantage": [0.5]},
+        schema_overrides={"iteration": pl.Int32, "sample_idx": pl.Int32},
+    ).with_columns(token_advantages=pl.Series([[0.5]], dtype=f32), returns=pl.Series([[1.0]], dtype=f32))
+    stats = PROMPT_STATS.validate(empty_prompt_stats())
+    inputs = {"logprobs": "l", "batch": "b", "prompt_stats": ""}
+    run_stage(ctx, 1, inputs=inputs, salt="s", compute=lambda: Computed(frame, tables={"prompt_stats": stats}))
+    second, first = read_manifest(layout, "prompt_stats", 1), read_manifest(layout, "advantages", 1)
+    sections = cfg.section_hash(*advantages.SPEC.sections)
+    assert second["fingerprint"] == fingerprint("prompt_stats", sections, inputs) and second["inputs"] == inputs
+    assert first["fingerprint"] == fingerprint("advantages", sections + "s", inputs)
+    mtime = lambda stage: layout.manifest_path(stage, 1).stat().st_mtime_ns  # noqa: E731
+    assert mtime("prompt_stats") <= mtime("advantages")
+    with pytest.raises(ValueError, match="returned table 'turns', which its also_writes does not declare"):
+        run_stage(ctx, 2, inputs=inputs, compute=lambda: Computed(frame, tables={"turns": stats}))
 
 
 def test_the_rl_flow_lists_no_stage():

@@ -53,8 +53,8 @@ def test_sync_in_place_matches_the_trainer(tmp_path, tied):
         schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
     ).write_parquet(prompts)
     job = GenerationJob(
-        str(prompts),
-        str(tmp_path / "out.parquet"),
+        prompts_path=str(prompts),
+        out_path=str(tmp_path / "out.parquet"),
         n=2,
         temperature=1.0,
         top_p=1.0,
@@ -64,11 +64,11 @@ def test_sync_in_place_matches_the_trainer(tmp_path, tied):
         stop_token_ids=(),
     )
     engine = ResidentEngine(tmp_path / "vllm.log")
-    settings = VLLMSettings(str(before), "float32", 0, kv_cache_gib=1, gpu_memory_utilization=0.5)
+    settings = VLLMSettings(model_path=str(before), dtype="float32", seed=0, kv_cache_gib=1, gpu_memory_utilization=0.5)
     try:
-        first = engine.generate(GenerateRequest(str(before), (job,)), settings)
+        first = engine.generate(GenerateRequest(model_path=str(before), jobs=(job,)), settings)
         assert first["engine_start_seconds"] > 0 and first["sync_logprob_gap"] < 1e-3
-        synced = engine.generate(GenerateRequest(str(after), (job,)), settings)
+        synced = engine.generate(GenerateRequest(model_path=str(after), jobs=(job,)), settings)
     finally:
         engine.close()
     assert synced["engine_start_seconds"] == 0  # the same engine: synced, not restarted

@@ -43,9 +43,15 @@ class AdvantageSettings:
 
 
 Estimator = Callable[[pl.DataFrame, AdvantageSettings, "pl.DataFrame | None"], pl.DataFrame]
-# Capabilities: needs_critic (reads the critic's values per token), keeps_prompt_state (reads and writes the
-# prompt_stats history).
-ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+@dataclass(frozen=True)
+class EstimatorNeeds:
+    needs_critic: bool = False  # reads the critic's values per token
+    keeps_prompt_state: bool = False  # reads and writes the prompt_stats history
+
+
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", EstimatorNeeds)
 register = ADVANTAGE_ESTIMATORS.register
 
 

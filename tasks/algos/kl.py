@@ -6,12 +6,21 @@ k1 = lr; k2 = ½·lr²; k3 = exp(−lr) − 1 + lr; k3+ has k3's value and k2's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import polars as pl
 import torch
 
 from tasks.registry import Registry
 
-KL_ESTIMATORS: Registry = Registry("KL estimator")
+
+@dataclass(frozen=True)
+class KLForms:
+    polars: Callable[[], pl.Expr]  # the estimator's value per token over old_logprobs and ref_logprobs
+
+
+KL_ESTIMATORS: Registry = Registry("KL estimator", KLForms)
 
 
 def _lr_expr() -> pl.Expr:

@@ -7,23 +7,20 @@ Shapes: B sequences × T response positions; `mask` is 1.0 on real response toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import polars as pl
 import torch
 
+from schemas.config import LossConfig
+from schemas.requests import LossSettings
 from tasks.algos.kl import KL_ESTIMATORS, kl_k3
 from tasks.registry import Registry
 
 # ---- Policy objectives: per-token loss ℓ and clip statistics --------------------------------------------
-# Every objective has the signature (logp, old_logp, adv, mask, settings) → (ℓ, clipped_low, clipped_high),
-# where the clipped masks mark tokens whose gradient the clip removed (for the clip-fraction metrics).
-
-
-@dataclass(frozen=True)
-class ClipSettings:
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
+# Every objective has the signature (logp, old_logp, adv, mask, loss) → (ℓ, clipped_low, clipped_high), where
+# `loss` is the config's loss section (its clip_eps_low, clip_eps_high, dual_clip) and the clipped masks mark tokens
+# whose gradient the clip removed (for the clip-fraction metrics).
 
 
 def clipped_surrogate(ratio, adv, low, high, dual_clip: float | None):
@@ -41,10 +38,10 @@ def clipped_surrogate(ratio, adv, low, high, dual_clip: float | None):
     return loss, clipped_low, clipped_high
 
 
-def clip_objective(logp, old_logp, adv, mask, settings: ClipSettings):
+def clip_objective(logp, old_logp, adv, mask, loss: LossConfig):
     """PPO/GRPO clip with asymmetric ε (DAPO clip-higher: ε_low 0.2, ε_high 0.28)."""
     ratio = torch.exp(logp - old_logp)  # (B, T)
-    return clipped_surrogate(ratio, adv, 1.0 - settings.eps_low, 1.0 + settings.eps_high, settings.dual_clip)
+    return clipped_surrogate(ratio, adv, 1.0 - loss.clip_eps_low, 1.0 + loss.clip_eps_high, loss.dual_clip)
 
 
 def sequence_ratio(logp, old_logp, mask):
@@ -53,20 +50,20 @@ def sequence_ratio(logp, old_logp, mask):
     return torch.exp(((logp - old_logp) * mask).sum(-1, keepdim=True) / n)
 
 
-def gspo_objective(logp, old_logp, adv, mask, settings: ClipSettings):
+def gspo_objective(logp, old_logp, adv, mask, loss: LossConfig):
     """GSPO: the clip applied to the sequence ratio s_i; ℓ_i is placed on every token of y_i (aggregate with
     seq-mean-token-mean to get the paper's mean over sequences). The advantage is the sequence's (its first
     token's), since GSPO's A_i is per sequence."""
     s = sequence_ratio(logp, old_logp, mask).expand_as(logp)
     seq_adv = adv[torch.arange(adv.shape[0]), _first_token(mask)].unsqueeze(-1).expand_as(adv)
-    return clipped_surrogate(s, seq_adv, 1.0 - settings.eps_low, 1.0 + settings.eps_high, settings.dual_clip)
+    return clipped_surrogate(s, seq_adv, 1.0 - loss.clip_eps_low, 1.0 + loss.clip_eps_high, loss.dual_clip)
 
 
-def gspo_token_objective(logp, old_logp, adv, mask, settings: ClipSettings):
+def gspo_token_objective(logp, old_logp, adv, mask, loss: LossConfig):
     """GSPO-token: s_{i,t} = sg[s_i] · π_θ(y_t)/sg[π_θ(y_t)]: the value of s_i, a per-token gradient, and
     token-level advantages allowed."""
     s = sequence_ratio(logp, old_logp, mask).detach() * torch.exp(logp - logp.detach())
-    return clipped_surrogate(s, adv, 1.0 - settings.eps_low, 1.0 + settings.eps_high, settings.dual_clip)
+    return clipped_surrogate(s, adv, 1.0 - loss.clip_eps_low, 1.0 + loss.clip_eps_high, loss.dual_clip)
 
 
 DCPO_HIGH_CAP = 10.0
@@ -82,9 +79,9 @@ def dcpo_bounds(old_prob, eps_low: float, eps_high: float, dual_clip: float | No
     return low, torch.clamp(high, max=max(dual_clip or 0.0, DCPO_HIGH_CAP))
 
 
-def dcpo_objective(logp, old_logp, adv, mask, settings: ClipSettings):
-    low, high = dcpo_bounds(torch.exp(old_logp), settings.eps_low, settings.eps_high, settings.dual_clip)
-    return clipped_surrogate(torch.exp(logp - old_logp), adv, low, high, settings.dual_clip)
+def dcpo_objective(logp, old_logp, adv, mask, loss: LossConfig):
+    low, high = dcpo_bounds(torch.exp(old_logp), loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip)
+    return clipped_surrogate(torch.exp(logp - old_logp), adv, low, high, loss.dual_clip)
 
 
 def _first_token(mask):
@@ -147,7 +144,12 @@ def only_token_mean(loss, mask, norm: MinibatchNorm):
 
 # Each aggregation's per-token factor, as a Polars expression over a batch's response lengths, is a capability: what
 # `rlpipe compare-advantages` weighs tokens by (length L_i of the response, B responses, N tokens, constant L_max).
-AGGREGATIONS: Registry = Registry("loss aggregation")
+@dataclass(frozen=True)
+class TokenFactor:
+    token_factor: Callable[[float], pl.Expr]  # L_max → the per-token weight, over a batch's `length` column
+
+
+AGGREGATIONS: Registry = Registry("loss aggregation", TokenFactor)
 _LEN = pl.col("length").cast(pl.Float64)
 for _name, _fn, _factor in (
     ("token-mean", token_mean, lambda max_len: 1.0 / _LEN.sum()),
@@ -166,17 +168,6 @@ def masked_mean(x, mask):
 # ---- The full policy loss of one micro-batch --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PolicyLossSettings:
-    objective: str = "clip"
-    aggregation: str = "token-mean"
-    clip: ClipSettings = ClipSettings()
-    kl_estimator: str = "k3"
-    kl_in_loss: bool = True
-    kl_beta: float = 0.04
-    entropy_coef: float = 0.0
-
-
 def tis_weights(old_logp, sampler_logp, cap: float):
     """Truncated importance sampling: min(π_old/π_sampler, C) per token, detached. The sampler (vLLM, often in bf16)
     and the trainer disagree on the old policy's probabilities; weighting each token's policy loss by their ratio
@@ -185,7 +176,7 @@ def tis_weights(old_logp, sampler_logp, cap: float):
 
 
 def policy_loss(
-    logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: PolicyLossSettings, entropy=None, token_weights=None
+    logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: LossSettings, entropy=None, token_weights=None
 ):
     """Objective (× `token_weights`, e.g. TIS, when given) + β·KL (when KL is in the loss) − c_ent·H, aggregated with
     minibatch normalizers.
@@ -193,14 +184,14 @@ def policy_loss(
     Returns (loss, sums): `sums` are masked token sums of diagnostics (detached), for token-weighted
     averaging across micro-batches by the caller.
     """
-    aggregate = AGGREGATIONS[s.aggregation]
-    pg, clipped_low, clipped_high = OBJECTIVES[s.objective](logp, old_logp, adv, mask, s.clip)
+    aggregate = AGGREGATIONS[s.loss.aggregation]
+    pg, clipped_low, clipped_high = OBJECTIVES[s.loss.objective](logp, old_logp, adv, mask, s.loss)
     if token_weights is not None:
         pg = pg * token_weights
-    kl = KL_ESTIMATORS[s.kl_estimator](logp, ref_logp)
+    kl = KL_ESTIMATORS[s.kl.estimator](logp, ref_logp)
     per_token = pg + s.kl_beta * kl if s.kl_in_loss else pg
-    if s.entropy_coef and entropy is not None:
-        per_token = per_token - s.entropy_coef * entropy
+    if s.loss.entropy_coef and entropy is not None:
+        per_token = per_token - s.loss.entropy_coef * entropy
     loss = aggregate(per_token, mask, norm)
     with torch.no_grad():
         sums = {

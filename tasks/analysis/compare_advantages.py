@@ -9,13 +9,11 @@ Imports: The stage modules are imported inside the command: `rlpipe --help` impo
 
 from __future__ import annotations
 
-from typing import get_args
-
 import polars as pl
 from rich.console import Console
 from rich.table import Table
 
-from schemas.config import Aggregation, ConfigError
+from schemas.config import ConfigError
 from schemas.errors import NotFound
 from storage import read_manifest, read_stage, verified_parts
 
@@ -35,6 +33,7 @@ def _history(ctx, iteration: int) -> pl.DataFrame:
 
 def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggregation: str | None, root: str) -> dict:
     from tasks.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages
+    from tasks.algos.losses import AGGREGATIONS
     from tasks.analysis.advantage_analysis import estimator_summary
     from tasks.stages.advantages import advantage_inputs
     from tasks.stages.common import load_run
@@ -48,8 +47,7 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
             f"estimators"
         )
     aggregation = aggregation or ctx.cfg.loss.aggregation
-    if aggregation not in get_args(Aggregation):
-        raise ConfigError(f"unknown aggregation {aggregation!r}: choose from {', '.join(get_args(Aggregation))}")
+    AGGREGATIONS.entry(aggregation)  # an unknown name: one line listing the choices
     if read_manifest(ctx.layout, "scores", iteration, verify=False) is None:
         raise NotFound(f"run {run_id!r} has no scores for iteration {iteration}")
     # What it reads, each part checked against its manifest.

@@ -8,12 +8,10 @@ marks both complete).
 
 from __future__ import annotations
 
-import time
-
 import polars as pl
 
 from schemas.errors import NotFound
-from storage import StageOutput, fingerprint, read_manifest, read_stage, write_stage
+from storage import StageOutput, read_manifest, read_stage
 from tasks.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageSettings,
@@ -62,12 +60,12 @@ def prompt_history(ctx: RunContext, iteration: int) -> tuple[pl.DataFrame, str]:
 
 
 @stage_task("advantages")
-def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp: str, batch_fp: str) -> StageOutput:
+def advantages_task(storage_root: str, run_id: str, iteration: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
     estimator = ADVANTAGE_ESTIMATORS.entry(ctx.cfg.advantage.estimator)
     settings = advantage_settings(ctx, iteration)
     history, history_fp = prompt_history(ctx, iteration) if estimator.keeps_prompt_state else (None, "")
-    inputs = {"logprobs": logprobs_fp, "batch": batch_fp, "prompt_stats": history_fp}
+    inputs = {**upstream, "prompt_stats": history_fp}
 
     def compute():
         df = advantage_inputs(ctx, iteration)
@@ -76,22 +74,11 @@ def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp:
                 f"advantage.estimator={estimator.name} needs critic values, but the logprobs stage wrote none"
             )
         out = compute_advantages(df, estimator.name, settings, history)
-        if estimator.keeps_prompt_state:
-            snapshot = update_prompt_stats(history, df, iteration)
-            config_hash = ctx.cfg.section_hash(*STATS_SPEC.sections)
-            write_stage(
-                ctx.layout,
-                "prompt_stats",
-                iteration,
-                snapshot,
-                fp=fingerprint("prompt_stats", config_hash, inputs),
-                inputs=inputs,
-                config_hash=config_hash,
-                started=time.time(),
-            )
+        stats = {"prompt_stats": update_prompt_stats(history, df, iteration)} if estimator.keeps_prompt_state else {}
         nonzero = float((out["advantage"] != 0).mean())
         return Computed(
             out.select("iteration", *KEYS, "reward", "advantage", "token_advantages", "returns"),
+            tables=stats,
             extra={"nonzero_advantage_fraction": nonzero, "kl_beta": settings.kl_beta},
         )
 
@@ -100,7 +87,8 @@ def advantages_task(storage_root: str, run_id: str, iteration: int, logprobs_fp:
 
 SPEC = StageSpec(
     "advantages",
-    reads=("logprobs", "scores", "batch", "rollouts"),
+    reads=("logprobs", "batch"),
+    also_reads=("scores", "rollouts"),  # the batch's rewards and lengths
     sections=("advantage", "kl"),
     scope="iteration",
     also_writes=("prompt_stats",),

@@ -13,7 +13,7 @@ import polars as pl
 from schemas.errors import UserError
 from storage import StageOutput, read_stage
 from tasks.stages.common import Computed, load_run, run_stage, stage_task
-from tasks.stages.spec import StageSpec
+from tasks.stages.spec import AnotherRound, StageSpec
 
 
 class EmptyBatchError(UserError, ValueError):
@@ -52,9 +52,9 @@ def select_groups(scores: pl.DataFrame, target_groups: int, drop_zero_variance: 
 
 @stage_task("batch")
 def batch_task(
-    storage_root: str, run_id: str, iteration: int, round_: int, scores_fps: list[str]
-) -> StageOutput | None:
-    """Returns the batch StageOutput when done, or None when another round of sampling is needed."""
+    storage_root: str, run_id: str, iteration: int, round_: int, upstream: dict
+) -> StageOutput | AnotherRound:
+    """The batch when the rounds so far fill it (or the last round is reached), else AnotherRound."""
     ctx = load_run(storage_root, run_id, SPEC)
     b = ctx.cfg.batch
     scores = read_stage(ctx.layout, "scores", iteration).filter(pl.col("round") <= round_)
@@ -62,7 +62,7 @@ def batch_task(
     kept = int(groups["kept"].sum())
     last_round = round_ + 1 >= b.max_rounds
     if kept < b.target_groups and not last_round:
-        return None
+        return AnotherRound(f"{kept} of {b.target_groups} groups after {round_ + 1} round(s)")
     if kept == 0:
         raise EmptyBatchError(
             f"batch: every group of iteration {iteration} was filtered (zero reward variance) after "
@@ -76,9 +76,7 @@ def batch_task(
             frame, extra={"rounds_used": round_ + 1, "kept_groups": kept, "zero_variance_fraction": dropped}
         )
 
-    return run_stage(
-        ctx, iteration, inputs={f"scores_round{i}": fp for i, fp in enumerate(scores_fps)}, compute=compute
-    )
+    return run_stage(ctx, iteration, inputs=upstream, compute=compute)
 
 
 SPEC = StageSpec("batch", reads=("scores",), sections=("batch",), scope="iteration", task=batch_task, rerunnable=True)

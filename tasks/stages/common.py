@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -60,11 +60,13 @@ def saved_config(raw: bytes) -> RunConfig:
 
 @dataclass
 class Computed:
-    """What a stage's compute step produced: the frame plus manifest extras."""
+    """What a stage's compute step produced: the frame plus manifest extras, and its second tables (name → frame,
+    each one of the stage's `also_writes`), which the runner writes first, with the stage's inputs."""
 
     frame: pl.DataFrame
     engines: dict | None = None
     extra: dict | None = None
+    tables: dict[str, pl.DataFrame] = field(default_factory=dict)
 
 
 def run_stage(
@@ -81,16 +83,33 @@ def run_stage(
     table is known incomplete); otherwise compute and write it.
 
     The fingerprint covers the stage name, the config sections it declares (plus `salt`, e.g. a hash of
-    reward-function code) and the fingerprints of its inputs.
+    reward-function code) and the fingerprints of its inputs. A second table's covers its own name, the same
+    sections (without the salt) and the same inputs; it is written before the stage's own table, whose manifest,
+    written last, marks both complete.
     """
     stage = ctx.spec.name
-    config_hash = ctx.cfg.section_hash(*ctx.spec.sections) + salt
+    sections_hash = ctx.cfg.section_hash(*ctx.spec.sections)
+    config_hash = sections_hash + salt
     fp = fingerprint(stage, config_hash, inputs)
     done = None if recompute else find_complete(ctx.layout, stage, iteration, fp, part)
     if done is not None:
         return done
     started = time.time()
     out = compute()
+    for name, frame in out.tables.items():
+        if name not in ctx.spec.also_writes:
+            raise ValueError(f"stage {stage!r} returned table {name!r}, which its also_writes does not declare")
+        write_stage(
+            ctx.layout,
+            name,
+            iteration,
+            frame,
+            fp=fingerprint(name, sections_hash, inputs),
+            inputs=inputs,
+            config_hash=sections_hash,
+            started=time.time(),
+            part=part,
+        )
     return write_stage(
         ctx.layout,
         stage,
@@ -164,7 +183,13 @@ def score_frame_worker(
     frame.write_parquet(data_path)
     run_worker(
         SCORE_WORKER,
-        ScoreRequest(kind, model_path, str(data_path), str(out_path), micro_batch_size),
+        ScoreRequest(
+            kind=kind,
+            model_path=model_path,
+            data_path=str(data_path),
+            out_path=str(out_path),
+            micro_batch_size=micro_batch_size,
+        ),
         ctx.layout.scratch_dir,
         ctx.layout.log_path(log or name),
     )

@@ -1,8 +1,8 @@
 """The stage graph: every stage's declaration (each module's SPEC). The iteration's stage order (a topological order of
-the declared reads), the fingerprints each stage's task is handed (bound by its parameters' names), what `rlpipe
-rerun` can recompute and from what, what a rerun makes stale, `show`'s order and what a config change invalidates are
-all derived from here; nothing else lists the stages. Adding a stage to an RL iteration is its module (its task and
-its SPEC) and one line below.
+the declared reads), the fingerprints each stage's task is handed (its `reads`), what `rlpipe rerun` can recompute
+and from what, what a rerun makes stale, `show`'s order and what a config change invalidates are all derived from
+here; nothing else lists the stages. Adding a stage to an RL iteration is its module (its task and its SPEC), its
+table's schema and one line below; a second table is its schema, the stage's `also_writes` and one line below.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def in_data_order(specs: tuple[StageSpec, ...]) -> tuple[StageSpec, ...]:
     names = {s.name for s in specs}
     order, placed, pending = [], set(), list(specs)
     while pending:
-        ready = next((s for s in pending if set(s.reads) & names <= placed), None)
+        ready = next((s for s in pending if set(s.all_reads) & names <= placed), None)
         if ready is None:
             raise ValueError(f"the stages {[s.name for s in pending]} read each other in a cycle")
         order.append(ready)
@@ -95,7 +95,7 @@ def downstream_tables(name: str) -> list[str]:
 def with_readers(names: set[str]) -> set[str]:
     """The stages named and every stage that reads one of them, transitively."""
     stale = set(names)
-    while more := {s.name for s in STAGES if s.name not in stale and stale & {*s.reads, *s.reads_previous}}:
+    while more := {s.name for s in STAGES if s.name not in stale and stale & {*s.all_reads, *s.reads_previous}}:
         stale |= more
     return stale
 
@@ -107,54 +107,54 @@ def invalidated_by(section: str) -> list[str]:
     return [s.name for s in STAGES if s.name in stale]
 
 
-# What a stage's task is handed, by the name of its parameter (StageSpec's docstring).
-CONTEXT_PARAMETERS = ("storage_root", "run_id", "iteration", "round_")
+# What a stage's task may be handed, by the name of its parameter (StageSpec's docstring).
+CONTEXT_PARAMETERS = ("storage_root", "run_id", "iteration", "round_", "upstream")
 
 
-def fingerprint_parameters(spec: StageSpec) -> dict[str, tuple[str, bool]]:
-    """The task's fingerprint parameters: name → (the table it names, whether it takes every round's)."""
+def upstream(spec: StageSpec, round_: int, fingerprints: dict[str, list[str]], every_round: set[str]) -> dict:
+    """The fingerprints of the tables `spec` reads, as its fingerprint's inputs: table → its fingerprint (a per-round
+    stage: its own round's), or for a per-round table that a per-iteration stage reads, `<table>_round<i>` → each
+    round's. `fingerprints`: table → its fingerprints, one per round for a per-round table (`every_round`)."""
     out = {}
-    for name in inspect.signature(spec.task).parameters:
-        if name.endswith("_fps"):
-            out[name] = (name.removesuffix("_fps"), True)
-        elif name.endswith("_fp"):
-            out[name] = (name.removesuffix("_fp"), False)
+    for table in spec.reads:
+        fps = fingerprints[table]
+        if table in every_round and spec.scope == "iteration":
+            out.update({f"{table}_round{i}": fp for i, fp in enumerate(fps)})
+        else:
+            out[table] = fps[round_ if table in every_round else -1]
     return out
 
 
 def task_arguments(
-    spec: StageSpec, storage_root: str, run_id: str, iteration: int, round_: int, fingerprints: dict[str, list[str]]
+    spec: StageSpec,
+    storage_root: str,
+    run_id: str,
+    iteration: int,
+    round_: int,
+    fingerprints: dict[str, list[str]],
+    every_round: set[str],
 ) -> dict:
-    """Keyword arguments for `spec.task`. `fingerprints`: table → its fingerprints in this iteration, one per round
-    for a per-round table (a per-round stage gets its own round's), one for any other."""
+    """Keyword arguments for `spec.task`: the context it asks for by name, and `upstream`. `fingerprints`: table → its
+    fingerprints in this iteration, one per round for the per-round tables (`every_round`); a table read from the
+    run's iteration 0 (the dataset) is taken from its manifest."""
+    from tasks.stages.common import upstream_fingerprint
+
+    known = dict(fingerprints)
+    for table in spec.reads:
+        if table not in known:
+            known[table] = [upstream_fingerprint(storage_root, run_id, table, 0)]
     args = {"storage_root": storage_root, "run_id": run_id, "iteration": iteration, "round_": round_}
+    args["upstream"] = upstream(spec, round_, known, every_round)
     params = inspect.signature(spec.task).parameters
-    out = {name: value for name, value in args.items() if name in params}
-    for name, (table, every_round) in fingerprint_parameters(spec).items():
-        fps = fingerprints[table]
-        # A per-round stage reads only per-round tables, and a per-iteration one reads those only as _fps (_check_task)
-        out[name] = list(fps) if every_round else fps[round_ if spec.scope == "round" else -1]
-    return out
-
-
-def gathers_rounds(spec: StageSpec) -> bool:
-    """Whether the stage takes every sampling round's fingerprints of a table: such a stage (batch, dynamic sampling)
-    returns None while it needs another round."""
-    return any(every for _, every in fingerprint_parameters(spec).values())
+    return {name: value for name, value in args.items() if name in params}
 
 
 def _check_task(spec: StageSpec, tables: dict[str, StageSpec]) -> None:
-    """A task's parameters must be bindable: a developer's mistake here fails at import, naming it."""
+    """A task's parameters must be bindable, and a per-round stage may read only per-round tables: a developer's
+    mistake here fails at import, naming it."""
     for name, param in inspect.signature(spec.task).parameters.items():
-        if name in CONTEXT_PARAMETERS or param.default is not inspect.Parameter.empty:
-            continue
-        table, every_round = fingerprint_parameters(spec).get(name, (None, False))
-        if table is None:
-            raise TypeError(f"stage {spec.name!r}: task parameter {name!r} is neither context nor <table>_fp(s)")
-        if table not in spec.reads or table not in tables:
-            raise TypeError(f"stage {spec.name!r}: {name!r} names {table!r}, not a table of the iteration it reads")
-        if every_round != (tables[table].scope == "round" and spec.scope == "iteration"):
-            raise TypeError(f"stage {spec.name!r}: {name!r}: a per-iteration stage takes a per-round table's _fps")
+        if name not in CONTEXT_PARAMETERS and param.default is inspect.Parameter.empty:
+            raise TypeError(f"stage {spec.name!r}: task parameter {name!r} is not one the graph hands a task")
     if spec.scope == "round" and any(tables[t].scope != "round" for t in spec.reads if t in tables):
         raise TypeError(f"stage {spec.name!r} runs every round but reads a table written once per iteration")
 

@@ -30,7 +30,7 @@ def kept_rollouts(ctx: RunContext, iteration: int) -> pl.DataFrame:
 
 
 @stage_task("logprobs")
-def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str) -> StageOutput:
+def logprobs_task(storage_root: str, run_id: str, iteration: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
     policy, ref = weights_after(ctx, iteration - 1), starting_weights(ctx)
 
@@ -40,14 +40,14 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str)
         samples.write_parquet(inp)
         critic = critic_after(ctx, iteration - 1) if ctx.cfg.uses_critic else None
         request = LogprobsRequest(
-            policy.path,
-            ref.path,
-            str(inp),
-            str(out),
-            ctx.cfg.optim.micro_batch_size,
-            ctx.cfg.model.dtype,
-            critic.path if critic else None,
-            bool(critic and critic.fresh),
+            policy_path=policy.path,
+            ref_path=ref.path,
+            samples_path=str(inp),
+            out_path=str(out),
+            micro_batch_size=ctx.cfg.optim.micro_batch_size,
+            dtype=ctx.cfg.model.dtype,
+            critic_path=critic.path if critic else None,
+            critic_fresh=bool(critic and critic.fresh),
         )
         resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"logprobs-{iteration:05d}")
         df = pl.read_parquet(out).with_columns(pl.lit(iteration, pl.Int32).alias("iteration"))
@@ -58,14 +58,15 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, batch_fp: str)
         ctx,
         iteration,
         salt="critic" if ctx.cfg.uses_critic else "",
-        inputs={"batch": batch_fp, "policy": policy.fingerprint, "ref": ref.fingerprint},
+        inputs={**upstream, "policy": policy.fingerprint, "ref": ref.fingerprint},
         compute=compute,
     )
 
 
 SPEC = StageSpec(
     "logprobs",
-    reads=("batch", "rollouts"),
+    reads=("batch",),
+    also_reads=("rollouts",),  # the batch's kept samples
     sections=("optim", "model", "advantage"),
     scope="iteration",
     task=logprobs_task,

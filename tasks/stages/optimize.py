@@ -73,7 +73,13 @@ def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> CriticRequest 
     c, prev = ctx.cfg.critic, critic_after(ctx, iteration - 1)
     out_dir = tmp / ctx.layout.critic_dir(iteration).relative_to(ctx.layout.checkpoint_dir(iteration))
     return CriticRequest(
-        prev.path, prev.fresh, None if prev.fresh else f"{prev.path}/ds_state", str(out_dir), c.lr, c.value_clip, c.coef
+        path=prev.path,
+        fresh=prev.fresh,
+        resume_state=None if prev.fresh else f"{prev.path}/ds_state",
+        out_dir=str(out_dir),
+        lr=c.lr,
+        value_clip=c.value_clip,
+        coef=c.coef,
     )
 
 
@@ -133,10 +139,10 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
 
 
 @stage_task("optimize")
-def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp: str, logprobs_fp: str) -> StageOutput:
+def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
     policy = weights_after(ctx, iteration - 1)
-    o, lc, kl = ctx.cfg.optim, ctx.cfg.loss, ctx.cfg.kl
+    o, lc = ctx.cfg.optim, ctx.cfg.loss
     beta = kl_beta(ctx, iteration)
     ptx_fp = ptx_fingerprint(ctx) if lc.ptx_coef else ""
 
@@ -166,9 +172,9 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
             minibatches=o.minibatches,
             warmup_steps=o.warmup_steps,
             first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
-            loss=LossSettings.from_config(lc, kl.estimator, kl.placement == "loss", beta, ctx.cfg.rollout.max_tokens),
+            loss=LossSettings.for_iteration(ctx.cfg, beta),
             critic=critic_request(ctx, iteration, tmp),
-            ptx=PtxRequest(lc.ptx_coef, lc.ptx_batch, str(ptx_file(ctx))) if lc.ptx_coef else None,
+            ptx=PtxRequest(coef=lc.ptx_coef, batch=lc.ptx_batch, data_path=str(ptx_file(ctx))) if lc.ptx_coef else None,
             crash_point=f"optimize:{iteration}",
             final_dir=str(final) if ctx.cfg.engines.defer_optimizer_state else "",
         )
@@ -214,7 +220,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
         iteration,
         salt=f"beta={beta:.12g}",
         compute=compute,
-        inputs={"advantages": advantages_fp, "logprobs": logprobs_fp, "policy": policy.fingerprint, "ptx": ptx_fp},
+        inputs={**upstream, "policy": policy.fingerprint, "ptx": ptx_fp},
         # A command stopped while its trainer wrote this update's optimizer state (tasks/engines/workers/
         # deferred_state.py): the update is redone from the state before it, which gives the same weights.
         recompute=state_pending(str(ctx.layout.checkpoint_dir(iteration))),
@@ -224,7 +230,8 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, advantages_fp:
 # The update: its table is train_metrics, its other output the checkpoint (whose manifest is train_metrics').
 SPEC = StageSpec(
     "train_metrics",
-    reads=("advantages", "logprobs", "rollouts", "scores", "batch", "sft_data"),
+    reads=("advantages", "logprobs"),
+    also_reads=("rollouts", "scores", "batch", "sft_data"),  # fixed by the two above; PPO-ptx's data: `ptx`
     sections=("optim", "loss", "kl", "critic", "model", "lora", "rollout", "advantage"),
     scope="iteration",
     also_writes=("checkpoints",),

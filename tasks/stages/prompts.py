@@ -13,7 +13,6 @@ import polars as pl
 
 from storage import StageOutput, read_stage
 from tasks.stages.common import Computed, load_run, run_stage, stage_task
-from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.spec import StageSpec
 
 
@@ -34,16 +33,15 @@ def split_of(ctx, split: str) -> pl.DataFrame:
 
 
 @stage_task("prompts")
-def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int = 0) -> StageOutput:
+def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
-    dataset_fp, _ = dataset_fingerprint(ctx)
 
     def compute():
         return Computed(
             sample_prompts(split_of(ctx, "train"), ctx.cfg.rollout.prompts_per_round, ctx.cfg.seed, iteration, round_)
         )
 
-    return run_stage(ctx, iteration, part=round_, inputs={"round": str(round_), "dataset": dataset_fp}, compute=compute)
+    return run_stage(ctx, iteration, part=round_, inputs={**upstream, "round": str(round_)}, compute=compute)
 
 
 SPEC = StageSpec("prompts", reads=("dataset",), sections=("rollout",), scope="round", task=prompts_task)

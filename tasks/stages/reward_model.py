@@ -70,16 +70,16 @@ def train_preference_model(
     final = ctx.layout.checkpoint_dir(1)
     tmp = temp_dir_for(final)
     request = PreferenceTrainRequest(
-        kind,
-        ctx.cfg.model.path,
-        str(tmp),
-        str(data_path),
-        str(metrics_path),
-        ctx.cfg.seed,
-        EngineSettings.for_preferences(settings, ctx.cfg.model, policy_lora(ctx) if kind == "dpo" else None),
-        Schedule(settings.steps, settings.batch_size, settings.warmup_steps),
-        beta,
-        nll_coef,
+        kind=kind,
+        model_path=ctx.cfg.model.path,
+        tmp_dir=str(tmp),
+        data_path=str(data_path),
+        metrics_path=str(metrics_path),
+        seed=ctx.cfg.seed,
+        engine=EngineSettings.for_preferences(settings, ctx.cfg.model, policy_lora(ctx) if kind == "dpo" else None),
+        schedule=Schedule(steps=settings.steps, batch_size=settings.batch_size, warmup_steps=settings.warmup_steps),
+        beta=beta,
+        nll_coef=nll_coef,
     )
     resp = run_worker(
         PREFERENCE_WORKER,

@@ -7,14 +7,13 @@ and eval, and synced to the weights each request names.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
 
 from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from schemas.tables import TURNS
-from storage import StageOutput, fingerprint, read_stage, write_stage
+from storage import StageOutput, read_stage
 from tasks.engines.launch import WorkerError
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
@@ -76,8 +75,11 @@ def generate(
         prompts.slice(start, end - start).select("prompt_id", "prompt_token_ids").write_parquet(inp)
         outs = [scratch_file(ctx, f"{log_name}.out{i}-{k}.parquet") for i in range(len(jobs))]
         request = GenerateRequest(
-            model_path,
-            tuple(GenerationJob(str(inp), str(o), **{**j, "seed": j["seed"] + start}) for j, o in zip(jobs, outs)),
+            model_path=model_path,
+            jobs=tuple(
+                GenerationJob(prompts_path=str(inp), out_path=str(o), **{**j, "seed": j["seed"] + start})
+                for j, o in zip(jobs, outs)
+            ),
         )
         calls.append((engines[k], request, inp, outs))
     with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own process: they generate at the same time
@@ -164,9 +166,9 @@ def one_job(ctx: RunContext, model_path: str):
     return frames
 
 
-def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: int, name: str, stamp, inputs: dict):
-    """The agent section's trajectories; their `turns` rows are written first (the rollouts manifest, written last,
-    marks both complete). Returns the rollout rows, the first turn's engine response and the generation totals."""
+def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: int, name: str):
+    """The agent section's trajectories. Returns the rollout rows, the `turns` rows (the stage's second table), the
+    first turn's engine response and the generation totals."""
     r = ctx.cfg.rollout
 
     def job_for(job_seed):
@@ -174,33 +176,19 @@ def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: in
 
     frames = one_job(ctx, model_path)
     df, turns, resp, totals = agent_rollouts.play(ctx, model_path, prompts, r.group_size, seed, name, frames, job_for)
-    round_, config_hash = prompts["round"][0], ctx.cfg.section_hash(*SPEC.sections)
-    write_stage(
-        ctx.layout,
-        "turns",
-        int(prompts["iteration"][0]),
-        TURNS.validate(turns.with_columns(*stamp).select(list(TURNS.columns))),
-        fp=fingerprint("turns", config_hash, inputs),
-        inputs=inputs,
-        config_hash=config_hash,
-        started=time.time(),
-        table=TURNS,
-        part=round_,
-    )
     return (
         df,
+        turns,
         resp,
         {"generate_seconds": totals["generate_seconds"], "tokens": totals["tokens"], "turns": totals["turns"]},
     )
 
 
 @stage_task("rollouts")
-def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, prompts_fp: str) -> StageOutput:
+def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
     policy = weights_after(ctx, iteration - 1)
     r = ctx.cfg.rollout
-
-    inputs = {"prompts": prompts_fp, "policy": policy.fingerprint}
 
     def compute():
         prompts = read_stage(ctx.layout, "prompts", iteration).filter(pl.col("round") == round_)
@@ -210,14 +198,16 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
             pl.lit(round_, pl.Int32).alias("round"),
         )
         if ctx.cfg.agent.enabled:
-            df, resp, timing = multi_turn(ctx, policy.path, prompts, seed, name, stamp, inputs)
+            df, turns, resp, timing = multi_turn(ctx, policy.path, prompts, seed, name)
+            turns = TURNS.validate(turns.with_columns(*stamp).select(list(TURNS.columns)))
         else:
             job = sampling_job(ctx, r.group_size, r.temperature, seed, r.top_p)
             (df,), resp = generate(ctx, policy.path, prompts, [job], name)
-            timing = resp["jobs"][0]
+            timing, turns = resp["jobs"][0], None
         df = df.with_columns(*stamp, pl.lit(policy.version, pl.Int32).alias("policy_version"))
         return Computed(
             df,
+            tables={"turns": turns} if turns is not None else {},
             engines={"vllm": resp["vllm_version"]},
             extra={
                 f"round{round_}": {
@@ -232,7 +222,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, p
             },
         )
 
-    return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
+    return run_stage(ctx, iteration, part=round_, inputs={**upstream, "policy": policy.fingerprint}, compute=compute)
 
 
 @stage_task("release_engines")

@@ -26,7 +26,7 @@ from tasks.stages.weights import model_fingerprint
 
 
 @stage_task("scores")
-def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, rollouts_fp: str) -> StageOutput:
+def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
 
     def compute():
@@ -48,7 +48,7 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, rol
             )
         return Computed(scores)
 
-    inputs = {"rollouts": rollouts_fp}
+    inputs = dict(upstream)
     if ctx.cfg.reward.kind == "model":
         inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
     return run_stage(
@@ -76,7 +76,8 @@ def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float
 
 SPEC = StageSpec(
     "scores",
-    reads=("rollouts", "prompts", "turns"),
+    reads=("rollouts",),
+    also_reads=("prompts", "turns"),  # the rollouts' own prompts and turns
     sections=("reward", "rollout", "data", "optim"),
     scope="round",
     task=scores_task,

@@ -62,13 +62,13 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
         read_stage(ctx.layout, "sft_data", 0).select("prompt_token_ids", "response_token_ids").write_parquet(data_path)
         tmp = temp_dir_for(final)
         request = SFTRequest(
-            m.base_path,
-            str(tmp),
-            str(data_path),
-            str(metrics_path),
-            ctx.cfg.seed,
-            EngineSettings.for_sft(s, ctx.cfg.optim, m, policy_lora(ctx)),
-            Schedule(s.steps, s.batch_size, s.warmup_steps),
+            model_path=m.base_path,
+            tmp_dir=str(tmp),
+            data_path=str(data_path),
+            metrics_path=str(metrics_path),
+            seed=ctx.cfg.seed,
+            engine=EngineSettings.for_sft(s, ctx.cfg.optim, m, policy_lora(ctx)),
+            schedule=Schedule(steps=s.steps, batch_size=s.batch_size, warmup_steps=s.warmup_steps),
         )
         resp = run_worker(
             TRAIN_WORKER,

@@ -20,26 +20,43 @@ GLOBAL_FIELDS = ("seed", "storage_root", "engines")
 
 @dataclass(frozen=True)
 class StageSpec:
-    """`task` is the Prefect task that computes the stage inside an RL iteration's flow run. Its parameters are bound
-    by name (tasks/stages/graph.py, `task_arguments`): `storage_root`, `run_id`, `iteration`, `round_`, `<table>_fp`
-    (the fingerprint of a table it reads) and `<table>_fps` (a per-round table's fingerprints, one per round so
-    far). A stage whose `task` is None is computed elsewhere (prompt_stats by advantages' task; eval by the run's
-    flow, every `eval.every` iterations)."""
+    """`task` is the Prefect task that computes the stage inside an RL iteration's flow run. The graph hands it, by
+    parameter name (tasks/stages/graph.py, `task_arguments`), `storage_root`, `run_id`, `iteration` and `round_` as
+    it asks, and `upstream`: the fingerprint of each table in `reads` (a per-round table read once per iteration: one
+    `<table>_round<i>` entry per round so far), which is what its own fingerprint covers, with whatever non-table
+    inputs (the weights it starts from) it adds. A table in `also_reads` is read too, but its content is already
+    fixed by those fingerprints (optimize reads the rollouts that its advantages were computed from). A second table
+    (`also_writes`) is returned in `Computed.tables` and written by the runner, first. A stage that gathers sampling
+    rounds returns `AnotherRound` while it needs one. A stage whose `task` is None is computed elsewhere (eval by the
+    run's flow, every `eval.every` iterations)."""
 
     name: str  # the table it writes
-    reads: tuple[str, ...]  # the tables it reads from the same iteration (or from the run's, iteration 0)
+    reads: tuple[str, ...]  # the tables its fingerprint covers: from the same iteration, or the run's (iteration 0)
     sections: tuple[str, ...]  # the config sections it reads (its fingerprint covers exactly these)
     scope: Literal["run", "iteration", "round"]  # once per run (iteration 0), per iteration, or per sampling round
-    also_writes: tuple[str, ...] = ()  # further tables (advantages writes prompt_stats) or files (checkpoints)
+    also_reads: tuple[str, ...] = ()  # tables it reads whose content `reads` already fixes (order and staleness only)
+    also_writes: tuple[str, ...] = ()  # second tables (advantages writes prompt_stats) or files (checkpoints)
     aliases: tuple[str, ...] = ()  # other names `rlpipe rerun --stage` accepts (optimize for train_metrics)
     reads_previous: tuple[str, ...] = ()  # the tables it reads from iteration k − 1 (advantages: DCPO's history)
     task: Callable[..., object] | None = field(default=None, compare=False)
-    rerunnable: bool = False  # `rlpipe rerun --stage` recomputes it from the cached tables its task's parameters name
+    rerunnable: bool = False  # `rlpipe rerun --stage` recomputes it from the cached tables its `reads` name
+
+    @property
+    def all_reads(self) -> tuple[str, ...]:
+        return self.reads + self.also_reads
 
     def __post_init__(self):
         unknown = set(self.sections) - set(RunConfig.model_fields) - set(GLOBAL_FIELDS)
         if unknown:
             raise ValueError(f"stage {self.name!r} declares unknown config sections {sorted(unknown)}")
+
+
+@dataclass(frozen=True)
+class AnotherRound:
+    """What a stage that gathers sampling rounds (batch) returns while the rounds so far are not enough: the flow
+    samples one round more and asks again."""
+
+    why: str
 
 
 class UndeclaredSection(AttributeError):

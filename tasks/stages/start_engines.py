@@ -49,4 +49,6 @@ def trainer_warm_start(ctx: RunContext) -> TrainerWarmStart | None:
         return None
     cfg = ctx.cfg
     lora = LoraSettings.from_config(cfg.lora, cfg.seed)
-    return TrainerWarmStart(cfg.model.path, cfg.model.dtype, EngineSettings.for_policy(cfg.optim, cfg.model, lora))
+    return TrainerWarmStart(
+        model_path=cfg.model.path, dtype=cfg.model.dtype, engine=EngineSettings.for_policy(cfg.optim, cfg.model, lora)
+    )

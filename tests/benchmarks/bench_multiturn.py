@@ -38,23 +38,48 @@ def play(model: str, work: Path, caching: bool, replay: list[list[list[int]]] | 
     engine's own outputs, the observation a fixed run of ordinary tokens)."""
     tok = load_tokenizer(model)
     observation = tok(" the tool says 42." * 8, add_special_tokens=False)["input_ids"][:OBSERVATION]
-    opening = [tok.apply_chat_template([{"role": "user", "content": f"What is {i} + {2 * i}?"}],
-                                       add_generation_prompt=True) for i in range(TRAJECTORIES)]  # fmt: skip
+    opening = [
+        tok.apply_chat_template([{"role": "user", "content": f"What is {i} + {2 * i}?"}], add_generation_prompt=True)
+        for i in range(TRAJECTORIES)
+    ]
     engine = ResidentEngine(work / f"vllm-{caching}.log")
-    settings = VLLMSettings(model, "float32", 0, kv_cache_gib=2, gpu_memory_utilization=0.5, prefix_caching=caching)
+    settings = VLLMSettings(
+        model_path=model, dtype="float32", seed=0, kv_cache_gib=2, gpu_memory_utilization=0.5, prefix_caching=caching
+    )
     prompts, turns, seconds = [list(p) for p in opening], [], []
     try:
-        warm = GenerationJob(_write(work / "warm.parquet", [[1, 2, 3]]), str(work / "warm-out.parquet"), n=1,
-                             temperature=1.0, top_p=1.0, max_tokens=4, seed=0, stop=(), stop_token_ids=())  # fmt: skip
-        engine.generate(GenerateRequest(model, (warm,)), settings)  # the one-off warm-up, out of the timing
+        warm = GenerationJob(
+            prompts_path=_write(work / "warm.parquet", [[1, 2, 3]]),
+            out_path=str(work / "warm-out.parquet"),
+            n=1,
+            temperature=1.0,
+            top_p=1.0,
+            max_tokens=4,
+            seed=0,
+            stop=(),
+            stop_token_ids=(),
+        )
+        engine.generate(
+            GenerateRequest(model_path=model, jobs=(warm,)), settings
+        )  # the one-off warm-up, out of the timing
         for turn in range(TURNS):
             prompts = replay[turn] if replay else prompts
             turns.append(prompts)
             out = work / f"out-{caching}-{turn}.parquet"
-            job = GenerationJob(_write(work / f"in-{caching}-{turn}.parquet", prompts), str(out), n=1,
-                                temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, seed=turn, stop=(),
-                                stop_token_ids=())  # fmt: skip
-            seconds.append(engine.generate(GenerateRequest(model, (job,)), settings)["jobs"][0]["generate_seconds"])
+            job = GenerationJob(
+                prompts_path=_write(work / f"in-{caching}-{turn}.parquet", prompts),
+                out_path=str(out),
+                n=1,
+                temperature=1.0,
+                top_p=1.0,
+                max_tokens=MAX_TOKENS,
+                seed=turn,
+                stop=(),
+                stop_token_ids=(),
+            )
+            seconds.append(
+                engine.generate(GenerateRequest(model_path=model, jobs=(job,)), settings)["jobs"][0]["generate_seconds"]
+            )
             said = pl.read_parquet(out).sort("prompt_id")["token_ids"].to_list()
             by_id = dict(zip(sorted(f"t{i}" for i in range(len(prompts))), said))
             prompts = [p + by_id[f"t{i}"] + observation for i, p in enumerate(prompts)]

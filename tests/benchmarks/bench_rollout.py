@@ -64,8 +64,8 @@ def vllm_tokens_per_second(model_dir: Path, prompt_ids: list[list[int]], work: P
         schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
     ).write_parquet(prompts)
     job = GenerationJob(
-        str(prompts),
-        str(work / "out.parquet"),
+        prompts_path=str(prompts),
+        out_path=str(work / "out.parquet"),
         n=GROUP,
         temperature=1.0,
         top_p=1.0,
@@ -74,9 +74,11 @@ def vllm_tokens_per_second(model_dir: Path, prompt_ids: list[list[int]], work: P
         stop=(),
         stop_token_ids=(),
     )
-    request = GenerateRequest(str(model_dir), (job,))
+    request = GenerateRequest(model_path=str(model_dir), jobs=(job,))
     engine = ResidentEngine(work / "vllm.log")
-    settings = VLLMSettings(str(model_dir), "float32", 0, kv_cache_gib=2, gpu_memory_utilization=0.5)
+    settings = VLLMSettings(
+        model_path=str(model_dir), dtype="float32", seed=0, kv_cache_gib=2, gpu_memory_utilization=0.5
+    )
     try:
         engine.generate(request, settings)  # warm-up: the first generate pays one-off compilation
         timing = engine.generate(request, settings)["jobs"][0]

@@ -9,6 +9,7 @@ No Prefect import: this runs in its own process.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -20,7 +21,7 @@ from transformers import AutoTokenizer
 
 from schemas.requests import CriticRequest, EngineSettings, LoraSettings, SFTRequest, UpdateRequest
 from storage.crash import crash_point
-from tasks.algos.losses import ClipSettings, MinibatchNorm, PolicyLossSettings, policy_loss, tis_weights, value_loss
+from tasks.algos.losses import MinibatchNorm, policy_loss, tis_weights, value_loss
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import peak_rss_gib, worker_main
 from tasks.engines.workers import data_parallel
@@ -80,19 +81,6 @@ def _sft(request: SFTRequest, model, tokenizer):
     return engine, pl.DataFrame(rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64})
 
 
-def _policy_settings(request: UpdateRequest):
-    loss = request.loss
-    return PolicyLossSettings(
-        objective=loss.objective,
-        aggregation=loss.aggregation,
-        clip=ClipSettings(loss.clip_eps_low, loss.clip_eps_high, loss.dual_clip),
-        kl_estimator=loss.kl_estimator,
-        kl_in_loss=loss.kl_in_loss,
-        kl_beta=loss.kl_beta,
-        entropy_coef=loss.entropy_coef,
-    )
-
-
 class _Ptx:
     """PPO-ptx: a batch of SFT demonstrations per optimizer step, γ_ptx · token-mean NLL."""
 
@@ -130,7 +118,7 @@ class _Update:
         self.request, self.pad = request, pad_id(tokenizer)
         self.prompts, self.responses = data["prompt_token_ids"].to_list(), data["token_ids"].to_list()
         columns = ("old_logprobs", "ref_logprobs", "token_advantages") + (
-            ("sampler_logprobs",) if request.loss.tis_cap else ()
+            ("sampler_logprobs",) if request.loss.loss.tis_cap else ()
         )
         self.lists = {c: data[c].to_list() for c in columns}
         self.loss_mask = data["loss_mask"].to_list()
@@ -140,7 +128,7 @@ class _Update:
         self.action_mask = [
             [1.0] * len(r) if a is None else [float(x) for x in a] for a, r in zip(actions, self.responses)
         ]
-        self.settings = _policy_settings(request)
+        self.settings = request.loss
         self.totals: dict[str, float] = {}
         self.counts: dict[str, float] = {}  # what the forward passes computed (token_batch.count_into), summed
         self.seconds = dict.fromkeys(("forward", "backward", "step"), 0.0)  # this rank's, for the per-rank timings
@@ -178,7 +166,7 @@ class _Update:
             align_responses([self.lists[c][i] for i in idx], width)
             for c in ("old_logprobs", "ref_logprobs", "token_advantages")
         )
-        weights, cap = None, self.request.loss.tis_cap
+        weights, cap = None, self.request.loss.loss.tis_cap
         if cap:
             weights = tis_weights(
                 old, align_responses([self.lists["sampler_logprobs"][i] for i in idx], width), cap
@@ -187,7 +175,7 @@ class _Update:
             add("tis_capped_fraction", ((weights >= cap).float() * mask).sum())
         t0 = time.time()
         logp, ent = response_logprobs(
-            engine, batch, with_entropy=True, entropy_grad=bool(self.settings.entropy_coef)
+            engine, batch, with_entropy=True, entropy_grad=bool(self.settings.loss.entropy_coef)
         )  # (B, R) each
         loss, sums = policy_loss(logp, old, ref, adv, mask, norm, self.settings, entropy=ent, token_weights=weights)
         total = loss * scale
@@ -329,16 +317,9 @@ class _Critic:
 
 
 def critic_settings(c: CriticRequest, policy: EngineSettings) -> EngineSettings:
-    return EngineSettings(
-        policy.zero_stage,
-        c.lr,
-        policy.weight_decay,
-        policy.grad_clip,
-        policy.micro_batch_size,
-        policy.dtype,
-        policy.gradient_checkpointing,
-        None,
-    )  # the critic trains every weight (docs/train-your-own-model.md, "LoRA")
+    # The policy's engine settings with the critic's lr; the critic trains every weight (docs/train-your-own-model.md,
+    # "LoRA").
+    return dataclasses.replace(policy, lr=c.lr, lora=None)
 
 
 def _critic_engine(c: CriticRequest, policy: EngineSettings, gas: int, data, cache=None):
