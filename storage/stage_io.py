@@ -113,6 +113,25 @@ def write_json_atomic(path: Path, obj) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
+def folder_bytes(path: Path) -> int:
+    """The bytes of every file under `path` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def ensure_free(folder: Path, needed: int, what: str) -> None:
+    """Refuse, with one line naming the path and the bytes, to start writing `needed` bytes where fewer are free:
+    a checkpoint found the full disk only after minutes of training."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise DiskFullError(
+            f"not enough free disk for {what} at {folder}: it needs about {needed / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB are free"
+        )
+
+
 def temp_dir_for(final: Path) -> Path:
     """The folder to write `final` under before `commit_dir` renames it into place. Whatever a crash
     mid-save left there is removed first, so old and new files never mix."""

@@ -267,6 +267,17 @@ def test_a_full_disk_names_the_path_and_leaves_nothing_half_written(tiny_disk):
     assert not leftovers and not list(tiny_disk.rglob("*.parquet")) and not layout.manifest_path("scores", 1).exists()
 
 
+def test_a_checkpoint_that_would_not_fit_is_refused_before_training_naming_path_and_bytes(tiny_disk):
+    from storage import ensure_free
+
+    folder = tiny_disk / "runs/r/checkpoints"  # not there yet: its filesystem is asked
+    ensure_free(folder, 100_000, "the checkpoint of iteration 3")
+    with pytest.raises(DiskFullError) as err:
+        ensure_free(folder, 5_000_000, "the checkpoint of iteration 3")
+    assert str(err.value).startswith(f"not enough free disk for the checkpoint of iteration 3 at {folder}: it needs ")
+    assert "about 0.01 GB, 0.00 GB are free" in str(err.value)
+
+
 def test_show_fits_80_columns(tmp_path):
     from rich.console import Console
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.errors import NotFound
-from storage import RunLayout, read_manifest, scan, verified_parts
+from storage import RunLayout, folder_bytes, read_manifest, scan, verified_parts
 from tasks.analysis.agent_stats import per_iteration
 from tasks.analysis.query import warn_strays
 
@@ -176,21 +176,17 @@ def show_run(run_id: str, root: str, console: Console, wide: bool = False) -> No
     out.print(disk_table(disk_use(layout)))
 
 
-def _tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
-
-
 def disk_use(layout: RunLayout) -> dict:
     """Bytes on disk: the stage tables (and how many iterations they span), the checkpoints (each one's weights and
     DeepSpeed state apart: the state is the bulk, and `checkpoint.keep_optimizer_states` bounds it), the rest
     (logs, report, tracking) and the total."""
-    tables = {stage: _tree_bytes(layout.stage_root(stage)) for stage in layout.stages()}
+    tables = {stage: folder_bytes(layout.stage_root(stage)) for stage in layout.stages()}
     checkpoints = {}
     for k in layout.checkpoint_iterations():
         folder = layout.checkpoint_dir(k)
-        state = sum(_tree_bytes(d) for d in folder.rglob("ds_state") if d.is_dir())
-        checkpoints[k] = {"weights": _tree_bytes(folder) - state, "state": state}
-    total = _tree_bytes(layout.run_dir)
+        state = sum(folder_bytes(d) for d in folder.rglob("ds_state") if d.is_dir())
+        checkpoints[k] = {"weights": folder_bytes(folder) - state, "state": state}
+    total = folder_bytes(layout.run_dir)
     iterations = max((max(layout.iterations(stage), default=0) for stage in tables), default=0)
     held = sum(tables.values()) + sum(c["weights"] + c["state"] for c in checkpoints.values())
     return {

@@ -14,7 +14,16 @@ import polars as pl
 
 from schemas.errors import NotFound
 from schemas.requests import CriticRequest, EngineSettings, LossSettings, PtxRequest, UpdateRequest
-from storage import StageOutput, commit_dir, read_manifest, read_stage, state_dir_for, temp_dir_for
+from storage import (
+    StageOutput,
+    commit_dir,
+    ensure_free,
+    folder_bytes,
+    read_manifest,
+    read_stage,
+    state_dir_for,
+    temp_dir_for,
+)
 from tasks.algos.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
 from tasks.engines.trainer_client import call_trainer
 from tasks.engines.workers.engine_cache import state_pending
@@ -138,6 +147,14 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
     return out
 
 
+def checkpoint_bytes(ctx: RunContext, policy) -> int:
+    """About what this update's checkpoint will take: the checkpoint before it (weights, optimizer state, critic);
+    for the first, the starting weights (a lower bound; a first adapter checkpoint is small, and not estimated)."""
+    if policy.version == 0 and ctx.cfg.lora.enabled:
+        return 0
+    return folder_bytes(Path(policy.path))
+
+
 @stage_task("optimize")
 def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
@@ -178,6 +195,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
             crash_point=f"optimize:{iteration}",
             final_dir=str(final) if ctx.cfg.engines.defer_optimizer_state else "",
         )
+        ensure_free(final.parent, checkpoint_bytes(ctx, policy), f"the checkpoint of iteration {iteration}")
         resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"optimize-{iteration:05d}")
         commit_dir(tmp, final)
         data_path.unlink()
