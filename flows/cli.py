@@ -214,20 +214,25 @@ def run(
 ) -> None:
     """Run (or resume) RL: one Prefect flow run per iteration. Re-running the same command resumes."""
     _stop_on_signals()
-    from flows.rl import rl_run
-
-    _guard(_start, rl_run, config, overrides, run_id, algo, "rl", reconfigure)
+    _guard(_start, config, overrides, run_id, algo, "rl", reconfigure)
 
 
-def _start(
-    flow_fn, config: str, overrides, run_id: str, algo: str | None = None, flow: str = "rl", reconfigure: bool = False
-) -> None:
+# The flow each command runs, imported only once its input is checked: `import flows.rl` is ~2 s on the 2-core
+# machine, which a bad config need not wait for and an RL run's engines (spawned by the checks) need not either.
+FLOWS = {"rl": "flows.rl:rl_run", "rm": "flows.reward_model:reward_model_flow", "dpo": "flows.dpo:dpo_flow"}
+
+
+def _start(config: str, overrides, run_id: str, algo: str | None, flow: str, reconfigure: bool) -> None:
     """Validate and save the config, check the model, data and reward functions (before any engine starts), run."""
+    import importlib
+
     from flows.deployments import prepare_checked_run
 
     root = prepare_checked_run(
         config, overrides, run_id, algo, flow, reconfigure
     )  # an RL run's engines start loading here
+    module, name = FLOWS[flow].split(":")
+    flow_fn = getattr(importlib.import_module(module), name)
     with local_flow_settings():
         _print_summary(flow_fn(run_id, root))
 
@@ -242,9 +247,7 @@ def rm_train(
     """Train a Bradley–Terry reward model on preference data (generated from the task when
     preference.data is unset); exported to reward_model.out_path. Re-running resumes."""
     _stop_on_signals()
-    from flows.reward_model import reward_model_flow
-
-    _guard(_start, reward_model_flow, config, overrides, run_id, None, "rm", reconfigure)
+    _guard(_start, config, overrides, run_id, None, "rm", reconfigure)
 
 
 @app.command()
@@ -256,9 +259,7 @@ def dpo(
 ) -> None:
     """DPO from model.path on preference data; exported to dpo.out_path. Re-running resumes."""
     _stop_on_signals()
-    from flows.dpo import dpo_flow
-
-    _guard(_start, dpo_flow, config, overrides, run_id, None, "dpo", reconfigure)
+    _guard(_start, config, overrides, run_id, None, "dpo", reconfigure)
 
 
 @app.command()
@@ -347,13 +348,14 @@ def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
     _stop_on_signals()
 
     def go():
-        from flows.rl import rl_run
         from storage.lock import acquire_run_lock
         from tasks.stages.common import load_run
         from tasks.stages.start_engines import start_engines
 
         acquire_run_lock(load_run(root, run_id).layout, "resume")  # a missing run fails here, before a flow starts
         start_engines(root, run_id)  # the engines load while Prefect starts its temporary API
+        from flows.rl import rl_run  # after the engines' spawn (FLOWS)
+
         with local_flow_settings():
             _print_summary(rl_run(run_id, root))
 
