@@ -31,9 +31,9 @@ def adapter_digest(layout: RunLayout, iteration: int) -> str:
 
 
 # `make test` runs the presets whose paths differ under an adapter: the default (grpo), a critic that trains every
-# weight beside it (ppo), the per-prompt history (dcpo), dynamic sampling with the overlong filter and reward (dapo), the
-# sequence-level ratio (gspo). The others differ only in formulas their unit tests check; `make test-all` runs them too
-# (34 s each on the 2-core machine).
+# weight beside it (ppo), the per-prompt history (dcpo), dynamic sampling with the overlong filter and reward
+# (dapo), the sequence-level ratio (gspo). The others differ only in formulas their unit tests check; `make
+# test-all` runs them too (34 s each on the 2-core machine).
 IN_MAKE_TEST = ("grpo", "ppo", "dcpo", "dapo", "gspo")
 
 
