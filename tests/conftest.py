@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from schemas.requests import EngineSettings, GenerationJob
 from storage import RunLayout
 from storage.crash import CRASH_ENV
 
@@ -48,6 +49,21 @@ def tiny_config(tmp: Path, **sections) -> Path:
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def generation_job(prompts_path, out_path, **changes) -> GenerationJob:
+    """A sampling pass as the tests and benchmarks ask for one: one sample at temperature 1, 4 tokens, seed 0, no stop
+    strings; `changes` set any other field."""
+    fields = {"n": 1, "temperature": 1.0, "top_p": 1.0, "max_tokens": 4, "seed": 0, "stop": (), "stop_token_ids": ()}
+    return GenerationJob(prompts_path=str(prompts_path), out_path=str(out_path), **{**fields, **changes})
+
+
+def engine_settings(**changes) -> EngineSettings:
+    """A DeepSpeed engine's settings for the tests' tiny models (the config's defaults, fp32, no adapter); `changes`
+    set any field."""
+    fields = {"zero_stage": 1, "lr": 1e-4, "weight_decay": 0.0, "grad_clip": 1.0, "micro_batch_size": 64}
+    fields.update(dtype="float32", gradient_checkpointing=False, lora=None)
+    return EngineSettings(**{**fields, **changes})
 
 
 def rlpipe(*args, cwd: Path, check=True, **kw) -> subprocess.CompletedProcess:

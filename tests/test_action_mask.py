@@ -10,10 +10,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from schemas.requests import EngineSettings, LossSettings, UpdateRequest
+from schemas.requests import LossSettings, UpdateRequest
 from tasks.data.model_recipe import char_tokenizer
 from tasks.engines.launch import run_worker
 from tasks.engines.workers import TRAIN_WORKER
+from tests.conftest import engine_settings
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +83,7 @@ def update(policy, frame: pl.DataFrame, out) -> dict:
         data_path=str(out / "frame.parquet"),
         resume_state=None,
         seed=0,
-        engine=EngineSettings(
-            zero_stage=0,
-            lr=1e-2,
-            weight_decay=0.0,
-            grad_clip=1.0,
-            micro_batch_size=4,
-            dtype="float32",
-            gradient_checkpointing=False,
-            lora=None,
-        ),
+        engine=engine_settings(zero_stage=0, lr=1e-2, micro_batch_size=4),
         ppo_epochs=1,
         minibatches=1,
         warmup_steps=0,

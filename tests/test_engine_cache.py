@@ -7,19 +7,10 @@ import dataclasses
 import os
 from types import SimpleNamespace
 
-from schemas.requests import EngineSettings
 from tasks.engines.workers.engine_cache import EngineCache, write_state_id
+from tests.conftest import engine_settings
 
-SETTINGS = EngineSettings(
-    zero_stage=1,
-    lr=1e-4,
-    weight_decay=0.0,
-    grad_clip=1.0,
-    micro_batch_size=64,
-    dtype="float32",
-    gradient_checkpointing=False,
-    lora=None,
-)
+SETTINGS = engine_settings()
 
 
 def checkpoint_with_engine(tmp_path, cache, name="iter=1"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import rlpipe
+from tests.conftest import generation_job, rlpipe
 from tests.gguf_fixture import write_tiny_gguf
 
 PROMPTS = ["What is 7 + 5?", "Add 3 and 4.", "hello world"]
@@ -64,7 +64,7 @@ def test_bfloat16_import_halves_the_weights(imported, tmp_path):
 
 @pytest.mark.e2e
 def test_vllm_greedy_tokens_on_the_folder_equal_hf_generate(imported, tmp_path):
-    from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
+    from schemas.requests import GenerateRequest, VLLMSettings
     from tasks.engines.vllm_client import ResidentEngine
 
     _, out = imported
@@ -75,17 +75,7 @@ def test_vllm_greedy_tokens_on_the_folder_equal_hf_generate(imported, tmp_path):
         {"prompt_id": [str(i) for i in range(len(prompts))], "prompt_token_ids": prompts},
         schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
     ).write_parquet(path)
-    job = GenerationJob(
-        prompts_path=str(path),
-        out_path=str(tmp_path / "out.parquet"),
-        n=1,
-        temperature=0.0,
-        top_p=1.0,
-        max_tokens=12,
-        seed=0,
-        stop=(),
-        stop_token_ids=(),
-    )
+    job = generation_job(path, tmp_path / "out.parquet", temperature=0.0, max_tokens=12)
     engine = ResidentEngine(tmp_path / "vllm.log")
     try:
         engine.generate(

@@ -7,11 +7,11 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
+from schemas.requests import GenerateRequest, VLLMSettings
 from tasks.data.model_recipe import init_model
 from tasks.engines.vllm_client import ResidentEngine
 from tasks.engines.workers.sync_probe import mean_abs_gap, probe_token_ids, trainer_logprobs, write_probe
-from tests.conftest import ROOT
+from tests.conftest import ROOT, generation_job
 
 pytestmark = pytest.mark.e2e
 
@@ -52,17 +52,7 @@ def test_sync_in_place_matches_the_trainer(tmp_path, tied):
         {"prompt_id": ["a", "b"], "prompt_token_ids": [[1, 7, 8], [1, 9, 10, 11]]},
         schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
     ).write_parquet(prompts)
-    job = GenerationJob(
-        prompts_path=str(prompts),
-        out_path=str(tmp_path / "out.parquet"),
-        n=2,
-        temperature=1.0,
-        top_p=1.0,
-        max_tokens=4,
-        seed=0,
-        stop=(),
-        stop_token_ids=(),
-    )
+    job = generation_job(prompts, tmp_path / "out.parquet", n=2)
     engine = ResidentEngine(tmp_path / "vllm.log")
     settings = VLLMSettings(model_path=str(before), dtype="float32", seed=0, kv_cache_gib=1, gpu_memory_utilization=0.5)
     try:

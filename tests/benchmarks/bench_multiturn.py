@@ -16,10 +16,11 @@ from pathlib import Path
 import polars as pl
 
 from schemas.config import load_config
-from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
+from schemas.requests import GenerateRequest, VLLMSettings
 from tasks.data.formatting import load_tokenizer
 from tasks.engines.vllm_client import ResidentEngine
 from tests.benchmarks import result_row
+from tests.conftest import generation_job
 
 CONFIG = "infra/configs/demo.yaml"
 TRAJECTORIES, TURNS, MAX_TOKENS, OBSERVATION = 32, 4, 32, 48
@@ -48,34 +49,15 @@ def play(model: str, work: Path, caching: bool, replay: list[list[list[int]]] | 
     )
     prompts, turns, seconds = [list(p) for p in opening], [], []
     try:
-        warm = GenerationJob(
-            prompts_path=_write(work / "warm.parquet", [[1, 2, 3]]),
-            out_path=str(work / "warm-out.parquet"),
-            n=1,
-            temperature=1.0,
-            top_p=1.0,
-            max_tokens=4,
-            seed=0,
-            stop=(),
-            stop_token_ids=(),
-        )
-        engine.generate(
-            GenerateRequest(model_path=model, jobs=(warm,)), settings
-        )  # the one-off warm-up, out of the timing
+        warm = generation_job(_write(work / "warm.parquet", [[1, 2, 3]]), work / "warm-out.parquet")
+        # the one-off warm-up, out of the timing
+        engine.generate(GenerateRequest(model_path=model, jobs=(warm,)), settings)
         for turn in range(TURNS):
             prompts = replay[turn] if replay else prompts
             turns.append(prompts)
             out = work / f"out-{caching}-{turn}.parquet"
-            job = GenerationJob(
-                prompts_path=_write(work / f"in-{caching}-{turn}.parquet", prompts),
-                out_path=str(out),
-                n=1,
-                temperature=1.0,
-                top_p=1.0,
-                max_tokens=MAX_TOKENS,
-                seed=turn,
-                stop=(),
-                stop_token_ids=(),
+            job = generation_job(
+                _write(work / f"in-{caching}-{turn}.parquet", prompts), out, max_tokens=MAX_TOKENS, seed=turn
             )
             seconds.append(
                 engine.generate(GenerateRequest(model_path=model, jobs=(job,)), settings)["jobs"][0]["generate_seconds"]

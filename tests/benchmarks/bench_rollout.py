@@ -14,10 +14,11 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
+from schemas.requests import GenerateRequest, VLLMSettings
 from tasks.data.model_recipe import init_model
 from tasks.engines.vllm_client import ResidentEngine
 from tests.benchmarks import result_row
+from tests.conftest import generation_job
 
 PROMPTS, GROUP, MAX_TOKENS = 64, 8, 64
 RECIPE = Path("infra/model/bench_llama_20m.yaml")
@@ -63,17 +64,7 @@ def vllm_tokens_per_second(model_dir: Path, prompt_ids: list[list[int]], work: P
         {"prompt_id": [f"p{i}" for i in range(len(prompt_ids))], "prompt_token_ids": prompt_ids},
         schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
     ).write_parquet(prompts)
-    job = GenerationJob(
-        prompts_path=str(prompts),
-        out_path=str(work / "out.parquet"),
-        n=GROUP,
-        temperature=1.0,
-        top_p=1.0,
-        max_tokens=MAX_TOKENS,
-        seed=0,
-        stop=(),
-        stop_token_ids=(),
-    )
+    job = generation_job(prompts, work / "out.parquet", n=GROUP, max_tokens=MAX_TOKENS)
     request = GenerateRequest(model_path=str(model_dir), jobs=(job,))
     engine = ResidentEngine(work / "vllm.log")
     settings = VLLMSettings(
