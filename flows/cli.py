@@ -23,28 +23,31 @@ def _stop(signum, frame) -> None:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C does not restart the cleanup halfway
     out = os.dup(2)
-    quiet = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(quiet, 1)
-    os.dup2(quiet, 2)
-    from tasks.engines.reaper import OWNER_ENV, sweep
+    try:
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)
+        from tasks.engines.reaper import OWNER_ENV, sweep
 
-    if os.environ.get(OWNER_ENV) == str(os.getpid()):  # the reaper was started: end what it would end
-        import psutil
+        if os.environ.get(OWNER_ENV) == str(os.getpid()):  # the reaper was started: end what it would end
+            import psutil
 
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        sweep(os.getpid())  # marked grandchildren, and the servers' sockets
-    what = "interrupted" if signum == signal.SIGINT else "terminated"
-    os.write(out, f"{what}{_STOPPED['resume_hint']}\n".encode())
-    os._exit(128 + signum)
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+            sweep(os.getpid())  # marked grandchildren, and the servers' sockets
+    finally:  # whatever the cleanup met, the command ends here, with its line
+        what = "interrupted" if signum == signal.SIGINT else "terminated"
+        os.write(out, f"{what}{_STOPPED['resume_hint']}\n".encode())
+        os._exit(128 + signum)
 
 
-# Installed before anything slow is imported: a signal during the imports gets its one line too. Not in a
-# multiprocessing child that imports this module again as its __main__ (the reward pool's spawned workers).
-if multiprocessing.parent_process() is None:
+# Installed before anything slow is imported: a signal during the imports gets its one line too. Not in a spawned
+# multiprocessing child that imports this module again as its __main__ (its name is set before that import;
+# multiprocessing.parent_process() only after it).
+if multiprocessing.current_process().name == "MainProcess":
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
 
@@ -91,7 +94,10 @@ def _guard(fn, *args, **kwargs):
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
-def _stop_on_signals() -> None:
+RESUME_HINT = ": complete stages are kept; run the same command again to resume"
+
+
+def _stop_on_signals(hint: str = RESUME_HINT) -> None:
     """Ctrl-C (SIGINT) and SIGTERM stop a command that runs stages at once, with one line (_stop). Prefect would
     otherwise swallow the KeyboardInterrupt and carry on, and on SIGTERM its flow engine runs crash handling against
     a temporary API server the same signal may already have stopped (minutes of retries). Stopping hard is safe:
@@ -99,7 +105,7 @@ def _stop_on_signals() -> None:
     A reaper process (tasks/engines/reaper.py) kills whatever this command started even when it is SIGKILLed."""
     from tasks.engines.reaper import start_reaper
 
-    _STOPPED["resume_hint"] = ": complete stages are kept; run the same command again to resume"
+    _STOPPED["resume_hint"] = hint
     start_reaper()
     # Prefect installs its own SIGTERM bridge for every flow run (prefect.utilities.engine.capture_sigterm looks it up
     # by this name): in a command started from this CLI it is ours. Deployed runs keep Prefect's.
@@ -335,6 +341,7 @@ def rerun(
 ) -> None:
     """Recompute one stage of one iteration from the cached upstream Parquet, with new settings. Without
     --fork, later stages are moved aside (superseded) and `rlpipe resume RUN` continues."""
+    _stop_on_signals(f": complete stages are kept; `rlpipe resume {fork or run_id}` recomputes the rest")
     from flows.rerun import rerun as do_rerun
 
     result = _guard(do_rerun, run_id, iteration, stage, overrides or [], fork, root)

@@ -42,6 +42,8 @@ def run_iteration_stages(storage_root: str, run_id: str, iteration: int, stages=
             out = spec.task(**task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints, every_round))
             if isinstance(out, AnotherRound):
                 break
+            if out is None:
+                raise RuntimeError(f"stage {spec.name!r} returned no output")
             outputs[spec.name], fingerprints[spec.name] = out, [out.fingerprint]
         else:
             return {**outputs, "rounds": round_ + 1}

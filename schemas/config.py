@@ -433,6 +433,7 @@ class AgentConfig(Section):
     no tool and no environment."""
 
     OMITTED_AT_DEFAULT: ClassVar[bool] = True
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"max_tool_output_tokens"})  # added after agent runs existed
 
     tools: dict[str, UserCodeRef] = Field(
         default_factory=dict,

@@ -114,8 +114,15 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 def folder_bytes(path: Path) -> int:
-    """The bytes of every file under `path` (0 when it does not exist)."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+    """The bytes of every file under `path` (0 when it does not exist); a file a live run renames or removes meanwhile
+    counts 0."""
+    total = 0
+    for f in path.rglob("*") if path.exists() else ():
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            pass
+    return total
 
 
 def ensure_free(folder: Path, needed: int, what: str) -> None:

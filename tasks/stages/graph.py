@@ -142,6 +142,8 @@ def task_arguments(
     known = dict(fingerprints)
     for table in spec.reads:
         if table not in known:
+            if table not in {s.name for s in RUN_STAGES}:
+                raise KeyError(f"stage {spec.name!r} reads {table!r}, which nothing before it in the iteration wrote")
             known[table] = [upstream_fingerprint(storage_root, run_id, table, 0)]
     args = {"storage_root": storage_root, "run_id": run_id, "iteration": iteration, "round_": round_}
     args["upstream"] = upstream(spec, round_, known, every_round)
