@@ -17,6 +17,7 @@ import polars as pl
 
 from schemas.config import load_config
 from schemas.requests import GenerateRequest, VLLMSettings
+from tasks.agents.turn_tokens import prompt_ids
 from tasks.data.formatting import load_tokenizer
 from tasks.engines.vllm_client import ResidentEngine
 from tests.benchmarks import result_row
@@ -39,10 +40,8 @@ def play(model: str, work: Path, caching: bool, replay: list[list[list[int]]] | 
     engine's own outputs, the observation a fixed run of ordinary tokens)."""
     tok = load_tokenizer(model)
     observation = tok(" the tool says 42." * 8, add_special_tokens=False)["input_ids"][:OBSERVATION]
-    opening = [
-        tok.apply_chat_template([{"role": "user", "content": f"What is {i} + {2 * i}?"}], add_generation_prompt=True)
-        for i in range(TRAJECTORIES)
-    ]
+    # The opening as the multi-turn loop renders it (the chat template, the model's turn opened).
+    opening = [prompt_ids(tok, [{"role": "user", "content": f"What is {i} + {2 * i}?"}]) for i in range(TRAJECTORIES)]
     engine = ResidentEngine(work / f"vllm-{caching}.log")
     settings = VLLMSettings(
         model_path=model, dtype="float32", seed=0, kv_cache_gib=2, gpu_memory_utilization=0.5, prefix_caching=caching
