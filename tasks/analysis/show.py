@@ -178,28 +178,27 @@ def show_run(run_id: str, root: str, console: Console, wide: bool = False) -> No
 
 def disk_use(layout: RunLayout) -> dict:
     """Bytes on disk: the stage tables (and how many iterations they span), the checkpoints (each one's weights and
-    DeepSpeed state apart: the state is the bulk, and `checkpoint.keep_optimizer_states` bounds it), the rest
-    (logs, report, tracking) and the total."""
+    DeepSpeed state apart: the state is the bulk, and `engines.keep_optimizer_states` bounds it), the rest (logs,
+    report, tracking) and the total."""
     tables = {stage: folder_bytes(layout.stage_root(stage)) for stage in layout.stages()}
     checkpoints = {}
     for k in layout.checkpoint_iterations():
         folder = layout.checkpoint_dir(k)
         state = sum(folder_bytes(d) for d in folder.rglob("ds_state") if d.is_dir())
         checkpoints[k] = {"weights": folder_bytes(folder) - state, "state": state}
-    total = folder_bytes(layout.run_dir)
+    total = folder_bytes(layout.run_dir)  # a second walk of a few hundred files: simpler than excluding folders
     iterations = max((max(layout.iterations(stage), default=0) for stage in tables), default=0)
     held = sum(tables.values()) + sum(c["weights"] + c["state"] for c in checkpoints.values())
-    return {
-        "tables": tables, "checkpoints": checkpoints, "iterations": iterations, "other": total - held, "total": total
-    }  # fmt: skip
+    return {"tables": tables, "checkpoints": checkpoints, "iterations": iterations, "other": total - held,
+            "total": total}  # fmt: skip
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+    for unit in ("B", "KB", "MB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return ""
+    return f"{n:.1f} GB"
 
 
 def disk_table(use: dict) -> Table:
