@@ -140,9 +140,8 @@ def prepare_checked_run(
     processes import their libraries, spawned held (they start no engine and write no log until the checks pass, and
     are ended if one fails). Then the engines load while the first stages run."""
     from flows.local_prefect import start_local_api, wait_for_local_api
-    from tasks.engines.resident import close_held
     from tasks.stages.preflight import preflight
-    from tasks.stages.start_engines import start_engines
+    from tasks.stages.start_engines import end_held, start_engines
 
     cfg, _ = prepare_run(config, overrides, run_id, algo, reconfigure, command=flow)
     if flow == "rl":
@@ -151,7 +150,7 @@ def prepare_checked_run(
     try:
         preflight(cfg.storage_root, run_id, flow)
     except BaseException:
-        close_held()  # no engine started, no log written
+        end_held()  # no engine started, no log written
         raise
     if flow == "rl":
         start_engines(cfg.storage_root, run_id)

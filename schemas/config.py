@@ -673,7 +673,7 @@ class EnginesConfig(Section):
         1,
         ge=1,
         le=1024,
-        description="Data-parallel DeepSpeed ranks (one process each; gloo on CPU, NCCL on GPU) for every trainer. "
+        description="Data-parallel DeepSpeed ranks (one Ray actor each; gloo on CPU, NCCL on GPU) for every trainer. "
         "ZeRO optimizer state must be resumed by as many ranks as saved it.",
     )
     # GPU placement on one node (ignored without CUDA): the trainer ranks' devices (one per rank) and the vLLM
@@ -683,10 +683,34 @@ class EnginesConfig(Section):
     rollout_devices: list[int] | None = Field(
         None, description="CUDA device ids of the vLLM replicas, tensor_parallel_size each."
     )
-    hostfile: str | None = Field(
+    ray_address: str | None = Field(
         None,
-        description="Trainer ranks on several machines: a DeepSpeed hostfile (`host slots=N` per line, this machine "
-        "first; slots in all = train_ranks), started by DeepSpeed's launcher over pdsh/ssh.",
+        description="The Ray cluster the engines run on: `auto` (the cluster `ray start` made on this node) or "
+        "`HOST:PORT`. None starts a private local Ray instance for the command (loopback only, no dashboard) and stops "
+        "it at the end. On a cluster the repository and storage_root must be at the same path on every node.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How each engine's actors (the trainer's ranks; the vLLM replicas) are placed over the cluster's "
+        "nodes, by one Ray placement group per engine: PACK fills a node first (NCCL within a node is fastest), SPREAD "
+        "prefers different nodes, STRICT_* insists. Only used with a bundle (trainer_bundle, rollout_bundle).",
+    )
+    trainer_bundle: dict[str, float] = Field(
+        default_factory=dict,
+        description="The Ray resources each trainer rank reserves, e.g. {GPU: 1, CPU: 8} on a GPU cluster, or a "
+        "custom node resource. Empty: none reserved, and the ranks share the machine (the CPU path).",
+    )
+    rollout_bundle: dict[str, float] = Field(
+        default_factory=dict,
+        description="The Ray resources each vLLM replica reserves, e.g. {GPU: 2} for tensor_parallel_size 2. Empty: "
+        "none reserved.",
+    )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A trainer collective (gloo or NCCL) that waits longer fails, and the stage names the rank that "
+        "did not answer: a hung rank or a lost node costs minutes, not the 30 minutes to days of the backends' own "
+        "defaults.",
     )
     keep_optimizer_states: int | None = Field(
         2,

@@ -1,13 +1,13 @@
-"""A resident server for the tests of a held start and of the shutdown (tests/test_held_start.py): its warm-up prints a
-line (and fails with HELD_TEST_FAIL set); its answer echoes the settings it was released with and where its output now
-goes, and prints a line; the interpreter's teardown would print one more. With HELD_TEST_LATE_LISTEN set, its socket
-file exists for a second before anything listens on it (the moment between a server's bind() and listen(), drawn out).
-"""
+"""An engine module for the tests of the actor layer (tests/test_held_start.py): its warm-up prints a line (and fails
+with HELD_TEST_FAIL set); its answer echoes the settings it was started with, where its output now goes, its rank
+variables and its process, and prints a line; with HELD_TEST_HANG_RANK set, that rank never answers (a hung rank);
+the interpreter's teardown would print one more line."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import time
 
 
 def warm() -> None:
@@ -24,31 +24,20 @@ def make_answer(settings):
 
     def answer(msg: dict) -> dict:
         print("answered")
+        rank = os.environ.get("RANK", "0")
+        if os.environ.get("HELD_TEST_HANG_RANK") == rank:
+            time.sleep(3600)
+        if os.environ.get("HELD_TEST_ERROR_RANK") == rank:
+            raise ValueError(f"rank {rank} failed on purpose")
         return {
             "settings": to_wire(settings),
             "stdout": os.readlink("/proc/self/fd/1"),
             "stderr": os.readlink("/proc/self/fd/2"),
+            "rank": rank,
+            "world": os.environ.get("WORLD_SIZE"),
+            "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+            "pid": os.getpid(),
+            "threads": os.environ.get("OMP_NUM_THREADS"),
         }
 
     return answer
-
-
-def bind_without_listening(path: str, seconds: float) -> None:
-    import socket
-    import time
-
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(path)
-        time.sleep(seconds)
-    os.unlink(path)
-
-
-if __name__ == "__main__":
-    import sys
-
-    from tasks.engines.resident import serve_main
-
-    if os.environ.get("HELD_TEST_LATE_LISTEN"):
-        bind_without_listening(sys.argv[2], 1.0)
-
-    serve_main(make_answer, warm)

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from schemas.requests import LossSettings, UpdateRequest
 from tasks.data.model_recipe import char_tokenizer
-from tasks.engines.launch import run_worker
+from tasks.engines.resident import run_worker
 from tasks.engines.workers import TRAIN_WORKER
 from tests.conftest import engine_settings
 
@@ -93,7 +93,7 @@ def update(policy, frame: pl.DataFrame, out) -> dict:
         ptx=None,
         crash_point="",
     )
-    run_worker(TRAIN_WORKER, request, out / "scratch", out / "train.log")
+    run_worker(TRAIN_WORKER, request, out / "train.log")
     return load_file(out / "ckpt" / "model.safetensors")
 
 

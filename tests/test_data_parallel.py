@@ -3,7 +3,6 @@ one-process behaviour they must reproduce."""
 
 import pytest
 
-from tasks.engines.launch import WorkerError, hostfile_slots, rank_envs
 from tasks.engines.workers.data_parallel import accumulation_steps, rank_micro_batches
 from tasks.stages.rollouts import shard_bounds
 
@@ -37,20 +36,6 @@ def test_prompt_shards_are_contiguous_and_cover_every_row():
             assert [i for a, b in bounds for i in range(a, b)] == list(range(rows))
             sizes = [b - a for a, b in bounds]
             assert all(s > 0 for s in sizes) and (not sizes or max(sizes) - min(sizes) <= 1)
-
-
-def test_rank_environments_and_hostfiles(tmp_path, monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert rank_envs(1) == [{}]
-    envs = rank_envs(2, devices=[3, 5])
-    assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
-    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"3,5"} and len({e["MASTER_PORT"] for e in envs}) == 1
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("# two nodes\nnode-a slots=8\nnode-b slots=4  # fewer\n\n")
-    assert hostfile_slots(str(hostfile)) == 12
-    hostfile.write_text("node-a\n")
-    with pytest.raises(WorkerError, match="not 'HOST slots=N'"):
-        hostfile_slots(str(hostfile))
 
 
 def test_a_stale_build_lock_left_by_a_killed_process_does_not_hang_the_trainer(tmp_path):

@@ -1,14 +1,16 @@
-"""A server spawned held (tasks/engines/resident.py, ResidentProcess.spawn): it warms up before its settings exist,
-writes nothing into the run's logs until it is released, then starts with the settings it was handed and writes its
-held output and everything after it into its log; ended unreleased (the command's input was bad) it leaves no log
-and no file; a warm-up that fails is reported after the release with its own error line. Told to shut down, a server
-exits at once, its output in its log and its socket removed, without the interpreter's teardown."""
+"""The engine actors (tasks/engines/resident.py) on the command's embedded Ray: a server spawned held warms up before
+its settings exist and writes nothing into the run's logs until it is released, then starts with the settings it was
+handed and writes its held output and everything after it into its log; ended unreleased (the command's input was
+bad) it leaves no log and no file; a warm-up that fails is reported after the release with its own error line. Ranks
+get the torch.distributed variables at rank 0's address; a rank that fails or hangs ends the group with one line
+naming it; ended, no actor process is left."""
 
 import glob
 import os
 import tempfile
 import time
 
+import psutil
 import pytest
 
 from schemas.requests import GenerateRequest, VLLMSettings
@@ -25,9 +27,18 @@ def held_outputs() -> list[str]:
 
 def wait_until_warm(server: ResidentProcess) -> None:
     deadline = time.time() + 60
-    while b"warming up" not in server.held_outputs[0].read_bytes():
-        assert time.time() < deadline and server.procs[0].poll() is None
+    while not os.path.exists(server.held_outputs[0]) or b"warming up" not in open(server.held_outputs[0], "rb").read():
+        assert time.time() < deadline
         time.sleep(0.1)
+
+
+def gone(pid: int) -> bool:
+    deadline = time.time() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_a_released_server_starts_with_its_settings_and_moves_its_held_output_into_its_log(tmp_path):
@@ -41,11 +52,13 @@ def test_a_released_server_starts_with_its_settings_and_moves_its_held_output_in
         answer = server.call(REQUEST)
         assert answer["settings"]["fields"]["seed"] == 7 and answer["settings"]["fields"]["model_path"] == "models/x"
         assert answer["stdout"] == answer["stderr"] == str(log)
+        assert answer["threads"] is None  # one rank chooses its own threads (Ray would have set 1)
         text = log.read_text()
-        assert text.index("warming up") < text.index("engine started")
+        assert text.index("warming up") < text.index("engine started") < text.index("answered")
         assert not held_outputs()
     finally:
         server.close()
+    assert gone(answer["pid"]) and "interpreter teardown" not in log.read_text()
 
 
 def test_an_unreleased_server_is_ended_and_leaves_no_log_and_no_file(tmp_path):
@@ -53,53 +66,38 @@ def test_an_unreleased_server_is_ended_and_leaves_no_log_and_no_file(tmp_path):
     server = resident("tests.held_server", "held-test", lambda: ResidentProcess("tests.held_server", log))
     server.spawn(None, held=True)
     wait_until_warm(server)
-    proc = server.procs[0]
     close_held()
-    assert proc.poll() is not None
-    assert not log.exists() and not held_outputs()
+    assert not server.running and not log.exists() and not held_outputs()
 
 
 def test_a_warm_up_that_failed_is_reported_after_the_release_with_its_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HELD_TEST_FAIL", "1")
     log = tmp_path / "logs" / "held.log"
-    server = ResidentProcess("tests.held_server", log)
+    server = ResidentProcess("tests.held_server", log, env={"HELD_TEST_FAIL": "1"})
     server.spawn(None, held=True)
-    server.procs[0].wait(60)
-    with pytest.raises(
-        WorkerError, match="held_server server failed to start: RuntimeError: warm-up failed on purpose"
-    ):
+    with pytest.raises(WorkerError, match="held_server failed to start: RuntimeError: warm-up failed on purpose"):
         server.call(REQUEST, SETTINGS)
-    assert "warming up" in log.read_text() and not held_outputs()
+    assert "warming up" in log.read_text() and not held_outputs() and not server.running
 
 
-def test_a_server_told_to_shut_down_exits_at_once_with_its_output_logged_and_its_socket_removed(tmp_path):
-    log = tmp_path / "server.log"
-    server = ResidentProcess("tests.held_server", log)
-    server.spawn(SETTINGS)
-    server.call(REQUEST)
-    proc, sock = server.procs[0], server.sock
+def test_ranks_meet_at_rank_0_and_a_failed_or_hung_rank_ends_the_group_with_one_line(tmp_path):
+    log = tmp_path / "ranks.log"
+    server = ResidentProcess("tests.held_server", log, ranks=2)
+    answer = server.call(REQUEST, SETTINGS)
+    assert (answer["rank"], answer["world"]) == ("0", "2") and answer["master"].startswith("127.0.0.1:")
+    assert answer["threads"] == str(max(1, os.cpu_count() // 2))  # the cores shared out
+    assert (tmp_path / "ranks-rank1.log").read_text().count("answered") == 1  # every rank got the request
     server.close()
-    assert proc.returncode == 0 and not os.path.exists(sock)
-    text = log.read_text()
-    assert "answered" in text and "interpreter teardown" not in text
 
+    failing = ResidentProcess("tests.held_server", log, ranks=2, env={"HELD_TEST_ERROR_RANK": "1"})
+    with pytest.raises(WorkerError, match=r"held_server failed \(rank 1 of 2, node 127\.0\.0\.1 .*rank 1 failed on"):
+        failing.call(REQUEST, SETTINGS)
+    assert not failing.running
 
-def test_a_server_never_connected_is_killed_at_close_and_its_socket_removed(tmp_path):
-    server = ResidentProcess("tests.held_server", tmp_path / "server.log")
-    server.spawn(SETTINGS)  # started, never asked anything: it gets no shutdown message
-    deadline = time.time() + 60
-    while not os.path.exists(server.sock):
-        assert time.time() < deadline and server.procs[0].poll() is None
-        time.sleep(0.05)
-    proc, sock = server.procs[0], server.sock
-    server.close()
-    assert proc.returncode is not None and not os.path.exists(sock)
-
-
-def test_a_socket_that_exists_before_its_server_listens_is_connected_to_once_it_does(tmp_path, monkeypatch):
-    monkeypatch.setenv("HELD_TEST_LATE_LISTEN", "1")
-    server = ResidentProcess("tests.held_server", tmp_path / "server.log")
-    try:
-        assert server.call(REQUEST, SETTINGS)["settings"]["fields"]["seed"] == 7
-    finally:
-        server.close()
+    hung = ResidentProcess(
+        "tests.held_server", log, ranks=2, env={"HELD_TEST_HANG_RANK": "1", "HELD_TEST_ERROR_RANK": "0"}
+    )
+    t0 = time.time()
+    with pytest.raises(WorkerError, match=r"rank 1 on node 127\.0\.0\.1 .* did not answer \(hung\)"):
+        hung.call(REQUEST, SETTINGS)
+    assert time.time() - t0 < 30 and not hung.running

@@ -376,7 +376,7 @@ def test_the_time_plot_stacks_only_disjoint_stage_times():
 
 
 def test_progress_lines_say_steps_rate_and_time_left(tmp_path, capsys):
-    from tasks.engines.launch import follow_progress
+    from tasks.engines.resident import _LogTail
     from tasks.engines.workers.training import Progress
 
     progress = Progress("sft", 100, seconds=0.0)
@@ -385,14 +385,19 @@ def test_progress_lines_say_steps_rate_and_time_left(tmp_path, capsys):
     line = capsys.readouterr().out.strip()
     assert line.startswith("progress: sft step 20/100 (20%), 2.00 steps/s, 40s left, loss 0.5"), line
     log = tmp_path / "worker.log"
-    log.write_text("")
-    writer = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import time\nfor i in range(3):\n    open({str(log)!r}, 'a').write(f'noise\\nprogress: step "
-            f"{{i}}\\n'); time.sleep(0.3)",
-        ]
-    )
-    follow_progress(log, [writer], poll=0.1)
-    assert capsys.readouterr().err.splitlines() == ["progress: step 0", "progress: step 1", "progress: step 2"]
+    log.write_text("before the wait\nprogress: old\n")
+    tail = _LogTail(log)  # what a waiting client echoes: the progress lines appended since the wait began
+    for i in range(3):
+        with open(log, "a") as f:
+            f.write(f"noise\nprogress: step {i}\nprogress: half a li" if i == 1 else f"noise\nprogress: step {i}\n")
+        tail.echo()
+        if i == 1:
+            with open(log, "a") as f:
+                f.write("ne\n")
+    tail.echo()
+    assert capsys.readouterr().err.splitlines() == [
+        "progress: step 0",
+        "progress: step 1",
+        "progress: half a line",
+        "progress: step 2",
+    ]

@@ -1,8 +1,10 @@
 """No process outlives its `rlpipe` command, whatever kills it (SIGKILL included).
 
-The command marks its environment with `RLPIPE_OWNER=<its pid>`, which every process it starts inherits: engine
-servers and their own children (vLLM's EngineCore and workers), reward workers and multiprocessing's resource
-trackers, Prefect's temporary API server. A reaper process, started first and in its own session (so a signal to
+The command marks its environment with `RLPIPE_OWNER=<its pid>`, which every process it starts inherits: the
+embedded Ray instance's processes (its head, its agents, the engine actors' workers, which Ray's own parent-death
+signal does not all reach: a raylet killed leaves its agents behind), reward workers and multiprocessing's resource
+trackers, Prefect's temporary API server. Ray does this job on a cluster (a driver's actors end with it); on this
+machine it is the reaper's. A reaper process, started first and in its own session (so a signal to
 the command's process group leaves it standing), waits for the command to end, by exit or by any signal, then
 kills every process that carries the mark and removes the command's Unix sockets and API database copy. A
 parent-death signal (PR_SET_PDEATHSIG) wakes it at once; it also polls.
@@ -16,11 +18,14 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+
+from tasks.engines.ray_cluster import temp_dir_for
 
 OWNER_ENV = "RLPIPE_OWNER"
 API_DATABASE_PREFIX = "rlpipe-prefect-api"  # a command's copy of the temporary API's database (flows/local_prefect.py)
@@ -72,7 +77,8 @@ def marked(owner: int) -> list:
 
 
 def sweep(owner: int) -> int:
-    """Kill the owner's processes until none is left (a dying server may still start one); remove its files."""
+    """Kill the owner's processes until none is left (a dying server may still start one); remove its files and the
+    embedded Ray instance's folder (its session files, and the engines' own temporary files)."""
     import psutil
 
     killed = 0
@@ -88,6 +94,7 @@ def sweep(owner: int) -> int:
                 pass
         psutil.wait_procs(procs, timeout=5)
     remove_files(owned_files(owner))
+    shutil.rmtree(temp_dir_for(owner), ignore_errors=True)
     return killed
 
 

@@ -18,7 +18,8 @@ from schemas.config import RunConfig, build_config
 from schemas.errors import NotFound
 from schemas.requests import LoraSettings, ScoreRequest
 from storage import RunLayout, StageOutput, find_complete, fingerprint, read_manifest, write_stage
-from tasks.engines.launch import run_worker
+from tasks.engines.resident import run_worker
+from tasks.engines.trainer_client import trainer_placement
 from tasks.engines.workers import SCORE_WORKER
 from tasks.stages.spec import SectionView, StageSpec
 
@@ -190,8 +191,9 @@ def score_frame_worker(
             out_path=str(out_path),
             micro_batch_size=micro_batch_size,
         ),
-        ctx.layout.scratch_dir,
         ctx.layout.log_path(log or name),
+        ranks=1,
+        placement=trainer_placement(ctx.cfg.engines),
     )
     out = pl.read_parquet(out_path)
     data_path.unlink(), out_path.unlink()

@@ -16,7 +16,8 @@ from schemas.requests import EngineSettings, PreferenceTrainRequest, Schedule
 from schemas.tables import LIST_I32
 from storage import StageOutput, commit_dir, read_stage, temp_dir_for
 from tasks.data.formatting import PromptFormatter, load_tokenizer
-from tasks.engines.launch import run_worker
+from tasks.engines.resident import run_worker
+from tasks.engines.trainer_client import trainer_placement
 from tasks.engines.workers import PREFERENCE_WORKER
 from tasks.stages.common import (
     Computed,
@@ -84,11 +85,10 @@ def train_preference_model(
     resp = run_worker(
         PREFERENCE_WORKER,
         request,
-        ctx.layout.scratch_dir,
         ctx.layout.log_path(f"{kind}_train"),
         ranks=ctx.cfg.engines.train_ranks,
         devices=ctx.cfg.engines.trainer_devices,
-        hostfile=ctx.cfg.engines.hostfile,
+        placement=trainer_placement(ctx.cfg.engines),
     )
     commit_dir(tmp, final)
     export_checkpoint(final, settings.out_path)

@@ -1,12 +1,13 @@
 """Stage `rollouts`: G samples per prompt from vLLM, with the sampler's own logprobs.
 
 Reads `prompts` (this round's part) and the policy weights; writes `rollouts`, one part per round.
-The engine runs in its own resident process (tasks/engines/vllm_client.py), kept across rounds, iterations
+The engine runs in its own resident Ray actor (tasks/engines/vllm_client.py), kept across rounds, iterations
 and eval, and synced to the weights each request names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
@@ -15,7 +16,7 @@ from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from schemas.tables import TURNS
 from storage import StageOutput, read_stage
 from tasks.engines.launch import WorkerError
-from tasks.engines.resident import close_all
+from tasks.engines.resident import Placement, close_all
 from tasks.engines.vllm_client import resident_engine
 from tasks.stages import agent_rollouts
 from tasks.stages.common import (
@@ -82,7 +83,7 @@ def generate(
             ),
         )
         calls.append((engines[k], request, inp, outs))
-    with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own process: they generate at the same time
+    with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own actor: they generate at the same time
         resp = merge_engine_responses(list(pool.map(lambda c: c[0].generate(c[1], settings), calls)))
     gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
     if gap is not None and not gap <= limit:
@@ -111,17 +112,21 @@ def start_rollout_engines(ctx: RunContext, model_path: str | None) -> list:
     """The run's `rollout.engines` vLLM replicas, each spawned (without waiting) unless it runs already, starting from
     `model_path` (a replica syncs in place to whatever weights a request names); with None, spawned held (importing
     vLLM until a later call gives them their weights: ResidentProcess.spawn). Call it from the thread that lives as
-    long as they should (see ResidentProcess.spawn): the replicas then start at once."""
+    long as they should (see ResidentProcess.spawn): the replicas then start at once. With `engines.rollout_bundle`
+    the replicas share one placement group, so `engines.placement_strategy` SPREAD puts them on different nodes."""
     r = ctx.cfg.rollout
     settings = (
         VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed, ctx.cfg.lora) if model_path else None
     )
-    devices, tp = ctx.cfg.engines.rollout_devices, r.tensor_parallel_size
+    e = ctx.cfg.engines
+    devices, tp = e.rollout_devices, r.tensor_parallel_size
+    placement = Placement.from_config(e, e.rollout_bundle)
     engines = []
     for k in range(r.engines):
         log = ctx.layout.log_path("vllm" if k == 0 else f"vllm-engine{k}")
-        engine = resident_engine(ctx.layout.run_id, log, k, devices[k * tp : (k + 1) * tp] if devices else None)
-        if engine.conn is None:
+        where = dataclasses.replace(placement, share=f"{ctx.layout.run_id}/vllm", replicas=r.engines, index=k)
+        engine = resident_engine(ctx.layout.run_id, log, where, k, devices[k * tp : (k + 1) * tp] if devices else None)
+        if not engine.running:
             engine.spawn(settings, held=settings is None)
         engines.append(engine)
     return engines

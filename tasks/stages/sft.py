@@ -18,7 +18,8 @@ from storage import StageOutput, commit_dir, read_stage, temp_dir_for
 from tasks.data.datasets import files_fingerprint
 from tasks.data.formatting import load_tokenizer
 from tasks.data.sft_data import build_sft_examples
-from tasks.engines.launch import run_worker
+from tasks.engines.resident import run_worker
+from tasks.engines.trainer_client import trainer_placement
 from tasks.engines.workers import TRAIN_WORKER
 from tasks.stages.common import Computed, export_checkpoint, load_run, policy_lora, run_stage, scratch_file, stage_task
 from tasks.stages.spec import StageSpec
@@ -73,11 +74,10 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
         resp = run_worker(
             TRAIN_WORKER,
             request,
-            ctx.layout.scratch_dir,
             ctx.layout.log_path("sft"),
             ranks=ctx.cfg.engines.train_ranks,
             devices=ctx.cfg.engines.trainer_devices,
-            hostfile=ctx.cfg.engines.hostfile,
+            placement=trainer_placement(ctx.cfg.engines),
         )
         commit_dir(tmp, final)
         export = Path(m.path)

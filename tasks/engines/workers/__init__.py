@@ -1,5 +1,6 @@
-"""Worker processes: vLLM, DeepSpeed and torch, each run as its own process (`python -m MODULE`), never inside the
-Prefect process, and never importing Prefect. The clients in `tasks/engines/` start them by these module paths."""
+"""Worker modules: vLLM, DeepSpeed and torch, each run in Ray actors of its own (tasks/engines/resident.py), never
+inside the Prefect process, and never importing Prefect. The clients in `tasks/engines/` start them by these module
+paths: a server defines `make_answer(settings)` (and `warm()`), a one-shot worker `handle(request)`."""
 
 VLLM_SERVER = "tasks.engines.workers.vllm_generate"
 TRAINER_SERVER = "tasks.engines.workers.trainer_server"

@@ -1,10 +1,11 @@
 """Data parallelism for the DeepSpeed trainers: which rank this process is, how a batch is shared, and the few
 collectives the workers need besides DeepSpeed's own.
 
-A trainer of `engines.train_ranks` processes is started with the standard `torch.distributed` environment (RANK,
-LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; tasks/engines/launch.py sets it on one machine, DeepSpeed's
-hostfile launcher across machines). Without it a worker is rank 0 of 1. Every rank reads the same request and
-the same Parquet input, so the split is a pure function of (indices, world size, rank): nothing is scattered.
+A trainer of `engines.train_ranks` ranks is one Ray actor per rank, started with the standard `torch.distributed`
+environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: tasks/engines/resident.py sets it, at rank 0's
+node address, on one machine or several) and each given every request. Without it a worker is rank 0 of 1. Every
+rank reads the same request and the same Parquet input, so the split is a pure function of (indices, world size,
+rank): nothing is scattered.
 
 Why dummy micro-steps: DeepSpeed reduces gradients inside backward (ZeRO 1/2) and gathers ZeRO-3's partitioned
 weights inside forward, so every rank must run as many forward/backward passes as the others. A rank with fewer
@@ -27,8 +28,10 @@ from pathlib import Path
 # A torch build lock older than this, found while no rlpipe process is loading the op, was left by a killed process
 # (building the op from scratch takes about 30 s on 2 cores).
 STALE_BUILD_LOCK_S = 120
-# The control group (request broadcast) waits between iterations while rollouts run, possibly for hours.
-CONTROL_TIMEOUT = timedelta(days=7)
+# A collective that waits longer than this fails (naming its rank): a rank that hangs, or whose node is lost, must not
+# hold the others forever. Each request reaches every rank directly, so no collective waits between requests.
+TIMEOUT_ENV = "RLPIPE_COLLECTIVE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
 _CONTROL = {"group": None}
 
 
@@ -94,21 +97,25 @@ def init_process_group() -> None:
         dist_backend="nccl" if torch.cuda.is_available() else "gloo",
         auto_mpi_discovery=False,
         verbose=False,
-        timeout=CONTROL_TIMEOUT,
+        timeout=collective_timeout(),
     )
     if world() > 1:
         control_group()  # made now, in the same order on every rank (creating a group is itself a collective)
 
 
+def collective_timeout() -> timedelta:
+    """`engines.collective_timeout_s`, as the client passed it to the ranks."""
+    return timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+
+
 def control_group():
-    """A gloo group for small Python objects (requests, metrics, gathered rows): NCCL's watchdog would abort a rank
-    that waits long for the next request, and objects need no GPU."""
+    """A gloo group for small Python objects (metrics, gathered rows, a checkpoint's id): objects need no GPU."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         init_process_group()
     if _CONTROL["group"] is None:
-        _CONTROL["group"] = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        _CONTROL["group"] = dist.new_group(backend="gloo", timeout=collective_timeout())
     return _CONTROL["group"]
 
 

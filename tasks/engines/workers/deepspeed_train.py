@@ -23,7 +23,7 @@ from schemas.requests import CriticRequest, EngineSettings, LoraSettings, SFTReq
 from storage.crash import crash_point
 from tasks.algos.losses import MinibatchNorm, policy_loss, tis_weights, value_loss
 from tasks.data.formatting import pad_id
-from tasks.engines.launch import peak_rss_gib, worker_main
+from tasks.engines.launch import peak_rss_gib
 from tasks.engines.workers import data_parallel
 from tasks.engines.workers.critic import load_critic, token_values
 from tasks.engines.workers.lora import adapter_stats, is_peft, load_causal_lm
@@ -377,7 +377,3 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
         "deepspeed_version": deepspeed.__version__,
         "zero_stage": request.engine.zero_stage,
     }
-
-
-if __name__ == "__main__":
-    worker_main(handle)

@@ -23,7 +23,6 @@ from transformers import AutoTokenizer
 from schemas.requests import PreferenceTrainRequest
 from tasks.algos.preference_losses import chosen_nll, dpo_loss, kwise_bradley_terry, pairwise_accuracy
 from tasks.data.formatting import pad_id
-from tasks.engines.launch import worker_main
 from tasks.engines.workers import data_parallel
 from tasks.engines.workers.deepspeed_train import load_policy
 from tasks.engines.workers.sequence_scores import reward_model, rm_scores, sequence_logps
@@ -156,7 +155,3 @@ def handle(request: PreferenceTrainRequest) -> dict:
         "deepspeed_version": deepspeed.__version__,
         "zero_stage": request.engine.zero_stage,
     }
-
-
-if __name__ == "__main__":
-    worker_main(handle)

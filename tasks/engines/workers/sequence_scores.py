@@ -17,7 +17,6 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from schemas.requests import ScoreRequest
 from tasks.data.formatting import pad_id
-from tasks.engines.launch import worker_main
 from tasks.engines.workers.data_parallel import map_in_order
 from tasks.engines.workers.token_batch import chunks, group_order, pack, pack_shared, response_logprobs
 from tasks.engines.workers.torch_logprobs import load_lm
@@ -120,7 +119,3 @@ def handle(request: ScoreRequest) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)
     (_rm_score if request.kind == "rm_score" else _seq_logprobs)(request, tokenizer)
     return {"seconds": time.time() - t0}
-
-
-if __name__ == "__main__":
-    worker_main(handle)

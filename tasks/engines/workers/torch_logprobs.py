@@ -14,7 +14,7 @@ import polars as pl
 import torch
 
 from schemas.requests import LogprobsRequest
-from tasks.engines.launch import peak_rss_gib, worker_main
+from tasks.engines.launch import peak_rss_gib
 from tasks.engines.workers import data_parallel
 from tasks.engines.workers.critic import load_critic, token_values
 from tasks.engines.workers.lora import base_path_of, load_causal_lm
@@ -121,7 +121,3 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         pl.Series("values", values if values is not None else [None] * samples.height, dtype=lst),
     ).write_parquet(request.out_path)
     return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0, "peak_rss_gib": peak_rss_gib(), **counts}
-
-
-if __name__ == "__main__":
-    worker_main(handle)

@@ -1,11 +1,11 @@
 """Resident trainer: one process per run that keeps the DeepSpeed engines (policy, critic) and the frozen
 reference between iterations, and answers the `logprobs` and `optimize` stages.
 
-Started by tasks/engines/trainer_client.py as `python -m tasks.engines.workers.trainer_server --serve SOCKET SETTINGS`.
+Started by tasks/engines/trainer_client.py as one Ray actor per rank (tasks/engines/resident.py).
 A message is {"request": a LogprobsRequest or UpdateRequest on the wire (schemas/requests.py)}, the same requests the
 one-shot workers (torch_logprobs, deepspeed_train) take; inputs and outputs stay Parquet and checkpoints on disk. What
 it reuses, and when, is tasks/engines/workers/engine_cache.py: only state that provably equals the requested checkpoint.
-No Prefect import: this runs in its own process.
+No Prefect import: this runs in its own actor process.
 Imports: The DeepSpeed trainer (DeepSpeed alone is 2.6 s of imports) is imported when the first request needs it, which
 overlaps the import with the command's own start-up."""
 
@@ -24,7 +24,7 @@ def make_answer(warm_start):
     from tasks.engines.workers import data_parallel, deepspeed_train, torch_logprobs
     from tasks.engines.workers.engine_cache import EngineCache
 
-    data_parallel.init_process_group()  # every rank joins before rank 0 opens the socket
+    data_parallel.init_process_group()  # every rank joins before the first request
     cache = EngineCache()
     if data_parallel.world() == 1:  # DeepSpeed's save has collectives, which must not run beside a request's
         from tasks.engines.workers.deferred_state import DeferredState
@@ -88,9 +88,3 @@ def warm() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     from tasks.engines.workers import deepspeed_train, torch_logprobs  # noqa: F401
-
-
-if __name__ == "__main__":
-    from tasks.engines.resident import serve_main
-
-    serve_main(make_answer, warm)

@@ -1,6 +1,6 @@
 """vLLM server: one resident engine answering generation jobs (rollout rounds, eval passes).
 
-Started by tasks/engines/vllm_client.py as `python -m tasks.engines.workers.vllm_generate --serve SOCKET SETTINGS`.
+Started by tasks/engines/vllm_client.py as a Ray actor (tasks/engines/resident.py).
 A job is {prompts_path, out_path, n, temperature, top_p, max_tokens, seed, stop, stop_token_ids, min_tokens}; it reads
 Parquet (prompt_id,
 prompt_token_ids) and writes Parquet with one row per sample: prompt_id, sample_idx, token_ids (EOS
@@ -292,9 +292,3 @@ def warm() -> None:
     starts)."""
     import polars  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
-
-
-if __name__ == "__main__":
-    from tasks.engines.resident import serve_main
-
-    serve_main(make_answer, warm)

@@ -1,0 +1,124 @@
+"""The Ray instance the engines run on: a private local one by default, a cluster when `engines.ray_address` names one.
+
+Embedded (no address): the command starts its own Ray head, bound to 127.0.0.1 only, without a dashboard, with an
+object store capped to what engine messages need (stage data travels as Parquet on storage every node sees, never
+through Ray), and its session files in a private temporary folder that is removed when the command ends (the reaper
+removes it when the command is killed: tasks/engines/reaper.py). Starting it with `address="local"` means a stale
+`/tmp/ray` session, or a RAY_ADDRESS in the environment, is never joined by mistake.
+
+Ray starts its head processes with a parent-death signal bound to the *thread* that called `ray.init`, so the
+instance is started from a thread of its own that lives as long as the process: it may then be started early, in the
+background (`start_in_background`), while the command checks its input, and used from any thread.
+
+Cluster (`engines.ray_address`: `auto` or `HOST:PORT`): the command joins as a driver and leaves the cluster as it
+found it, its actors ended. The repository must be at the same path on every node (a shared filesystem, as for the
+stage data), and is put on the actors' PYTHONPATH.
+Imports: ray (0.6 s) is imported inside functions: the CLI imports this module at every start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+import threading
+
+from schemas.errors import UserError
+
+LOOPBACK = "127.0.0.1"
+NAMESPACE = "rlpipe"
+# The object store carries only requests, answers and small metrics: Ray's minimum (75 MiB) would do; a little more.
+OBJECT_STORE_BYTES = 128 * 2**20
+TEMP_PREFIX = "rlpipe-ray"  # the embedded instance's session folder: <tmp>/rlpipe-ray-<pid>
+# Measured with Ray 2.60: with this variable every listener of a local instance, and of a cluster_utils.Cluster, is
+# on 127.0.0.1; without it, Ray's agents listen on the machine's external interface.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+_STATE: dict = {"thread": None, "done": threading.Event(), "error": None, "address": None}
+
+
+class RayStartError(UserError, RuntimeError):
+    pass
+
+
+def temp_dir_for(owner: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"{TEMP_PREFIX}-{owner}")
+
+
+def pin_to_loopback() -> None:
+    """Every listener of a Ray instance started from this process on 127.0.0.1: the variable is read when ray is
+    imported (here, and in the processes the instance starts, which inherit it)."""
+    os.environ.update(LOOPBACK_ENV)
+    if "ray" in sys.modules:
+        import ray._private.ray_constants
+
+        ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def _init(address: str | None) -> None:
+    import logging
+
+    if not address:
+        pin_to_loopback()
+    import ray
+
+    common = dict(namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
+    if address:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": root}}, **common)
+        return
+    ray.init(
+        address="local",
+        num_cpus=os.cpu_count(),
+        include_dashboard=False,
+        # No idle workers started ahead: every actor imports its own engine, and on 2 cores two idle workers importing
+        # Ray at the start only slow the engines' imports down.
+        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
+        object_store_memory=OBJECT_STORE_BYTES,
+        _node_ip_address=LOOPBACK,
+        _temp_dir=temp_dir_for(os.getpid()),
+        **common,
+    )
+
+
+def _owner(address: str | None) -> None:
+    """The thread that starts Ray and then lives as long as the process (see the module docstring)."""
+    try:
+        _init(address)
+    except Exception as exc:  # noqa: BLE001  (any failure to start or join is the user's one line)
+        where = f"the Ray cluster at {address}" if address else "a local Ray instance"
+        _STATE["error"] = f"could not start or join {where}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    _STATE["done"].set()
+    threading.Event().wait()
+
+
+def start_in_background(address: str | None) -> None:
+    """Start (or join) Ray without waiting; `connect` waits for it. Idempotent: the first address wins."""
+    if _STATE["thread"] is not None:
+        return
+    _STATE["address"] = address
+    _STATE["thread"] = threading.Thread(target=_owner, args=(address,), name="ray-owner", daemon=True)
+    _STATE["thread"].start()
+    atexit.register(stop)
+
+
+def connect(address: str | None) -> None:
+    """Ray started or joined, ready for actors (raises RayStartError with one line if it could not be)."""
+    start_in_background(address)
+    _STATE["done"].wait()
+    if _STATE["error"]:
+        raise RayStartError(_STATE["error"])
+
+
+def stop() -> None:
+    """End this process's Ray: its actors, and the embedded instance with its session folder."""
+    if not _STATE["done"].is_set() or _STATE["error"]:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    if not _STATE["address"]:
+        shutil.rmtree(temp_dir_for(os.getpid()), ignore_errors=True)
