@@ -5,7 +5,8 @@ and check that every complete stage is untouched.
 
 The points: every stage, after its Parquet part is in place and before its manifest; `optimize`, inside the
 DeepSpeed worker after the new weights are saved and before the optimizer state is; `optimize:K:rankR`, trainer rank
-R alone (SIGKILL of that one process) after its first micro-step of iteration K's update, the others mid-step;
+R alone (SIGKILL of that one process) after its first micro-step of iteration K's update, the others mid-step
+(`optimize:K:rankR:hang`: that rank stops there, printing HANG_MARK to its log, and waits to be killed with its node);
 `optimize:K:state`, the resident trainer after update K is marked complete and before its optimizer state, written
 after the answer, is moved into the checkpoint (tasks/engines/workers/deferred_state.py).
 """
@@ -16,10 +17,22 @@ import os
 import signal
 
 CRASH_ENV = "RLPIPE_CRASH_AT"
+# The command's process group, for an engine actor that crashes "the whole group": Ray starts each actor's worker in a
+# process group of its own (tasks/engines/launch.py, engine_env, passes it along with CRASH_ENV).
+GROUP_ENV = "RLPIPE_CRASH_GROUP"
+HANG_MARK = "crash point: hanging"
 
 
 def crash_point(name: str, whole_group: bool = True) -> None:
     if os.environ.get(CRASH_ENV) == name:
         if whole_group:
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            os.killpg(int(os.environ.get(GROUP_ENV) or os.getpgid(0)), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get(CRASH_ENV) == f"{name}:hang":
+        print(HANG_MARK, flush=True)
+        signal.pause()
+
+
+def crash_env() -> dict:
+    """The crash point of this command (none in normal use), for the engines it starts."""
+    return {CRASH_ENV: os.environ[CRASH_ENV], GROUP_ENV: str(os.getpgid(0))} if os.environ.get(CRASH_ENV) else {}

@@ -146,3 +146,18 @@ def test_a_misspelled_capability_fails_at_registration():
         registry.register("typo", needs_critc=True)
     with pytest.raises(AttributeError):
         registry.entry("mine").needs_critc
+
+
+@pytest.mark.parametrize("scale", ["infra/scale/one_node_8gpu.yaml", "infra/scale/two_nodes.yaml"])
+def test_the_scale_out_recipes_are_valid_overrides_of_the_demo(scale):
+    """The GPU recipes (docs/operations.md, "Scale out") cannot run here, but their keys and values are checked."""
+    import yaml
+
+    from schemas.config import build_config
+
+    demo = yaml.safe_load(open("infra/configs/demo.yaml"))
+    recipe = yaml.safe_load(open(scale))
+    merged = {k: {**demo.get(k, {}), **v} if isinstance(v, dict) else v for k, v in recipe.items()}
+    cfg = build_config({**demo, **merged})
+    assert cfg.engines.train_ranks > 1 and cfg.engines.trainer_bundle.get("GPU", 0) > 0
+    assert cfg.engines.rollout_bundle.get("GPU", 0) == cfg.rollout.tensor_parallel_size

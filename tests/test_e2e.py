@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -363,29 +364,73 @@ def max_weight_gap(a_dir, b_dir) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_two_trainer_ranks_give_the_one_rank_logprobs_and_update(one_iteration):
-    """engines.train_ranks=2 (gloo, ZeRO-1): the sharded logprobs come back in the same row order with the same values,
-    and the updated weights agree with one rank's within 1e-5 (the minibatch's normalizers span both ranks)."""
-    workspace, base = one_iteration
-    root = str(workspace / "runs")
-    rlpipe(
-        "rerun",
-        base.run_id,
-        "--iteration",
-        "1",
-        "--stage",
-        "logprobs",
-        "--set",
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A Ray cluster of two nodes on this machine (ray.cluster_utils.Cluster), every listener on loopback, each node
+    with one CPU and 2 `slot`s (a custom resource the engines' bundles reserve); its files in a folder of its own,
+    removed after (with the address file Cluster writes for `ray.init("auto")`, which would make later tests join a
+    dead cluster)."""
+    import shutil
+    import tempfile
+
+    from tasks.engines.ray_cluster import pin_to_loopback
+
+    pin_to_loopback()
+    from ray._common.utils import get_ray_temp_dir
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="rlpipe-2n-")  # short: Ray's socket paths live under it
+    address_file = os.path.join(get_ray_temp_dir(), "ray_current_cluster")
+    had_address_file = os.path.exists(address_file)
+    node = {"num_cpus": 1, "resources": {"slot": 2}, "temp_dir": temp, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=node, shutdown_at_exit=True)
+    worker = cluster.add_node(**{k: v for k, v in node.items() if k != "include_dashboard"})
+    cluster.wait_for_nodes()
+    yield cluster, worker, node
+    cluster.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+    if not had_address_file and os.path.exists(address_file):
+        os.unlink(address_file)
+
+
+def on_two_nodes(cluster) -> list[str]:
+    """--set options: 2 trainer ranks and 2 vLLM replicas, each reserving a slot, strictly on different nodes."""
+    sets = [
+        f"engines.ray_address={cluster.address}",
         "engines.train_ranks=2",
-        "--fork",
-        "ranks2",
-        "--root",
-        root,
-        cwd=workspace,
-    )
-    for stage in ("advantages", "optimize"):  # the stages after logprobs, in the fork (still on 2 ranks)
-        rlpipe("rerun", "ranks2", "--iteration", "1", "--stage", stage, "--root", root, cwd=workspace)
-    fork = RunLayout(workspace / "runs", "ranks2")
+        "rollout.engines=2",
+        "engines.trainer_bundle={slot: 1}",
+        "engines.rollout_bundle={slot: 1}",
+        "engines.placement_strategy=STRICT_SPREAD",
+        "engines.collective_timeout_s=60",
+    ]
+    return [x for s in sets for x in ("--set", s)]
+
+
+def node_of(log) -> str:
+    """The node an engine actor ran on, from the line it writes at its start."""
+    line = next(ln for ln in log.read_text().splitlines() if ln.startswith("[rlpipe] ") and " on node " in ln)
+    return line.split(" on node ")[1].split()[0]
+
+
+def test_ranks_and_replicas_on_two_nodes_give_the_one_rank_one_replica_run(one_iteration, two_nodes):
+    """Iteration 1 again on a 2-node Ray cluster, from its prompts: two vLLM replicas (one a node) give the
+    one-replica rollouts table exactly (prompt i keeps the seed `job seed + i` whichever replica samples it), and two
+    DeepSpeed ranks (one a node, gloo, ZeRO-1) give the one-rank logprobs and updated weights within 1e-5 (the
+    minibatch's normalizers span both ranks)."""
+    workspace, base = one_iteration
+    cluster, _, _ = two_nodes
+    root = str(workspace / "runs")
+    rerun = ["rerun", base.run_id, "--iteration", "1", "--stage", "rollouts", "--fork", "two-nodes", "--root", root]
+    rlpipe(*rerun, *on_two_nodes(cluster), "--set", "rl.iterations=1", cwd=workspace)
+    rlpipe("resume", "two-nodes", "--root", root, cwd=workspace)  # scores to optimize, and the final eval
+    fork = RunLayout(workspace / "runs", "two-nodes")
+    logs = fork.run_dir / "logs"
+    assert node_of(logs / "vllm.log") != node_of(logs / "vllm-engine1.log")
+    assert node_of(logs / "trainer.log") != node_of(logs / "trainer-rank1.log")
+    columns = ["prompt_id", "sample_idx", "token_ids", "text", "sampler_logprobs", "finish_reason", "round"]
+    one, two = read_table(base, "rollouts", 1).select(columns), read_table(fork, "rollouts", 1).select(columns)
+    assert one.height > 0 and one.equals(two)
     one, two = read_table(base, "logprobs", 1), read_table(fork, "logprobs", 1)
     assert one.select("prompt_id", "sample_idx").equals(two.select("prompt_id", "sample_idx"))
     gaps = [
@@ -394,13 +439,55 @@ def test_two_trainer_ranks_give_the_one_rank_logprobs_and_update(one_iteration):
         for x, y in zip(a, b, strict=True)
     ]
     assert gaps and max(gaps) <= 1e-5
-    assert (fork.run_dir / "logs" / "trainer-rank1.log").exists()
     gap = max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1))
     assert gap <= 1e-5, gap
     assert max_weight_gap(base.checkpoint_dir(1), workspace / "models/sft") > 1e-4  # it did train
     metrics = read_table(fork, "train_metrics", 1).row(0, named=True)
     assert len(metrics["rank_seconds_forward"]) == 2 and min(metrics["rank_seconds_backward"]) > 0
     assert metrics["optimizer_steps"] == read_table(base, "train_metrics", 1)["optimizer_steps"][0]
+    rounds = [
+        v
+        for k, v in json.loads(fork.manifest_path("rollouts", 1).read_text())["extra"].items()
+        if k.startswith("round")
+    ]
+    assert all(len(r["engines"]) == 2 and all(e["tokens_per_second"] > 0 for e in r["engines"]) for r in rounds)
+
+
+def test_a_node_lost_mid_update_fails_the_stage_naming_it_and_resume_gives_the_same_weights(one_iteration, two_nodes):
+    """Trainer rank 1 stops inside iteration 1's update (a crash point), on the second node, which is then killed
+    (its raylet and every process on it): the command fails with one line naming the rank, the node and the actor,
+    and after a node rejoins, `rlpipe resume` finishes the update with the one-rank weights (within 1e-5)."""
+    from storage.crash import HANG_MARK
+
+    workspace, base = one_iteration
+    cluster, worker, node = two_nodes
+    root = str(workspace / "runs")
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(workspace / ".prefect"),
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        CRASH_ENV: "optimize:1:rank1:hang",
+    }
+    rerun = ["rerun", base.run_id, "--iteration", "1", "--stage", "optimize", "--fork", "node-lost", "--root", root]
+    cmd = [sys.executable, "-m", "flows.cli", *rerun, *on_two_nodes(cluster), "--set", "rl.iterations=1"]
+    proc = subprocess.Popen(cmd, cwd=workspace, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank1 = workspace / "runs/node-lost/logs/trainer-rank1.log"
+    deadline = time.time() + 300
+    while not (rank1.exists() and HANG_MARK in rank1.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:] if proc.poll() else "late"
+        time.sleep(0.5)
+    lost = node_of(rank1)
+    cluster.remove_node(worker, allow_graceful=False)
+    _, err = proc.communicate(timeout=300)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "trainer_server" in last and "rank 1 of 2" in last, err[-2000:]
+    assert lost[:12] in last and "node" in last, last
+    cluster.add_node(**{k: v for k, v in node.items() if k != "include_dashboard"})
+    cluster.wait_for_nodes()
+    rlpipe("resume", "node-lost", "--root", root, cwd=workspace)
+    fork = RunLayout(workspace / "runs", "node-lost")
+    assert max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1)) <= 1e-5
 
 
 def test_zero3_over_two_ranks_resumes_after_one_rank_is_killed(one_iteration):
@@ -447,9 +534,7 @@ def test_zero3_over_two_ranks_resumes_after_one_rank_is_killed(one_iteration):
     assert proc.returncode == 1 and "rank 1 of 2" in proc.stderr, proc.stderr[-2000:]
     fork = RunLayout(workspace / "runs", "zero3")
     assert not fork.checkpoint_dir(1).exists()
-    left = subprocess.run(
-        ["pgrep", "-f", "tasks.engines.workers.trainer_server"], capture_output=True, text=True
-    ).stdout.split()
+    left = subprocess.run(["pgrep", "-f", "ray::EngineActor"], capture_output=True, text=True).stdout.split()
     assert not left, left
     rlpipe("resume", "zero3", "--root", root, cwd=workspace)
     assert max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1)) <= 1e-5

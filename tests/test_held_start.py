@@ -75,7 +75,10 @@ def test_a_warm_up_that_failed_is_reported_after_the_release_with_its_error(tmp_
     log = tmp_path / "logs" / "held.log"
     server = ResidentProcess("tests.held_server", log, env={"HELD_TEST_FAIL": "1"})
     server.spawn(None, held=True)
-    with pytest.raises(WorkerError, match="held_server failed to start: RuntimeError: warm-up failed on purpose"):
+    with pytest.raises(
+        WorkerError,
+        match=r"held_server failed to start \(actor \w+ on node 127\.0\.0\.1 .*\): RuntimeError: warm-up failed",
+    ):
         server.call(REQUEST, SETTINGS)
     assert "warming up" in log.read_text() and not held_outputs() and not server.running
 
@@ -90,7 +93,9 @@ def test_ranks_meet_at_rank_0_and_a_failed_or_hung_rank_ends_the_group_with_one_
     server.close()
 
     failing = ResidentProcess("tests.held_server", log, ranks=2, env={"HELD_TEST_ERROR_RANK": "1"})
-    with pytest.raises(WorkerError, match=r"held_server failed \(rank 1 of 2, node 127\.0\.0\.1 .*rank 1 failed on"):
+    with pytest.raises(
+        WorkerError, match=r"held_server failed \(rank 1 of 2, actor \w+ on node 127\.0\.0\.1 .*rank 1 failed on"
+    ):
         failing.call(REQUEST, SETTINGS)
     assert not failing.running
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from schemas.errors import UserError
+from storage.crash import crash_env
 
 PROGRESS_PREFIX = "progress:"  # a worker line the client echoes to the terminal (tasks/engines/workers/training.py)
 
@@ -47,6 +48,7 @@ def engine_env() -> dict:
     return {
         "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions"),
+        **crash_env(),  # the tests' crash points reach the engines on every node
     }
 
 

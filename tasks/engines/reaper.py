@@ -76,14 +76,15 @@ def marked(owner: int) -> list:
     return out
 
 
-def sweep(owner: int) -> int:
-    """Kill the owner's processes until none is left (a dying server may still start one); remove its files and the
+def sweep(owner: int, seen: list | None = None) -> int:
+    """Kill the owner's processes until none is left (a dying server may still start one), and those `seen` under it
+    while it ran (psutil.Process objects: one whose pid was reused since is not killed); remove its files and the
     embedded Ray instance's folder (its session files, and the engines' own temporary files)."""
     import psutil
 
     killed = 0
-    for _ in range(5):
-        procs = marked(owner)
+    for attempt in range(5):
+        procs = marked(owner) + [p for p in (seen or []) if attempt == 0 and p.is_running()]
         if not procs:
             break
         for proc in procs:
@@ -118,13 +119,16 @@ def start_reaper() -> None:
     )
 
 
-def _wait_for(owner: int) -> None:
+def _wait_for(owner: int) -> list:
+    """Wait for the owner to end; return every process seen under it meanwhile. Ray's raylet starts its agents with an
+    environment of their own (no mark), and a raylet killed with the owner leaves them behind, no longer under it."""
     import psutil
 
+    seen: dict[int, psutil.Process] = {}
     try:
         created = psutil.Process(owner).create_time()
     except psutil.Error:
-        return
+        return []
     woken = []
     signal.signal(signal.SIGUSR1, lambda *_: woken.append(True))
     try:
@@ -132,17 +136,24 @@ def _wait_for(owner: int) -> None:
     except OSError:
         pass
     if os.getppid() != owner:  # the owner died before the signal was armed
-        return
+        return []
     while not woken:
         try:
-            if psutil.Process(owner).create_time() != created:  # a reused pid is not the owner
-                return
+            process = psutil.Process(owner)
+            if process.create_time() != created:  # a reused pid is not the owner
+                break
         except psutil.Error:
-            return
+            break
+        try:
+            for child in process.children(recursive=True):
+                if child.pid != os.getpid():  # the reaper is the owner's child too
+                    seen.setdefault(child.pid, child)
+        except psutil.Error:  # a child that ended during the scan; the owner is still there
+            pass
         time.sleep(0.5)
+    return list(seen.values())
 
 
 if __name__ == "__main__":
     owner_pid = int(sys.argv[1])
-    _wait_for(owner_pid)
-    sweep(owner_pid)
+    sweep(owner_pid, _wait_for(owner_pid))

@@ -37,6 +37,7 @@ from typing import Callable
 from schemas.requests import from_wire, to_wire
 from tasks.engines import ray_cluster
 from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, engine_env, last_error_line
+from tasks.engines.workers import data_parallel
 
 POLL_S = 0.5  # how often a waiting client checks the ranks (and echoes their progress lines)
 START_DEADLINE_S = 600  # an engine that has not started by then is reported as failed
@@ -102,6 +103,12 @@ class EngineActor:
         os.environ.update(env)  # the rank variables
         _move_output(held_output, log)
         _redirect(log)
+        where = self.where()
+        print(
+            f"[rlpipe] {self.module.__name__} rank {os.environ.get('RANK', '0')} on node {where['node_id']} "
+            f"({where['ip']}), pid {where['pid']}",
+            flush=True,
+        )
         if self.warm_error:
             return self.warm_error
         try:
@@ -340,10 +347,17 @@ class ResidentProcess:
             "LOCAL_WORLD_SIZE": str(sum(n["node_id"] == self.nodes[r]["node_id"] for n in self.nodes)),
             "MASTER_ADDR": head["ip"],
             "MASTER_PORT": str(head["port"]),
-            "RLPIPE_COLLECTIVE_TIMEOUT_S": str(self.placement.collective_timeout_s),
-            # gloo would otherwise pick the interface the host name resolves to: on one machine, stay on loopback.
-            **({"GLOO_SOCKET_IFNAME": "lo"} if head["ip"] == ray_cluster.LOOPBACK else {}),
+            data_parallel.TIMEOUT_ENV: str(self.placement.collective_timeout_s),
+            **(self._loopback_rendezvous() if head["ip"] == ray_cluster.LOOPBACK else {}),
         }
+
+    def _loopback_rendezvous(self) -> dict:
+        """Ranks on one machine stay on loopback: they meet through a file (torch's TCP store would listen on every
+        interface), and gloo connects over `lo` (not the interface the host name resolves to)."""
+        folder = Path(tempfile.gettempdir() if self.placement.ray_address else ray_cluster.temp_dir_for(os.getpid()))
+        store = folder / "engines" / f"rendezvous-{self.name}-{os.urandom(4).hex()}"
+        store.parent.mkdir(parents=True, exist_ok=True)
+        return {data_parallel.RENDEZVOUS_ENV: f"file://{store}", "GLOO_SOCKET_IFNAME": "lo"}
 
     def call(self, request, settings=None, label: str = "") -> dict:
         """Send one typed request (schemas.requests) to every rank, starting the engine first if needed, with
@@ -417,7 +431,8 @@ class ResidentProcess:
 
     def _ended(self, what: str, cause: str, rank: int) -> WorkerError:
         """The group after one of its ranks died or failed: every actor ended, one line naming the rank and its node."""
-        which = f" (rank {rank} of {self.ranks}, node {self._node(rank)})" if self.ranks > 1 else ""
+        actor = f"actor {self.actors[rank]._actor_id.hex()[:12]}" if rank < len(self.actors) else "actor"
+        which = f" ({f'rank {rank} of {self.ranks}, ' if self.ranks > 1 else ''}{actor} on node {self._node(rank)})"
         if "not answer" not in cause and cause.endswith("died"):
             cause = f"{cause}; its log: {last_error_line(_rank_log(self.log, rank))}"
         self.kill()

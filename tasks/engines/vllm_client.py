@@ -16,6 +16,9 @@ from tasks.engines.workers import VLLM_SERVER
 
 
 class ResidentEngine(ResidentProcess):
+    def __init__(self, log: Path, devices: list[int] | None = None, placement: Placement = Placement()):
+        super().__init__(VLLM_SERVER, log, devices=devices, placement=placement)
+
     def generate(self, request: GenerateRequest, settings: VLLMSettings) -> dict:
         """Run the request's jobs with its weights; `settings` start the engine when none is running."""
         return self.call(request, settings)
@@ -25,6 +28,4 @@ def resident_engine(
     key: str, log: Path, placement: Placement, replica: int = 0, devices: list[int] | None = None
 ) -> ResidentEngine:
     """This process's vLLM replica number `replica` for `key` (a run id), logging to `log`."""
-    return resident(
-        VLLM_SERVER, f"{key}#{replica}", lambda: ResidentEngine(VLLM_SERVER, log, devices=devices, placement=placement)
-    )
+    return resident(VLLM_SERVER, f"{key}#{replica}", lambda: ResidentEngine(log, devices, placement))

@@ -21,6 +21,7 @@ import fcntl
 import math
 import os
 import socket
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +32,7 @@ STALE_BUILD_LOCK_S = 120
 # A collective that waits longer than this fails (naming its rank): a rank that hangs, or whose node is lost, must not
 # hold the others forever. Each request reaches every rank directly, so no collective waits between requests.
 TIMEOUT_ENV = "RLPIPE_COLLECTIVE_TIMEOUT_S"
+RENDEZVOUS_ENV = "RLPIPE_RENDEZVOUS"  # a torch.distributed init_method (file://...) for ranks on one machine
 DEFAULT_TIMEOUT_S = 600.0
 _CONTROL = {"group": None}
 
@@ -82,22 +84,26 @@ def load_comm_op() -> None:
 
 def init_process_group() -> None:
     """Join the trainer's process group (NCCL on GPU, gloo on CPU); a worker started alone is rank 0 of 1. Safe to
-    call again."""
+    call again. The ranks meet through RENDEZVOUS_ENV's file where the client set one (ranks on one machine), else at
+    MASTER_ADDR:MASTER_PORT: torch's TCP store listens on every interface, which a machine that must stay on loopback
+    cannot have."""
     import deepspeed
     import torch
 
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-        )
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault(RENDEZVOUS_ENV, f"file://{tempfile.mkdtemp(prefix='rlpipe-rdzv-')}/store")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     load_comm_op()
+    rendezvous = os.environ.get(RENDEZVOUS_ENV)
     deepspeed.init_distributed(
         dist_backend="nccl" if torch.cuda.is_available() else "gloo",
         auto_mpi_discovery=False,
         verbose=False,
         timeout=collective_timeout(),
+        init_method=rendezvous,
+        **({"rank": rank(), "world_size": world()} if rendezvous else {}),
     )
     if world() > 1:
         control_group()  # made now, in the same order on every rank (creating a group is itself a collective)
