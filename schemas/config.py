@@ -514,7 +514,7 @@ class RolloutConfig(Section):
     # Scale-out: data-parallel vLLM replicas (prompts shared out, per-request seeds, so the table does not depend on
     # how many) and vLLM's tensor parallelism within each. Devices: engines.rollout_devices.
     engines: int = Field(
-        1, ge=1, le=1024, description="vLLM replicas, each its own resident process; prompts are shared among them."
+        1, ge=1, le=1024, description="vLLM replicas, each its own resident Ray actor; prompts are shared among them."
     )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM replica (vLLM's tensor parallelism).")
     PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset({"engines", "tensor_parallel_size"})

@@ -376,11 +376,13 @@ def two_nodes():
     from tasks.engines.ray_cluster import pin_to_loopback
 
     pin_to_loopback()
-    from ray._common.utils import get_ray_temp_dir
+    from ray._common.utils import get_ray_address_file
     from ray.cluster_utils import Cluster
 
     temp = tempfile.mkdtemp(prefix="rlpipe-2n-")  # short: Ray's socket paths live under it
-    address_file = os.path.join(get_ray_temp_dir(), "ray_current_cluster")
+    address_file = get_ray_address_file(None)
+    made_folder = not os.path.isdir(os.path.dirname(address_file))
+    os.makedirs(os.path.dirname(address_file), exist_ok=True)
     had_address_file = os.path.exists(address_file)
     node = {"num_cpus": 1, "resources": {"slot": 2}, "temp_dir": temp, "include_dashboard": False}
     cluster = Cluster(initialize_head=True, head_node_args=node, shutdown_at_exit=True)
@@ -389,7 +391,9 @@ def two_nodes():
     yield cluster, worker, node
     cluster.shutdown()
     shutil.rmtree(temp, ignore_errors=True)
-    if not had_address_file and os.path.exists(address_file):
+    if made_folder:
+        shutil.rmtree(os.path.dirname(address_file), ignore_errors=True)
+    elif not had_address_file and os.path.exists(address_file):
         os.unlink(address_file)
 
 

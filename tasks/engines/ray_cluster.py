@@ -19,6 +19,7 @@ Imports: ray (0.6 s) is imported inside functions: the CLI imports this module a
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import shutil
 import sys
@@ -75,7 +76,9 @@ def _init(address: str | None) -> None:
         include_dashboard=False,
         # No idle workers started ahead: every actor imports its own engine, and on 2 cores two idle workers importing
         # Ray at the start only slow the engines' imports down.
-        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
+        # Engines at the priority of the command's other processes: Ray's default niceness for workers (15) let
+        # Prefect's API server and the command take the 2 cores from vLLM's start and the trainer's updates.
+        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False, "worker_niceness": 0},
         object_store_memory=OBJECT_STORE_BYTES,
         _node_ip_address=LOOPBACK,
         _temp_dir=temp_dir_for(os.getpid()),
@@ -122,3 +125,29 @@ def stop() -> None:
         ray.shutdown()
     if not _STATE["address"]:
         shutil.rmtree(temp_dir_for(os.getpid()), ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where an engine's actors go: the Ray cluster (None: the command's own local instance), the Ray resources each
+    actor reserves (empty: none, so they share the machine with whatever else runs; {"GPU": 1} on a GPU cluster), the
+    placement group's strategy over nodes, and the collective timeout of a group of ranks."""
+
+    ray_address: str | None = None
+    bundle: tuple[tuple[str, float], ...] = ()
+    strategy: str = "PACK"
+    collective_timeout_s: float = 600.0
+    # Engines that share one placement group (the vLLM replicas, so that SPREAD spreads them): its key, how many engines
+    # share it, and which of them this is. Unshared ("") an engine has a group of its own, removed with it.
+    share: str = ""
+    replicas: int = 1
+    index: int = 0
+
+    @classmethod
+    def from_config(cls, engines, bundle: dict[str, float]) -> "Placement":
+        return cls(
+            ray_address=engines.ray_address,
+            bundle=tuple(sorted(bundle.items())),
+            strategy=engines.placement_strategy,
+            collective_timeout_s=engines.collective_timeout_s,
+        )

@@ -2,10 +2,10 @@
 
 A server module (tasks/engines/workers/: vLLM, the trainer) defines `make_answer(settings) -> answer(msg) -> dict`
 and, optionally, `warm()` (its imports); a one-shot worker module defines `handle(request) -> dict`. `EngineActor`
-hosts either: created, it sets its environment and runs `warm` (the imports, ~10 s for vLLM), writing to a file of its
-own; started, it moves that output into its log and builds the engine from the typed settings; then it answers typed
-requests (schemas/requests.py) until it is ended. Stage data never travels through Ray: requests name Parquet files and
-checkpoints on storage every node sees, and answers are small dicts.
+(tasks/engines/workers/engine_actor.py) hosts either: created, it imports (~10 s for vLLM); started, it builds the
+engine from the typed settings; then it answers typed requests (schemas/requests.py) until it is ended. Stage data
+never travels through Ray: requests name Parquet files and checkpoints on storage every node sees, and answers are
+small dicts.
 
 An engine of several ranks (data-parallel DeepSpeed) is one actor per rank, placed by one placement group
 (`Placement`: the Ray resources each rank reserves, and the strategy, e.g. SPREAD over nodes); the ranks make their
@@ -22,185 +22,24 @@ Imports: ray (0.6 s) is imported inside functions: the CLI imports this module a
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import getpass
-import importlib
 import os
-import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Callable
 
-from schemas.requests import from_wire, to_wire
+from schemas.requests import to_wire
 from tasks.engines import ray_cluster
 from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, engine_env, last_error_line
+from tasks.engines.ray_cluster import Placement
 from tasks.engines.workers import data_parallel
+from tasks.engines.workers.engine_actor import EngineActor, move_output
 
 POLL_S = 0.5  # how often a waiting client checks the ranks (and echoes their progress lines)
 START_DEADLINE_S = 600  # an engine that has not started by then is reported as failed
 HUNG_GRACE_S = 5.0  # after one rank fails, how long the others get to answer before they are named as hung
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where an engine's actors go: the Ray cluster (None: the command's own local instance), the Ray resources each
-    actor reserves (empty: none, so they share the machine with whatever else runs; {"GPU": 1} on a GPU cluster), the
-    placement group's strategy over nodes, and the collective timeout of a group of ranks."""
-
-    ray_address: str | None = None
-    bundle: tuple[tuple[str, float], ...] = ()
-    strategy: str = "PACK"
-    collective_timeout_s: float = 600.0
-    # Engines that share one placement group (the vLLM replicas, so that SPREAD spreads them): its key, how many engines
-    # share it, and which of them this is. Unshared ("") an engine has a group of its own, removed with it.
-    share: str = ""
-    replicas: int = 1
-    index: int = 0
-
-    @classmethod
-    def from_config(cls, engines, bundle: dict[str, float]) -> "Placement":
-        return cls(
-            ray_address=engines.ray_address,
-            bundle=tuple(sorted(bundle.items())),
-            strategy=engines.placement_strategy,
-            collective_timeout_s=engines.collective_timeout_s,
-        )
-
-
-class EngineActor:
-    """One rank of an engine, in its own Ray worker process (made a Ray actor class by `_actor_class`)."""
-
-    def __init__(self, module: str, env: dict, held_output: str):
-        _set_env(env)  # before the engine's imports: threads, devices, extension caches, temporary files
-        if "TMPDIR" in env:
-            os.makedirs(env["TMPDIR"], exist_ok=True)
-            tempfile.tempdir = None  # computed again from TMPDIR
-        _redirect(held_output)
-        self.module, self.answer, self.warm_error = importlib.import_module(module), None, None
-        try:
-            getattr(self.module, "warm", lambda: None)()
-        except Exception as exc:  # reported at the start, with the log it went to
-            traceback.print_exc()
-            self.warm_error = f"{type(exc).__name__}: {exc}"
-
-    def where(self) -> dict:
-        import ray
-
-        from tasks.engines.workers.data_parallel import free_port
-
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "port": free_port(),
-        }
-
-    def start(self, settings: dict | None, log: str, held_output: str, env: dict) -> str | None:
-        """Build the engine; None, or the error line (the traceback goes to the log)."""
-        os.environ.update(env)  # the rank variables
-        _move_output(held_output, log)
-        _redirect(log)
-        where = self.where()
-        print(
-            f"[rlpipe] {self.module.__name__} rank {os.environ.get('RANK', '0')} on node {where['node_id']} "
-            f"({where['ip']}), pid {where['pid']}",
-            flush=True,
-        )
-        if self.warm_error:
-            return self.warm_error
-        try:
-            settings = from_wire(settings) if settings is not None else None
-            if hasattr(self.module, "make_answer"):
-                self.answer = self.module.make_answer(settings)
-            else:  # a one-shot worker: each request is `handle(request)`
-                self.answer = lambda msg: self.module.handle(from_wire(msg["request"]))
-        except Exception as exc:
-            traceback.print_exc()
-            return f"{type(exc).__name__}: {exc}"
-        finally:
-            _flush()
-        return None
-
-    def call(self, msg: dict) -> dict:
-        try:
-            return self.answer(msg)
-        except Exception as exc:
-            traceback.print_exc()
-            return {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            _flush()
-
-    def finish(self) -> str | None:
-        """What the engine still writes after its last answer (the trainer's deferred optimizer state); then its own
-        child processes end (vLLM's workers on GPUs). None, or the error line."""
-        try:
-            getattr(self.answer, "finish", lambda: None)()
-        except Exception as exc:
-            traceback.print_exc()
-            return f"{type(exc).__name__}: {exc}"
-        finally:
-            _end_children()
-            _flush()
-        return None
-
-    def end(self) -> None:
-        """Exit now, without the engine's exit handlers: every output is on disk, and tearing down vLLM or DeepSpeed
-        took 2.7 s and 1.2 s of every run's end (measured, demo model). Through Ray's own exit, so that Ray does not
-        report a worker that died unexpectedly."""
-        import ray
-
-        _end_children()
-        _flush()
-        atexit._clear()
-        ray.actor.exit_actor()
-
-
-def _set_env(env: dict) -> None:
-    """Set each variable, and remove those given as None."""
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def _redirect(path: str) -> None:
-    """This process's fds 1 and 2 (the engine's own C++ output too) appended to `path`."""
-    _flush()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    for out in (1, 2):
-        os.dup2(fd, out)
-    os.close(fd)
-
-
-def _move_output(held: str, log: str) -> None:
-    """Append what an actor printed before its start to its log, and remove the held file."""
-    _flush()
-    Path(log).parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out, open(held, "rb") as f:
-        shutil.copyfileobj(f, out)
-    os.unlink(held)
-
-
-def _flush() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-
-
-def _end_children() -> None:
-    import psutil
-
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        try:
-            child.terminate()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(children, timeout=10)
 
 
 _ACTOR_CLASS: list = []
@@ -210,8 +49,8 @@ def _actor_class():
     import ray
 
     if not _ACTOR_CLASS:
-        # max_restarts=0: a rank that died is reported, never silently restarted without its peers.
-        _ACTOR_CLASS.append(ray.remote(max_restarts=0, max_task_retries=0)(EngineActor))
+        _ACTOR_CLASS.append(ray.remote(max_restarts=0, max_task_retries=0)(EngineActor))  # a rank that died is not
+        # silently restarted without its peers: it is reported
     return _ACTOR_CLASS[0]
 
 
@@ -328,8 +167,9 @@ class ResidentProcess:
             [a.where.remote() for a in self.actors], "failed to start", deadline=time.time() + START_DEADLINE_S
         )
         wire = to_wire(settings) if settings is not None else None
+        meet = self._meeting_place()
         self.starting = [
-            actor.start.remote(wire, str(_rank_log(self.log, r)), self.held_outputs[r], self._rank_env(r))
+            actor.start.remote(wire, str(_rank_log(self.log, r)), self.held_outputs[r], {**self._rank_env(r), **meet})
             for r, actor in enumerate(self.actors)
         ]
         self.released, self.spawned = True, time.time()  # the start's deadline and progress count from here
@@ -348,12 +188,14 @@ class ResidentProcess:
             "MASTER_ADDR": head["ip"],
             "MASTER_PORT": str(head["port"]),
             data_parallel.TIMEOUT_ENV: str(self.placement.collective_timeout_s),
-            **(self._loopback_rendezvous() if head["ip"] == ray_cluster.LOOPBACK else {}),
         }
 
-    def _loopback_rendezvous(self) -> dict:
-        """Ranks on one machine stay on loopback: they meet through a file (torch's TCP store would listen on every
-        interface), and gloo connects over `lo` (not the interface the host name resolves to)."""
+    def _meeting_place(self) -> dict:
+        """Where the ranks meet, the same for all of them: at MASTER_ADDR:MASTER_PORT, or, when rank 0 is on loopback
+        (one machine, which must stay on it), through a file (torch's TCP store would listen on every interface), with
+        gloo connecting over `lo` (not the interface the host name resolves to)."""
+        if self.ranks == 1 or self.nodes[0]["ip"] != ray_cluster.LOOPBACK:
+            return {}
         folder = Path(tempfile.gettempdir() if self.placement.ray_address else ray_cluster.temp_dir_for(os.getpid()))
         store = folder / "engines" / f"rendezvous-{self.name}-{os.urandom(4).hex()}"
         store.parent.mkdir(parents=True, exist_ok=True)
@@ -479,7 +321,7 @@ class ResidentProcess:
         for held in self.held_outputs:
             if os.path.exists(held):
                 if self.released:
-                    _move_output(held, str(self.log))
+                    move_output(held, str(self.log))
                 else:
                     os.unlink(held)
         self.actors, self.held_outputs, self.group, self.starting, self.released = [], [], None, None, False
