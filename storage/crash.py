@@ -6,13 +6,15 @@ and check that every complete stage is untouched.
 The points: every stage, after its Parquet part is in place and before its manifest; `optimize`, inside the
 DeepSpeed worker after the new weights are saved and before the optimizer state is; `optimize:K:rankR`, trainer rank
 R alone (SIGKILL of that one process) after its first micro-step of iteration K's update, the others mid-step
-(`optimize:K:rankR:hang`: that rank stops there, printing HANG_MARK to its log, and waits to be killed with its node);
+(`optimize:K:rankR:hang`: that rank stops there, printing HANG_MARK to its log, and waits to be killed with its node;
+`optimize:K:rank*:hang`, every rank);
 `optimize:K:state`, the resident trainer after update K is marked complete and before its optimizer state, written
 after the answer, is moved into the checkpoint (tasks/engines/workers/deferred_state.py).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import signal
 
@@ -28,7 +30,7 @@ def crash_point(name: str, whole_group: bool = True) -> None:
         if whole_group:
             os.killpg(int(os.environ.get(GROUP_ENV) or os.getpgid(0)), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
-    if os.environ.get(CRASH_ENV) == f"{name}:hang":
+    if fnmatch.fnmatchcase(f"{name}:hang", os.environ.get(CRASH_ENV) or "-"):
         print(HANG_MARK, flush=True)
         signal.pause()
 

@@ -66,12 +66,22 @@ def engine_settings(**changes) -> EngineSettings:
     return EngineSettings(**{**fields, **changes})
 
 
+def cli_env(cwd: Path, **extra: str) -> dict:
+    """The environment of an `rlpipe` command a test starts in `cwd`: Prefect's home there, its logs quiet."""
+    return {
+        **os.environ,
+        "PREFECT_HOME": str(cwd / ".prefect"),
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PYTHONPATH": str(ROOT),
+        **extra,
+    }
+
+
 def rlpipe(*args, cwd: Path, check=True, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "PREFECT_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=cwd,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env=cli_env(cwd),
         capture_output=True,
         text=True,
         **kw,
@@ -107,13 +117,7 @@ def read_table(layout: RunLayout, stage: str, iteration: int):
 def run_until_killed(workspace, cfg, run_id: str, crash_at: str, command: str = "run", *extra: str) -> None:
     """`rlpipe run` (or another command) in its own process group, SIGKILLed (the whole group, as a machine
     failure would) at the named point inside a stage (storage/crash.py)."""
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(workspace / ".prefect"),
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_LOGGING_LEVEL": "WARNING",
-        CRASH_ENV: crash_at,
-    }
+    env = cli_env(workspace, **{CRASH_ENV: crash_at})
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", command, str(cfg), "--run-id", run_id, *extra],
         cwd=workspace,

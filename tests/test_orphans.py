@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tasks.engines.ray_cluster import temp_dir_for
-from tests.conftest import ROOT, rlpipe, tiny_config
+from tests.conftest import cli_env, rlpipe, tiny_config
 
 pytestmark = pytest.mark.e2e
 
@@ -36,16 +36,10 @@ def workspace(tmp_path_factory):
 
 
 def start_run(workspace, cfg, run_id: str) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(workspace / ".prefect"),
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_LOGGING_LEVEL": "WARNING",
-    }
     return subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "run", str(cfg), "--run-id", run_id],
         cwd=workspace,
-        env=env,
+        env=cli_env(workspace),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

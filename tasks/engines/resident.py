@@ -40,6 +40,7 @@ from tasks.engines.workers.engine_actor import EngineActor, move_output
 POLL_S = 0.5  # how often a waiting client checks the ranks (and echoes their progress lines)
 START_DEADLINE_S = 600  # an engine that has not started by then is reported as failed
 HUNG_GRACE_S = 5.0  # after one rank fails, how long the others get to answer before they are named as hung
+NODE_DEATH_S = 30.0  # after a rank died, how long to look for a node of the group that Ray marks dead
 
 
 _ACTOR_CLASS: list = []
@@ -237,7 +238,7 @@ class ResidentProcess:
                 try:
                     results[r] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    raise self._ended(what, _actor_death(exc), rank=r) from None
+                    raise self._died(what, r, _actor_death(exc), pending) from None
                 except ray.exceptions.RayError as exc:
                     raise self._ended(what, str(exc).strip().splitlines()[-1], rank=r) from None
                 if _is_error(results[r]) and self.ranks > 1 and pending:
@@ -250,6 +251,26 @@ class ResidentProcess:
             if deadline is not None and time.time() - self.spawned >= 10:
                 self._note_starting()
         return results
+
+    def _died(self, what: str, rank: int, cause: str, pending: dict) -> WorkerError:
+        """Rank `rank`'s actor died. Its peers, in a collective with it, may die or fail a moment later, and the first
+        to be reported is not always the cause: with ranks on several nodes, a rank whose node is gone is named (Ray
+        marks a node dead after its health checks fail, seconds after its raylet)."""
+        import ray
+
+        nodes = [n["node_id"] for n in self.nodes]
+        deadline = time.time() + (NODE_DEATH_S if len(set(nodes)) > 1 and cause != "its node died" else 0)
+        while True:
+            dead = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+            lost = [r for r, node in enumerate(nodes) if node in dead]
+            if lost:
+                return self._ended(what, "its node died", rank=lost[0])
+            if time.time() >= deadline:
+                return self._ended(what, cause, rank=rank)
+            if pending:
+                ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
+            else:
+                time.sleep(POLL_S)
 
     def _name_hung(self, pending: dict, results: list, failed: int) -> None:
         import ray
@@ -309,7 +330,8 @@ class ResidentProcess:
         """End every actor (their processes exit without the interpreter's teardown) and the placement group."""
         import ray
 
-        if self.actors:  # each exits by itself at once (ray.kill alone runs the interpreter's teardown first)
+        if self.actors and self.released:  # a started engine exits by itself at once (ray.kill alone would run the
+            # interpreter's teardown first); a held one is still importing, and has nothing to tear down
             ray.wait([a.end.remote() for a in self.actors], num_returns=len(self.actors), timeout=5)
         for actor in self.actors:
             try:
