@@ -35,7 +35,7 @@ from tasks.engines import ray_cluster
 from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, engine_env, last_error_line
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.workers import data_parallel
-from tasks.engines.workers.engine_actor import EngineActor, move_output
+from tasks.engines.workers.engine_actor import EngineActor
 
 POLL_S = 0.5  # how often a waiting client checks the ranks (and echoes their progress lines)
 START_DEADLINE_S = 600  # an engine that has not started by then is reported as failed
@@ -72,7 +72,6 @@ class ResidentProcess:
         self.env, self.placement = env or {}, placement
         self.name = module.rsplit(".", 1)[-1]
         self.actors: list = []
-        self.held_outputs: list[str] = []
         self.group = None  # the placement group
         self.starting = None  # the start's ObjectRefs, until the first request waits for them
         self.released = False
@@ -99,17 +98,10 @@ class ResidentProcess:
         ray_cluster.connect(self.placement.ray_address)
         _register_exit()
         actor, options = _actor_class(), self._options()
-        token = os.urandom(4).hex()
-        self.held_outputs = [
-            os.path.join(tempfile.gettempdir(), f"{self.name}-{os.getpid()}-{token}.rank{r}.out")
-            for r in range(self.ranks)
-        ]
         env = {**engine_env(), **self.env, **self._thread_env(), **self._temp_env()}
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
-        self.actors = [
-            actor.options(**options(r)).remote(self.module, env, out) for r, out in enumerate(self.held_outputs)
-        ]
+        self.actors = [actor.options(**options(r)).remote(self.module, env) for r in range(self.ranks)]
         self.released, self.spawned = False, time.time()
         if not held:
             self._release(settings)
@@ -170,7 +162,7 @@ class ResidentProcess:
         wire = to_wire(settings) if settings is not None else None
         meet = self._meeting_place()
         self.starting = [
-            actor.start.remote(wire, str(_rank_log(self.log, r)), self.held_outputs[r], {**self._rank_env(r), **meet})
+            actor.start.remote(wire, str(_rank_log(self.log, r)), {**self._rank_env(r), **meet})
             for r, actor in enumerate(self.actors)
         ]
         self.released, self.spawned = True, time.time()  # the start's deadline and progress count from here
@@ -340,13 +332,7 @@ class ResidentProcess:
                 pass
         if self.group is not None:
             ray.util.remove_placement_group(self.group)
-        for held in self.held_outputs:
-            if os.path.exists(held):
-                if self.released:
-                    move_output(held, str(self.log))
-                else:
-                    os.unlink(held)
-        self.actors, self.held_outputs, self.group, self.starting, self.released = [], [], None, None, False
+        self.actors, self.group, self.starting, self.released = [], None, None, False
 
 
 class _LogTail:

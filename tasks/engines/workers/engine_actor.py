@@ -22,12 +22,15 @@ from schemas.requests import from_wire
 class EngineActor:
     """One rank of an engine, in its own Ray worker process (made a Ray actor class by `_actor_class`)."""
 
-    def __init__(self, module: str, env: dict, held_output: str):
+    def __init__(self, module: str, env: dict):
         _set_env(env)  # before the engine's imports: threads, devices, extension caches, temporary files
         if "TMPDIR" in env:
             os.makedirs(env["TMPDIR"], exist_ok=True)
             tempfile.tempdir = None  # computed again from TMPDIR
-        _redirect(held_output)
+        # What the imports print, until the log is known: a file without a name, so an actor ended before its start
+        # (the command's input was bad) leaves nothing behind, on whichever node it ran.
+        self.held = tempfile.TemporaryFile()
+        _redirect_fd(self.held.fileno())
         self.module, self.answer, self.warm_error = importlib.import_module(module), None, None
         try:
             getattr(self.module, "warm", lambda: None)()
@@ -47,11 +50,16 @@ class EngineActor:
             "port": free_port(),
         }
 
-    def start(self, settings: dict | None, log: str, held_output: str, env: dict) -> str | None:
+    def start(self, settings: dict | None, log: str, env: dict) -> str | None:
         """Build the engine; None, or the error line (the traceback goes to the log)."""
         os.environ.update(env)  # the rank variables
-        move_output(held_output, log)
+        _flush()
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:  # what it printed while held comes first
+            self.held.seek(0)
+            shutil.copyfileobj(self.held, out)
         _redirect(log)
+        self.held.close()
         where = self.where()
         print(
             f"[rlpipe] {self.module.__name__} rank {os.environ.get('RANK', '0')} on node {where['node_id']} "
@@ -118,21 +126,16 @@ def _set_env(env: dict) -> None:
 
 def _redirect(path: str) -> None:
     """This process's fds 1 and 2 (the engine's own C++ output too) appended to `path`."""
-    _flush()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    for out in (1, 2):
-        os.dup2(fd, out)
+    _redirect_fd(fd)
     os.close(fd)
 
 
-def move_output(held: str, log: str) -> None:
-    """Append what an actor printed before its start to its log, and remove the held file."""
+def _redirect_fd(fd: int) -> None:
     _flush()
-    Path(log).parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out, open(held, "rb") as f:
-        shutil.copyfileobj(f, out)
-    os.unlink(held)
+    for out in (1, 2):
+        os.dup2(fd, out)
 
 
 def _flush() -> None:
