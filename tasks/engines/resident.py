@@ -87,10 +87,10 @@ class ResidentProcess:
 
     def spawn(self, settings, held: bool = False) -> None:
         """Create the actors without waiting for them. `held`: they only import their libraries (vLLM's alone is
-        ~10 s), writing to files of their own, then wait for their settings; a second `spawn` (or the first request)
-        hands them over, and only then do they open their log and start the engine. A command spawns them held before
-        it checks its input, so those seconds overlap the checks; on bad input `close` ends them, and no engine ever
-        started, no log was written."""
+        ~10 s), writing to unnamed files of their own, then wait for their settings; a second `spawn` (or the first
+        request) hands them over, and only then do they open their log and start the engine. A command spawns them
+        held before it checks its input, so those seconds overlap the checks; on bad input `kill` ends them, and no
+        engine ever started, no log or file was written."""
         if self.actors:
             if self.waiting_for_release and not held:
                 self._release(settings)
