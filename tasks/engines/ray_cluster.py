@@ -27,6 +27,8 @@ import tempfile
 import threading
 
 from schemas.errors import UserError
+from tasks.engines.launch import engine_env
+from tasks.engines.workers.data_parallel import DEFAULT_TIMEOUT_S
 
 LOOPBACK = "127.0.0.1"
 NAMESPACE = "rlpipe"
@@ -66,9 +68,8 @@ def _init(address: str | None) -> None:
     import ray
 
     common = dict(namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
-    if address:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": root}}, **common)
+    if address:  # the actors' workers import the actor class's module before its __init__ sets their environment
+        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": engine_env()["PYTHONPATH"]}}, **common)
         return
     ray.init(
         address="local",
@@ -136,7 +137,7 @@ class Placement:
     ray_address: str | None = None
     bundle: tuple[tuple[str, float], ...] = ()
     strategy: str = "PACK"
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = DEFAULT_TIMEOUT_S
     # Engines that share one placement group (the vLLM replicas, so that SPREAD spreads them): its key, how many engines
     # share it, and which of them this is. Unshared ("") an engine has a group of its own, removed with it.
     share: str = ""

@@ -76,6 +76,8 @@ class ResidentProcess:
         self.starting = None  # the start's ObjectRefs, until the first request waits for them
         self.released = False
         self.nodes: list[dict] = []
+        self.rendezvous: Path | None = None  # the ranks' meeting file, removed with them
+        self.noted = 0.0  # when the last "starting" progress line was shown
 
     @property
     def running(self) -> bool:
@@ -189,10 +191,10 @@ class ResidentProcess:
         gloo connecting over `lo` (not the interface the host name resolves to)."""
         if self.ranks == 1 or self.nodes[0]["ip"] != ray_cluster.LOOPBACK:
             return {}
-        folder = Path(tempfile.gettempdir() if self.placement.ray_address else ray_cluster.temp_dir_for(os.getpid()))
-        store = folder / "engines" / f"rendezvous-{self.name}-{os.urandom(4).hex()}"
-        store.parent.mkdir(parents=True, exist_ok=True)
-        return {data_parallel.RENDEZVOUS_ENV: f"file://{store}", "GLOO_SOCKET_IFNAME": "lo"}
+        folder = tempfile.gettempdir() if self.placement.ray_address else ray_cluster.temp_dir_for(os.getpid())
+        self.rendezvous = Path(folder) / f"rlpipe-rendezvous-{self.name}-{os.urandom(4).hex()}"
+        self.rendezvous.parent.mkdir(parents=True, exist_ok=True)
+        return {data_parallel.RENDEZVOUS_ENV: f"file://{self.rendezvous}", "GLOO_SOCKET_IFNAME": "lo"}
 
     def call(self, request, settings=None, label: str = "") -> dict:
         """Send one typed request (schemas.requests) to every rank, starting the engine first if needed, with
@@ -280,8 +282,8 @@ class ResidentProcess:
 
     def _note_starting(self) -> None:
         now = time.time()
-        if now - getattr(self, "_noted", 0) >= 10:
-            self._noted = now
+        if now - self.noted >= 10:
+            self.noted = now
             self._progress(f"starting {self.name}: {now - self.spawned:.0f}s so far [log: {self.log}]")
 
     def _ended(self, what: str, cause: str, rank: int) -> WorkerError:
@@ -332,7 +334,9 @@ class ResidentProcess:
                 pass
         if self.group is not None:
             ray.util.remove_placement_group(self.group)
-        self.actors, self.group, self.starting, self.released = [], None, None, False
+        if self.rendezvous is not None:
+            self.rendezvous.unlink(missing_ok=True)
+        self.actors, self.group, self.starting, self.released, self.rendezvous = [], None, None, False, None
 
 
 class _LogTail:

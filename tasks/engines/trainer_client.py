@@ -8,7 +8,8 @@ from __future__ import annotations
 from schemas.config import EnginesConfig
 from schemas.requests import LogprobsRequest, UpdateRequest
 from storage import RunLayout
-from tasks.engines.resident import Placement, ResidentProcess, resident, run_worker
+from tasks.engines.ray_cluster import Placement
+from tasks.engines.resident import ResidentProcess, resident, run_worker
 from tasks.engines.workers import LOGPROBS_WORKER, TRAIN_WORKER, TRAINER_SERVER
 
 ONE_SHOT_MODULES = {LogprobsRequest: LOGPROBS_WORKER, UpdateRequest: TRAIN_WORKER}

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from schemas.requests import GenerateRequest, VLLMSettings
-from tasks.engines.resident import Placement, ResidentProcess, resident
+from tasks.engines.ray_cluster import Placement
+from tasks.engines.resident import ResidentProcess, resident
 from tasks.engines.workers import VLLM_SERVER
 
 

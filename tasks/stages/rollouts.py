@@ -16,7 +16,8 @@ from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from schemas.tables import TURNS
 from storage import StageOutput, read_stage
 from tasks.engines.launch import WorkerError
-from tasks.engines.resident import Placement, close_all
+from tasks.engines.ray_cluster import Placement
+from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
 from tasks.stages import agent_rollouts
 from tasks.stages.common import (

@@ -17,7 +17,6 @@ import threading
 
 from schemas.requests import EngineSettings, LoraSettings, TrainerWarmStart
 from storage import read_manifest
-from tasks.engines import ray_cluster
 from tasks.engines.resident import close_held
 from tasks.engines.trainer_client import resident_trainer
 from tasks.rewards.loader import specs_from_config
@@ -41,7 +40,6 @@ def start_engines(storage_root: str, run_id: str, held: bool = False) -> None:
     if ctx.layout.summary_path.exists():
         return
     if held:
-        ray_cluster.start_in_background(ctx.cfg.engines.ray_address)
         _HELD["thread"] = threading.Thread(target=_spawn_held, args=(ctx,), name="held-engines", daemon=True)
         _HELD["thread"].start()
         return

@@ -21,7 +21,6 @@ import fcntl
 import math
 import os
 import socket
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -86,19 +85,23 @@ def init_process_group() -> None:
     """Join the trainer's process group (NCCL on GPU, gloo on CPU); a worker started alone is rank 0 of 1. Safe to
     call again. The ranks meet through RENDEZVOUS_ENV's file where the client set one (ranks on one machine), else at
     MASTER_ADDR:MASTER_PORT: torch's TCP store listens on every interface, which a machine that must stay on loopback
-    cannot have."""
+    cannot have. A single rank meets nobody: its group is made on an in-memory store (no file, no listener), and
+    DeepSpeed takes it as it is."""
     import deepspeed
     import torch
+    import torch.distributed as dist
 
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault(RENDEZVOUS_ENV, f"file://{tempfile.mkdtemp(prefix='rlpipe-rdzv-')}/store")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     load_comm_op()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if world() == 1 and not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=collective_timeout())
     rendezvous = os.environ.get(RENDEZVOUS_ENV)
     deepspeed.init_distributed(
-        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+        dist_backend=backend,
         auto_mpi_discovery=False,
         verbose=False,
         timeout=collective_timeout(),

@@ -1,8 +1,8 @@
 """The engine side of an engine actor (tasks/engines/resident.py is the client side): one rank of an engine, in a Ray
 worker process of its own. It hosts a worker module: a server's `make_answer(settings)` (and `warm()`, its imports),
-or a one-shot worker's `handle(request)`. Created, it sets its environment and runs `warm`, writing to a file of its
-own; started, it moves that output into its log and builds the engine from the typed settings; then it answers typed
-requests until it is ended. No Prefect import: this runs in the worker processes.
+or a one-shot worker's `handle(request)`. Created, it sets its environment and runs `warm`, writing to an unnamed file
+of its own; started, it copies that output into its log and builds the engine from the typed settings; then it answers
+typed requests until it is ended. No Prefect import: this runs in the worker processes.
 Imports: ray inside the methods that need it (the module is imported by the client, which starts Ray on demand)."""
 
 from __future__ import annotations
