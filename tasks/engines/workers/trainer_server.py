@@ -1,4 +1,4 @@
-"""Resident trainer: one process per run that keeps the DeepSpeed engines (policy, critic) and the frozen
+"""Resident trainer: one Ray actor per rank for a run, that keeps the DeepSpeed engines (policy, critic) and the frozen
 reference between iterations, and answers the `logprobs` and `optimize` stages.
 
 Started by tasks/engines/trainer_client.py as one Ray actor per rank (tasks/engines/resident.py).
