@@ -721,6 +721,21 @@ class EnginesConfig(Section):
     )
 
 
+class CheckpointConfig(Section):
+    """Which RL checkpoints keep what an exact resume needs (no fingerprint covers it: every interval gives the same
+    weights)."""
+
+    every: int = Field(
+        5,
+        ge=1,
+        le=1_000_000,
+        description="Write the optimizer state with the weights every N iterations and at the run's last; the "
+        "iterations between write only the weights the sampler loads, and those of an earlier iteration are removed "
+        "once a later one is written. A resume replays the updates after the last full checkpoint from their cached "
+        "batch, logprobs and advantages (byte-identical weights, no generation). 1: a full checkpoint every iteration.",
+    )
+
+
 class RLConfig(Section):
     iterations: int = Field(
         10,
@@ -875,6 +890,9 @@ class RunConfig(Section):
         EnginesConfig(), description="How engines live and where they run (no fingerprint covers it)."
     )
     rl: RLConfig = Field(RLConfig(), description="The RL loop.")
+    checkpoint: CheckpointConfig = Field(
+        CheckpointConfig(), description="How often RL checkpoints keep the optimizer state (no fingerprint covers it)."
+    )
     eval: EvalConfig = Field(EvalConfig(), description="Held-out evaluation.")
     sft: SFTConfig = Field(
         SFTConfig(), description="Supervised fine-tuning (`rlpipe sft`, and PPO-ptx's demonstrations)."
@@ -931,6 +949,20 @@ class RunConfig(Section):
                 f"needs {r.engines * r.tensor_parallel_size}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _replay_needs_a_resident_trainer(self) -> "RunConfig":
+        if self.checkpoint.every > 1 and not self.engines.resident_trainer:
+            raise ValueError(
+                f"checkpoint.every {self.checkpoint.every} needs engines.resident_trainer: the updates between full "
+                f"checkpoints are replayed on one trainer that keeps its optimizer state (set checkpoint.every: 1)"
+            )
+        return self
+
+    def keeps_optimizer_state(self, iteration: int) -> bool:
+        """Whether RL checkpoint `iteration` is full (weights and optimizer state): every checkpoint.every-th and the
+        run's last. A method, not a section, for the optimize stage: which checkpoints are full changes no weights."""
+        return iteration % self.checkpoint.every == 0 or iteration >= self.rl.iterations
 
     @property
     def uses_critic(self) -> bool:

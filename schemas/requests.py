@@ -249,6 +249,11 @@ class UpdateRequest:
     # Where the caller commits tmp_dir. Given, a resident trainer with one rank answers once the weights are written and
     # writes the optimizer state into that folder while the next stages run (tasks/engines/workers/deferred_state.py).
     final_dir: str = ""
+    # False: the checkpoint is the weights only (checkpoint.every): the resident trainer keeps the engine and its
+    # optimizer state, and a trainer that lost them replays the updates since the last full checkpoint.
+    save_state: bool = True
+    # The id the checkpoint's trainer_state.json gets (a replay gives the update its recorded id); "": a new one.
+    state_id: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -214,6 +214,24 @@ def read_manifest(layout: RunLayout, stage: str, iteration: int, verify: bool = 
     return manifest
 
 
+def changed_inputs(layout: RunLayout, manifest: dict, iteration: int, tables: tuple[str, ...]) -> list[str]:
+    """The inputs among `tables` (the stage's reads, from its declaration) that a complete stage-iteration recorded in
+    its manifest and that are no longer complete with the fingerprint it recorded: [] when recomputing it from the
+    cached tables gives its outputs again, which is when a file it wrote beside its table (a checkpoint) may be rebuilt
+    by replaying it. Inputs that are not tables (the weights a stage started from) are the stage's to check; a
+    per-round table is recorded once per round (`<table>_round<i>`: its part i)."""
+    changed = []
+    for key, fp in manifest.get("inputs", {}).items():
+        table, _, round_ = key.partition("_round")
+        if table not in tables:
+            continue
+        current = read_manifest(layout, table, iteration, verify=False)
+        parts = {p["index"]: p["fingerprint"] for p in current["parts"]} if current else {}
+        if (parts.get(int(round_)) if round_ else current and current["fingerprint"]) != fp:
+            changed.append(key)
+    return changed
+
+
 def find_complete(layout: RunLayout, stage: str, iteration: int, fp: str, part: int = 0) -> StageOutput | None:
     """A StageOutput if part `part` of this stage-iteration is complete with fingerprint `fp`."""
     manifest = read_manifest(layout, stage, iteration)

@@ -41,6 +41,7 @@ def tiny_config(tmp: Path, **sections) -> Path:
         "batch": {"target_groups": 4, "max_rounds": 3},
         "optim": {"micro_batch_size": 32, "minibatches": 2},
         "rl": {"iterations": 2, "eval_every": 2},
+        "checkpoint": {"every": 1},  # every checkpoint full, as the tests of resume and fork read them (one test: 2)
         "eval": {"samples": 4, "pass_k": 2},
         "sft": {"files": str(tmp / "data/sft.parquet"), "steps": 20, "batch_size": 32, "warmup_steps": 5},
     }

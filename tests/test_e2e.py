@@ -134,6 +134,34 @@ def test_sft_interrupted_and_resumed_gives_bit_identical_weights(tiny_sft):
     assert losses[0] == losses[1]
 
 
+SPARSE = ("--set", "rl.iterations=4", "--set", "rl.eval_every=4", "--set", "checkpoint.every=2")
+
+
+def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
+    """checkpoint.every 2 over 4 iterations: full checkpoints 2 and 4, weights only in 1 and 3 (each removed once the
+    next is complete). A run killed inside iteration 4's update (iteration 4 > every + 1) resumes by replaying update 3
+    from checkpoint 2's optimizer state and iteration 3's cached tables, without generating, and ends with the
+    uninterrupted run's bytes: the final weights, and the eval sampled with them."""
+    workspace, cfg = tiny_sft
+    rlpipe("run", str(cfg), "--run-id", "dense", *SPARSE, cwd=workspace)
+    run_until_killed(workspace, cfg, "sparse", "optimize:4", "run", *SPARSE)
+    layout = RunLayout(workspace / "runs", "sparse")
+    assert layout.checkpoint_iterations() == [2, 3]  # weights-only 1 went once 2 was complete
+    assert (layout.checkpoint_dir(2) / "ds_state").is_dir() and not (layout.checkpoint_dir(3) / "ds_state").exists()
+    sampled = {it: layout.manifest_path("rollouts", it).read_bytes() for it in (1, 2, 3, 4)}
+    rlpipe("resume", "sparse", "--root", str(workspace / "runs"), cwd=workspace)
+    assert "UpdateRequest replay-00003" in layout.log_path("trainer").read_text()  # the state after 3 was rebuilt
+    assert {it: layout.manifest_path("rollouts", it).read_bytes() for it in sampled} == sampled  # nothing resampled
+    dense = RunLayout(workspace / "runs", "dense")
+    for run in (layout, dense):
+        assert run.checkpoint_iterations() == [2, 4] and (run.checkpoint_dir(4) / "ds_state").is_dir()
+        kinds = [read_manifest(run, "train_metrics", it)["extra"]["full_checkpoint"] for it in (1, 2, 3, 4)]
+        assert kinds == [False, True, False, True]
+    for f in ("model.safetensors", "sync_probe.json"):
+        assert (layout.checkpoint_dir(4) / f).read_bytes() == (dense.checkpoint_dir(4) / f).read_bytes(), f
+    assert read_table(layout, "eval", 4).sort("prompt_id").equals(read_table(dense, "eval", 4).sort("prompt_id"))
+
+
 # ppo and dcpo are the presets with state beyond the policy: a critic trained by its own DeepSpeed engine, and
 # the per-prompt reward history. (Every preset is run on the demo config for the closing note.)
 @pytest.mark.parametrize("algo", ["ppo", "dcpo"])

@@ -151,18 +151,29 @@ def test_reward_model_rule_spearman_is_recorded_when_both_columns_exist():
     assert "reward_model_rule_spearman" not in rollout_metrics(rollouts, scores.drop("score_model"), batch)
 
 
-def test_only_the_last_optimizer_states_are_kept(tmp_path):
+def test_only_the_last_optimizer_states_and_weights_only_checkpoint_are_kept(tmp_path):
     from storage import RunLayout
-    from tasks.stages.optimize import prune_optimizer_states
+    from tasks.engines.workers.engine_cache import write_state_id
+    from tasks.stages.optimize import prune_checkpoints
 
     layout = RunLayout(tmp_path, "r")
     for k in range(1, 5):
         for state in (layout.checkpoint_dir(k) / "ds_state", layout.critic_dir(k) / "ds_state"):
             state.mkdir(parents=True)
             (state.parent / "model.safetensors").write_bytes(b"w")
-    prune_optimizer_states(layout, 4, 2)
+    prune_checkpoints(layout, 4, 2)
     assert [(layout.checkpoint_dir(k) / "ds_state").exists() for k in range(1, 5)] == [False, False, True, True]
     assert [(layout.critic_dir(k) / "ds_state").exists() for k in range(1, 5)] == [False, False, True, True]
     assert all((layout.checkpoint_dir(k) / "model.safetensors").exists() for k in range(1, 5))  # weights stay
-    prune_optimizer_states(layout, 4, None)  # keep all: nothing else goes
+    prune_checkpoints(layout, 4, None)  # keep all: nothing else goes
     assert (layout.checkpoint_dir(3) / "ds_state").exists()
+    # checkpoint.every: weights-only checkpoints 5 and 6 after full 4; once 6 is complete, 5 goes (a replay rebuilds
+    # it) and the last two full checkpoints keep their state
+    for k in (5, 6):
+        layout.checkpoint_dir(k).mkdir(parents=True)
+        write_state_id(str(layout.checkpoint_dir(k)), weights_only=True)
+    prune_checkpoints(layout, 6, 2)
+    assert layout.checkpoint_iterations() == [1, 2, 3, 4, 6]
+    assert [(layout.checkpoint_dir(k) / "ds_state").exists() for k in (3, 4)] == [True, True]
+    prune_checkpoints(layout, 5, 2)  # a later weights-only checkpoint is not this update's to remove
+    assert layout.checkpoint_iterations() == [1, 2, 3, 4, 6]

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from schemas.config import EnginesConfig
 from schemas.requests import LogprobsRequest, UpdateRequest
 from storage import RunLayout
@@ -34,7 +36,29 @@ def call_trainer(
             devices=e.trainer_devices,
             placement=trainer_placement(e),
         )
-    return resident_trainer(layout, engines).call(request, label=log_name)
+    trainer = resident_trainer(layout, engines)
+    if not isinstance(request, UpdateRequest):
+        return trainer.call(request, label=log_name)
+    _HELD.pop(trainer, None)  # an update that fails leaves the trainer holding nothing
+    resp = trainer.call(request, label=log_name)
+    _HELD[trainer] = resp["state_id"]
+    return resp
+
+
+# The state id of the checkpoint whose engines (and optimizer state) each resident trainer of this process holds: what
+# its last update wrote (tasks/engines/workers/engine_cache.py keeps that engine). Weak: an ended trainer drops out.
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def trainer_holds(layout: RunLayout, engines: EnginesConfig, checkpoint: str) -> bool:
+    """Whether the run's resident trainer in this process holds the engines that wrote `checkpoint`: the next update
+    then needs no optimizer state from disk. False for a trainer started since (a resumed run) or one-shot trainers."""
+    from tasks.engines.workers.engine_cache import read_state_id
+
+    if not engines.resident_trainer:
+        return False
+    held = _HELD.get(resident_trainer(layout, engines))
+    return held is not None and held == read_state_id(checkpoint)
 
 
 def resident_trainer(layout: RunLayout, engines: EnginesConfig) -> ResidentProcess:

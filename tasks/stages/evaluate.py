@@ -24,7 +24,7 @@ from tasks.stages.prompts import split_of
 from tasks.stages.rollouts import generate, one_job, sampling_job
 from tasks.stages.scores import add_model_score, reward_model_scores
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import model_fingerprint, weights_after
+from tasks.stages.weights import model_fingerprint, weights_after, weights_fingerprint
 
 # Reads the weights after the iteration: the checkpoint train_metrics (or dpo_metrics) marks complete.
 SPEC = StageSpec(
@@ -136,12 +136,12 @@ def eval_task(
     dataset_fp, stats = dataset_fingerprint(ctx)
     if not stats["prompts"]["eval"]:
         return None
-    weights = weights_after(ctx, iteration, weights_stage)
     e = ctx.cfg.eval
     subset = e.interim_prompts if interim and e.interim_prompts else None
     limit = min(n for n in (subset, e.max_prompts) if n) if subset or e.max_prompts else None
 
     def compute():
+        weights = weights_after(ctx, iteration, weights_stage)
         held_out = split_of(ctx, "eval")
         held_out = held_out.head(limit) if limit else held_out
         if ctx.cfg.agent.enabled:
@@ -158,7 +158,7 @@ def eval_task(
         summary = {**eval_summary(ctx, df, greedy, sampled), **extra}
         return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=summary)
 
-    inputs = {"weights": weights.fingerprint, "dataset": dataset_fp}
+    inputs = {"weights": weights_fingerprint(ctx, iteration, weights_stage), "dataset": dataset_fp}
     if ctx.cfg.reward.kind == "model":
         inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
     salt = source_hash(specs_from_config(ctx.cfg.reward)) + (f":interim{subset}" if subset else "")

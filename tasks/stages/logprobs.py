@@ -21,7 +21,7 @@ from tasks.stages.common import (
     stage_task,
 )
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import critic_after, starting_weights, weights_after
+from tasks.stages.weights import critic_after, starting_weights, weights_after, weights_fingerprint
 
 
 def kept_rollouts(ctx: RunContext, iteration: int) -> pl.DataFrame:
@@ -32,9 +32,10 @@ def kept_rollouts(ctx: RunContext, iteration: int) -> pl.DataFrame:
 @stage_task("logprobs")
 def logprobs_task(storage_root: str, run_id: str, iteration: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
-    policy, ref = weights_after(ctx, iteration - 1), starting_weights(ctx)
+    ref = starting_weights(ctx)
 
     def compute():
+        policy = weights_after(ctx, iteration - 1)
         samples = kept_rollouts(ctx, iteration).select("prompt_id", "sample_idx", "prompt_token_ids", "token_ids")
         inp, out = scratch_file(ctx, "logprobs.in.parquet"), scratch_file(ctx, "logprobs.out.parquet")
         samples.write_parquet(inp)
@@ -58,7 +59,7 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, upstream: dict
         ctx,
         iteration,
         salt="critic" if ctx.cfg.uses_critic else "",
-        inputs={**upstream, "policy": policy.fingerprint, "ref": ref.fingerprint},
+        inputs={**upstream, "policy": weights_fingerprint(ctx, iteration - 1), "ref": ref.fingerprint},
         compute=compute,
     )
 

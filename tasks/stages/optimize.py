@@ -1,13 +1,20 @@
 """Stage `optimize`: one policy update on a DeepSpeed engine, then the checkpoint.
 
 Reads `rollouts`, `logprobs`, `advantages`, `scores` and `batch` of the iteration; writes the checkpoint
-`checkpoints/iter=k/` (HF weights + tokenizer + DeepSpeed optimizer state, renamed into place) and then the
-`train_metrics` row, whose manifest marks both complete.
+`checkpoints/iter=k/` (HF weights + tokenizer, and on every checkpoint.every-th and the last iteration the DeepSpeed
+optimizer state; renamed into place) and then the `train_metrics` row, whose manifest marks both complete.
+
+Sparse checkpoints: between full checkpoints the resident trainer keeps the optimizer state in memory. A trainer that
+lost it (a resumed run) gets it back by replaying the updates since the last full checkpoint from their cached
+tables (`restore_state`): each is safe to replay when storage says its inputs are unchanged since it was written
+(storage.changed_inputs) and it started from the weights it recorded, and each is checked against the sync probe it
+recorded. No generation: the batch, logprobs and advantages are on disk.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import polars as pl
@@ -16,6 +23,7 @@ from schemas.errors import NotFound
 from schemas.requests import CriticRequest, EngineSettings, LossSettings, PtxRequest, UpdateRequest
 from storage import (
     StageOutput,
+    changed_inputs,
     commit_dir,
     ensure_free,
     folder_bytes,
@@ -24,10 +32,12 @@ from storage import (
     state_dir_for,
     temp_dir_for,
 )
+from storage.stage_io import sha256_file
 from tasks.algos.metrics import advantage_metrics, explained_variance, rollout_metrics, sampler_gap
-from tasks.engines.trainer_client import call_trainer
-from tasks.engines.workers.engine_cache import state_pending
+from tasks.engines.trainer_client import call_trainer, trainer_holds
+from tasks.engines.workers.engine_cache import state_pending, weights_only
 from tasks.engines.workers.lora import describe, is_adapter
+from tasks.engines.workers.sync_probe import PROBE_FILE
 from tasks.stages.common import (
     Computed,
     RunContext,
@@ -40,7 +50,7 @@ from tasks.stages.common import (
 from tasks.stages.kl_control import kl_beta
 from tasks.stages.logprobs import kept_rollouts
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import critic_after, weights_after
+from tasks.stages.weights import critic_after, weights_after, weights_fingerprint
 
 
 def training_frame(ctx: RunContext, iteration: int) -> pl.DataFrame:
@@ -92,13 +102,19 @@ def critic_request(ctx: RunContext, iteration: int, tmp: Path) -> CriticRequest 
     )
 
 
-def prune_optimizer_states(layout, iteration: int, keep: int | None) -> None:
-    """Remove the DeepSpeed optimizer state of the checkpoints before the last `keep` (engines.keep_optimizer_states,
-    ≥ 2: a crash before this update's manifest resumes from checkpoint k − 1, which must keep its state)."""
-
-    if keep is None:
-        return
-    for k in range(1, iteration - keep + 1):
+def prune_checkpoints(layout, iteration: int, keep: int | None) -> None:
+    """Once update `iteration` is complete: remove the weights-only checkpoints before it (checkpoint.every; a replay
+    rebuilds any of them), and the DeepSpeed optimizer state of the full checkpoints before the last
+    `engines.keep_optimizer_states` (≥ 2: a crash before an update's state is written redoes it from the full
+    checkpoint before, which must keep its state)."""
+    full = []
+    for k in (k for k in layout.checkpoint_iterations() if k <= iteration):
+        if weights_only(str(layout.checkpoint_dir(k))):
+            if k < iteration:
+                shutil.rmtree(layout.checkpoint_dir(k), ignore_errors=True)
+        else:
+            full.append(k)
+    for k in full[: -keep if keep else 0]:
         for state in (layout.checkpoint_dir(k) / "ds_state", layout.critic_dir(k) / "ds_state"):
             shutil.rmtree(state, ignore_errors=True)
 
@@ -155,51 +171,115 @@ def checkpoint_bytes(ctx: RunContext, policy) -> int:
     return folder_bytes(Path(policy.path))
 
 
+def update_request(ctx: RunContext, iteration: int, policy, tmp: Path, beta: float, replay: str = "") -> UpdateRequest:
+    """Update `iteration` as the trainer takes it: from `policy` (the checkpoint before it) on the iteration's cached
+    training frame, into `tmp`. A `replay` rebuilds a complete update's checkpoint under the id it recorded."""
+    o, lc = ctx.cfg.optim, ctx.cfg.loss
+    data_path = scratch_file(ctx, "optimize.in.parquet")
+    training_frame(ctx, iteration).write_parquet(data_path)
+    prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
+    return UpdateRequest(
+        model_path=policy.path,
+        tmp_dir=str(tmp),
+        data_path=str(data_path),
+        resume_state=prev_state,
+        seed=ctx.cfg.seed + iteration,
+        engine=EngineSettings.for_policy(o, ctx.cfg.model, policy_lora(ctx)),
+        ppo_epochs=o.ppo_epochs,
+        minibatches=o.minibatches,
+        warmup_steps=o.warmup_steps,
+        first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
+        loss=LossSettings.for_iteration(ctx.cfg, beta),
+        critic=critic_request(ctx, iteration, tmp),
+        ptx=PtxRequest(coef=lc.ptx_coef, batch=lc.ptx_batch, data_path=str(ptx_file(ctx))) if lc.ptx_coef else None,
+        crash_point=f"{'replay' if replay else 'optimize'}:{iteration}",
+        final_dir=""
+        if replay or not ctx.cfg.engines.defer_optimizer_state
+        else str(ctx.layout.checkpoint_dir(iteration)),
+        save_state=ctx.cfg.keeps_optimizer_state(iteration),
+        state_id=replay,
+    )
+
+
+def restore_state(ctx: RunContext, iteration: int) -> None:
+    """Make the optimizer state after update `iteration` available to the next update: on disk (a full checkpoint),
+    being written by this run's trainer (pending), or held by it. Otherwise (a weights-only checkpoint, and a trainer
+    started since) replay the updates after the last full checkpoint from their cached tables, each checked to give
+    the weights it recorded."""
+    layout = ctx.layout
+    ckpt = str(layout.checkpoint_dir(iteration))
+    if iteration == 0 or Path(ckpt, "ds_state").exists() or state_pending(ckpt):
+        return
+    if trainer_holds(layout, ctx.cfg.engines, ckpt):
+        return
+    restore_state(ctx, iteration - 1)
+    manifest = read_manifest(layout, SPEC.name, iteration, verify=False)
+    policy = weights_after(ctx, iteration - 1)
+    if manifest is None or "state_id" not in manifest["extra"]:
+        raise NotFound(
+            f"the optimizer state after update {iteration} is gone and the update cannot be replayed (it is not "
+            f"complete, or an older rlpipe wrote it): iteration {iteration + 1} cannot be redone"
+        )
+    changed = changed_inputs(layout, manifest, iteration, SPEC.reads)
+    if changed or manifest["inputs"].get("policy") != policy.fingerprint:
+        raise NotFound(
+            f"update {iteration} cannot be replayed: {', '.join(changed) or 'the weights before it'} changed since it "
+            f"was written, and the optimizer state after it is gone"
+        )
+    final = layout.checkpoint_dir(iteration)
+    tmp = temp_dir_for(final)
+    request = update_request(ctx, iteration, policy, tmp, kl_beta(ctx, iteration), replay=manifest["extra"]["state_id"])
+    t0 = time.time()
+    call_trainer(layout, ctx.cfg.engines, request, f"replay-{iteration:05d}")
+    Path(request.data_path).unlink()
+    if probe_digest(tmp) != manifest["extra"]["probe_sha256"]:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(
+            f"replaying update {iteration} gave other weights than it wrote (its sync probe's logprobs differ): the "
+            f"run's optimizer state cannot be rebuilt exactly here (another thread count, or other library versions?)"
+        )
+    commit_dir(tmp, final)
+    print(f"replayed update {iteration} from its cached tables in {time.time() - t0:.1f}s", flush=True)
+
+
+def probe_digest(checkpoint: Path) -> str:
+    """The sha256 of a checkpoint's sync probe (the trainer's logprobs on fixed sequences): equal probes mean the
+    replayed weights are the recorded ones, checked in milliseconds where hashing the weights takes seconds."""
+    return sha256_file(checkpoint / PROBE_FILE)
+
+
 @stage_task("optimize")
 def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
-    policy = weights_after(ctx, iteration - 1)
-    o, lc = ctx.cfg.optim, ctx.cfg.loss
+    policy_fp = weights_fingerprint(ctx, iteration - 1)
     beta = kl_beta(ctx, iteration)
-    ptx_fp = ptx_fingerprint(ctx) if lc.ptx_coef else ""
+    ptx_fp = ptx_fingerprint(ctx) if ctx.cfg.loss.ptx_coef else ""
 
     def compute():
-        data_path = scratch_file(ctx, "optimize.in.parquet")
-        samples = training_frame(ctx, iteration)
-        samples.write_parquet(data_path)
-        masked = float((samples["loss_mask"] == 0).mean())
+        restore_state(ctx, iteration - 1)
+        policy = weights_after(ctx, iteration - 1)
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = temp_dir_for(final)
         shutil.rmtree(state_dir_for(final), ignore_errors=True)  # a stopped command's unpublished optimizer state
-        prev_state = f"{policy.path}/ds_state" if policy.version > 0 else None
+        request = update_request(ctx, iteration, policy, tmp, beta)
+        prev_state = request.resume_state
         # A pending state is being written by this run's trainer, which finishes it before it takes this request.
-        if prev_state and not Path(prev_state).exists() and not state_pending(policy.path):
+        if (
+            prev_state
+            and not Path(prev_state).exists()
+            and not state_pending(policy.path)
+            and not trainer_holds(ctx.layout, ctx.cfg.engines, policy.path)
+        ):
             raise NotFound(
                 f"the optimizer state of checkpoint {policy.version} was removed (engines.keep_optimizer_states="
                 f"{ctx.cfg.engines.keep_optimizer_states}): iteration {iteration} cannot be redone from it"
             )
-        request = UpdateRequest(
-            model_path=policy.path,
-            tmp_dir=str(tmp),
-            data_path=str(data_path),
-            resume_state=prev_state,
-            seed=ctx.cfg.seed + iteration,
-            engine=EngineSettings.for_policy(o, ctx.cfg.model, policy_lora(ctx)),
-            ppo_epochs=o.ppo_epochs,
-            minibatches=o.minibatches,
-            warmup_steps=o.warmup_steps,
-            first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
-            loss=LossSettings.for_iteration(ctx.cfg, beta),
-            critic=critic_request(ctx, iteration, tmp),
-            ptx=PtxRequest(coef=lc.ptx_coef, batch=lc.ptx_batch, data_path=str(ptx_file(ctx))) if lc.ptx_coef else None,
-            crash_point=f"optimize:{iteration}",
-            final_dir=str(final) if ctx.cfg.engines.defer_optimizer_state else "",
-        )
         ensure_free(final.parent, checkpoint_bytes(ctx, policy), f"the checkpoint of iteration {iteration}")
         resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"optimize-{iteration:05d}")
+        digest = probe_digest(tmp)
         commit_dir(tmp, final)
-        data_path.unlink()
-        prune_optimizer_states(ctx.layout, iteration, ctx.cfg.engines.keep_optimizer_states)
+        samples = pl.read_parquet(request.data_path, columns=["loss_mask"])
+        Path(request.data_path).unlink()
         rollouts, advantages = (
             read_stage(ctx.layout, "rollouts", iteration),
             read_stage(ctx.layout, "advantages", iteration),
@@ -212,7 +292,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
             **resp["metrics"],
             **critic_metrics,
             "kl_beta": beta,
-            "loss_masked_fraction": masked,
+            "loss_masked_fraction": float((samples["loss_mask"] == 0).mean()),
             **rollout_metrics(
                 rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)
             ),
@@ -230,19 +310,30 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
         return Computed(
             frame,
             engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
-            extra={"checkpoint": str(final), **({"adapter": describe(str(final))} if is_adapter(final) else {})},
+            extra={
+                "checkpoint": str(final),
+                # What a replay of this update must reproduce (restore_state), and the id it gives the checkpoint.
+                "state_id": resp["state_id"],
+                "probe_sha256": digest,
+                "full_checkpoint": request.save_state,
+                **({"adapter": describe(str(final))} if is_adapter(final) else {}),
+            },
         )
 
-    return run_stage(
+    out = run_stage(
         ctx,
         iteration,
         salt=f"beta={beta:.12g}",
         compute=compute,
-        inputs={**upstream, "policy": policy.fingerprint, "ptx": ptx_fp},
+        inputs={**upstream, "policy": policy_fp, "ptx": ptx_fp},
         # A command stopped while its trainer wrote this update's optimizer state (tasks/engines/workers/
         # deferred_state.py): the update is redone from the state before it, which gives the same weights.
         recompute=state_pending(str(ctx.layout.checkpoint_dir(iteration))),
     )
+    prune_checkpoints(
+        ctx.layout, iteration, ctx.cfg.engines.keep_optimizer_states
+    )  # after the manifest: until then the last complete checkpoint is the one before
+    return out
 
 
 # The update: its table is train_metrics, its other output the checkpoint (whose manifest is train_metrics').

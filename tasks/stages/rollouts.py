@@ -29,7 +29,7 @@ from tasks.stages.common import (
     stage_task,
 )
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import weights_after
+from tasks.stages.weights import weights_after, weights_fingerprint
 
 
 def sampling_job(ctx: RunContext, n: int, temperature: float, seed: int, top_p: float = 1.0) -> dict:
@@ -193,10 +193,11 @@ def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: in
 @stage_task("rollouts")
 def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
-    policy = weights_after(ctx, iteration - 1)
+    policy_fp = weights_fingerprint(ctx, iteration - 1)  # a kept checkpoint's files are needed only to compute
     r = ctx.cfg.rollout
 
     def compute():
+        policy = weights_after(ctx, iteration - 1)
         prompts = read_stage(ctx.layout, "prompts", iteration).filter(pl.col("round") == round_)
         seed, name = ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101, f"rollouts-{iteration:05d}-{round_}"
         stamp = (
@@ -228,7 +229,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
             },
         )
 
-    return run_stage(ctx, iteration, part=round_, inputs={**upstream, "policy": policy.fingerprint}, compute=compute)
+    return run_stage(ctx, iteration, part=round_, inputs={**upstream, "policy": policy_fp}, compute=compute)
 
 
 @stage_task("release_engines")

@@ -13,9 +13,10 @@ from typing import Callable, Literal
 
 from schemas.config import RunConfig
 
-# What every stage may read: the seed (in every fingerprint), where runs live, and how engines live (resident or one
-# process per call), which changes no data, so no fingerprint covers it.
-GLOBAL_FIELDS = ("seed", "storage_root", "engines")
+# What every stage may read: the seed (in every fingerprint), where runs live, how engines live (resident or one
+# process per call) and which checkpoints keep their optimizer state, which change no data, so no fingerprint covers
+# them.
+GLOBAL_FIELDS = ("seed", "storage_root", "engines", "checkpoint")
 
 
 @dataclass(frozen=True)

@@ -57,11 +57,26 @@ def weights_after(ctx: RunContext, iteration: int, stage: str = "train_metrics")
     marks that update's checkpoint complete (`dpo_metrics` for a DPO run)."""
     if iteration == 0:
         return starting_weights(ctx)
-    manifest = read_manifest(ctx.layout, stage, iteration, verify=False)
+    fp = weights_fingerprint(ctx, iteration, stage)
     ckpt = ctx.layout.checkpoint_dir(iteration)
-    if manifest is None or not (ckpt / "config.json").exists():
+    if not (ckpt / "config.json").exists():
+        kept = ctx.layout.checkpoint_iterations()
+        raise ModelPathError(
+            f"run {ctx.layout.run_id!r} did not keep the checkpoint of iteration {iteration} (checkpoint.every "
+            f"{ctx.cfg.checkpoint.every} keeps every such iteration's, the run's last and the latest; kept: {kept})"
+        )
+    return Weights(str(ckpt), fp, iteration)
+
+
+def weights_fingerprint(ctx: RunContext, iteration: int, stage: str = "train_metrics") -> str:
+    """The identity of the weights after `iteration` updates, whether or not their checkpoint is kept on disk: the
+    manifest of the update that wrote them (the starting model's files for 0)."""
+    if iteration == 0:
+        return model_fingerprint(ctx.cfg.model.path)
+    manifest = read_manifest(ctx.layout, stage, iteration, verify=False)
+    if manifest is None:
         raise ModelPathError(f"run {ctx.layout.run_id!r} has no complete checkpoint for iteration {iteration}")
-    return Weights(str(ckpt), manifest["fingerprint"], iteration)
+    return manifest["fingerprint"]
 
 
 @dataclass(frozen=True)

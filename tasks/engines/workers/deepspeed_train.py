@@ -346,10 +346,20 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
         engine, optimizer, metrics, critic = _rl(request, tokenizer, cache)
         metrics["trainer_peak_rss_gib"] = peak_rss_gib()  # rank 0's: each rank holds as much
         train_seconds = time.time() - t0
-        defer = cache is not None and cache.deferred is not None and bool(request.final_dir)
-        state_id = save_checkpoint(engine, tokenizer, request.tmp_dir, request.crash_point, defer)
+        defer = cache is not None and cache.deferred is not None and bool(request.final_dir) and request.save_state
+        saving = {"save_state": request.save_state}
+        state_id = save_checkpoint(
+            engine, tokenizer, request.tmp_dir, request.crash_point, defer, state_id=request.state_id, **saving
+        )
         critic_id = (
-            save_checkpoint(critic.engine, tokenizer, request.critic.out_dir, defer_state=defer)
+            save_checkpoint(  # named after the policy's, so a replay gives both their recorded ids
+                critic.engine,
+                tokenizer,
+                request.critic.out_dir,
+                defer_state=defer,
+                state_id=f"{state_id}-critic",
+                **saving,
+            )
             if critic is not None
             else None
         )
@@ -373,6 +383,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
                 )
     return {
         "metrics": metrics,
+        "state_id": None if isinstance(request, SFTRequest) else state_id,  # what a resident trainer now holds
         "train_seconds": train_seconds,
         "deepspeed_version": deepspeed.__version__,
         "zero_stage": request.engine.zero_stage,

@@ -35,17 +35,29 @@ def read_state_id(checkpoint: str) -> str | None:
     return read_state(checkpoint).get("id")
 
 
-def write_state_id(checkpoint: str, world_size: int = 1, state_id: str | None = None, pending: bool = False) -> str:
+def write_state_id(
+    checkpoint: str,
+    world_size: int = 1,
+    state_id: str | None = None,
+    pending: bool = False,
+    weights_only: bool = False,
+) -> str:
     """Mark the checkpoint's optimizer state complete under a new id (or `state_id`), or with `pending` as still being
-    written by the resident trainer (tasks/engines/workers/deferred_state.py). Written by a rename: never half a
-    file."""
+    written by the resident trainer (tasks/engines/workers/deferred_state.py), or with `weights_only` as having none
+    (checkpoint.every: only the trainer that wrote it holds its state). Written by a rename: never half a file."""
     state_id = state_id or uuid.uuid4().hex
-    state = {"id": state_id, "world_size": world_size, **({"pending": True} if pending else {})}
+    flags = {"pending": pending, "weights_only": weights_only}
+    state = {"id": state_id, "world_size": world_size, **{k: True for k, on in flags.items() if on}}
     tmp = os.path.join(checkpoint, f".{STATE_FILE}.tmp")
     with open(tmp, "w") as f:
         json.dump(state, f)
     os.replace(tmp, os.path.join(checkpoint, STATE_FILE))
     return state_id
+
+
+def weights_only(checkpoint: str) -> bool:
+    """True for a checkpoint written without optimizer state (checkpoint.every)."""
+    return bool(read_state(checkpoint).get("weights_only"))
 
 
 def state_pending(checkpoint: str) -> bool:

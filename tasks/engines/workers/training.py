@@ -117,11 +117,21 @@ def check_saved_state(resume_state: str, zero_stage: int) -> None:
         )
 
 
-def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "", defer_state: bool = False) -> str:
+def save_checkpoint(
+    engine,
+    tokenizer,
+    out_dir: str,
+    crash_name: str = "",
+    defer_state: bool = False,
+    save_state: bool = True,
+    state_id: str = "",
+) -> str:
     """HF weights + tokenizer (what vLLM loads), the sync probe, then the DeepSpeed state; returns the state id, written
-    last (a checkpoint without one is never reused by a resident trainer). With `defer_state` the id is marked pending
-    and the state is left to the caller's tasks/engines/workers/deferred_state.py. Every rank calls it: ZeRO-3's weights
-    are gathered from all ranks, rank 0 writes the consolidated HF folder, each rank saves its optimizer partition."""
+    last (a checkpoint without one is never reused by a resident trainer; `state_id` gives it that id, else a new one).
+    With `defer_state` the id is marked pending and the state is left to the caller's
+    tasks/engines/workers/deferred_state.py; without `save_state` there is none (checkpoint.every: the caller keeps the
+    engine). Every rank calls it: ZeRO-3's weights are gathered from all ranks, rank 0 writes the consolidated HF
+    folder, each rank saves its optimizer partition."""
     from tasks.engines.workers.engine_cache import write_state_id
     from tasks.engines.workers.sync_probe import write_probe
 
@@ -137,10 +147,12 @@ def save_checkpoint(engine, tokenizer, out_dir: str, crash_name: str = "", defer
     write_probe(engine.module, tokenizer, out_dir, write=data_parallel.rank() == 0)
     crash_point(crash_name)  # a checkpoint with weights but no optimizer state must never be used
     if defer_state:
-        return write_state_id(out_dir, data_parallel.world(), pending=True)
-    save_optimizer_state(engine, os.path.join(out_dir, "ds_state"))
-    state_id = write_state_id(out_dir, data_parallel.world()) if data_parallel.rank() == 0 else None
-    return data_parallel.broadcast(state_id)
+        return write_state_id(out_dir, data_parallel.world(), state_id or None, pending=True)
+    if save_state:
+        save_optimizer_state(engine, os.path.join(out_dir, "ds_state"))
+    if data_parallel.rank() == 0:
+        state_id = write_state_id(out_dir, data_parallel.world(), state_id or None, weights_only=not save_state)
+    return data_parallel.broadcast(state_id if data_parallel.rank() == 0 else None)
 
 
 def cosine_lr(schedule: Schedule, base_lr: float, step: int) -> float:
