@@ -160,6 +160,10 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
     for f in ("model.safetensors", "sync_probe.json"):
         assert (layout.checkpoint_dir(4) / f).read_bytes() == (dense.checkpoint_dir(4) / f).read_bytes(), f
     assert read_table(layout, "eval", 4).sort("prompt_id").equals(read_table(dense, "eval", 4).sort("prompt_id"))
+    # A removed checkpoint is rebuilt on demand by the same replay (here from the starting model), checked against
+    # the sync probe its update recorded
+    rlpipe("export", "dense", str(workspace / "dense-1"), "--iteration", "1", cwd=workspace)
+    assert (workspace / "dense-1" / "model.safetensors").exists() and dense.checkpoint_iterations() == [1, 2, 4]
 
 
 # ppo and dcpo are the presets with state beyond the policy: a critic trained by its own DeepSpeed engine, and

@@ -347,6 +347,8 @@ def test_show_reports_disk_use_per_part_and_per_iteration(tmp_path):
     console.print(disk_table(use))
     text = console.export_text()
     assert "optimizer states (1 kept)" in text and "10.0 KB" in text and "checkpoint weights (2 kept)" in text
+    # every update of this run wrote its state (no manifest says otherwise): 1100 + 10000 bytes each
+    assert use["written_per_iteration"] == 11100 and "11.1 KB" in text
 
 
 def test_the_time_plot_stacks_only_disjoint_stage_times():

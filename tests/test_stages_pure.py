@@ -177,3 +177,25 @@ def test_only_the_last_optimizer_states_and_weights_only_checkpoint_are_kept(tmp
     assert [(layout.checkpoint_dir(k) / "ds_state").exists() for k in (3, 4)] == [True, True]
     prune_checkpoints(layout, 5, 2)  # a later weights-only checkpoint is not this update's to remove
     assert layout.checkpoint_iterations() == [1, 2, 3, 4, 6]
+
+
+def test_a_full_checkpoint_after_weights_only_ones_is_estimated_with_the_newest_state(tmp_path):
+    from types import SimpleNamespace
+
+    from storage import RunLayout
+    from tasks.stages.optimize import checkpoint_bytes
+
+    layout = RunLayout(tmp_path, "r")
+    for k, state in [(5, 3000), (6, 0), (7, 0)]:
+        folder = layout.checkpoint_dir(k)
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"w" * 1000)
+        if state:
+            (folder / "ds_state").mkdir()
+            (folder / "ds_state" / "optim.pt").write_bytes(b"s" * state)
+    ctx = SimpleNamespace(layout=layout, cfg=SimpleNamespace(lora=SimpleNamespace(enabled=False)))
+    policy = SimpleNamespace(path=str(layout.checkpoint_dir(7)), version=7)
+    assert checkpoint_bytes(ctx, policy, full=False) == 1000  # the weights alone
+    assert checkpoint_bytes(ctx, policy, full=True) == 1000 + 3000  # and checkpoint 5's state
+    policy = SimpleNamespace(path=str(layout.checkpoint_dir(5)), version=5)
+    assert checkpoint_bytes(ctx, policy, full=False) == 1000  # a full checkpoint's weights, without its state

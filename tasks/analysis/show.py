@@ -190,7 +190,20 @@ def disk_use(layout: RunLayout) -> dict:
     iterations = max((max(layout.iterations(stage), default=0) for stage in tables), default=0)
     held = sum(tables.values()) + sum(c["weights"] + c["state"] for c in checkpoints.values())
     return {"tables": tables, "checkpoints": checkpoints, "iterations": iterations, "other": total - held,
-            "total": total}  # fmt: skip
+            "total": total, "written_per_iteration": checkpoint_bytes_written(layout, checkpoints)}  # fmt: skip
+
+
+def checkpoint_bytes_written(layout: RunLayout, checkpoints: dict) -> float:
+    """What an update writes on average: a kept checkpoint's weights, plus its optimizer state in the share of updates
+    that wrote one (checkpoint.every; an update recorded before sparse checkpoints wrote it every time)."""
+    if not checkpoints:
+        return 0.0
+    updates = [read_manifest(layout, "train_metrics", k, verify=False) for k in layout.iterations("train_metrics")]
+    flags = [m["extra"].get("full_checkpoint", True) for m in updates if m]
+    states = [c["state"] for c in checkpoints.values() if c["state"]]
+    weights = sum(c["weights"] for c in checkpoints.values()) / len(checkpoints)
+    share = sum(flags) / len(flags) if flags else 1.0
+    return weights + (sum(states) / len(states) if states else 0.0) * share
 
 
 def human_bytes(n: float) -> str:
@@ -219,6 +232,7 @@ def disk_table(use: dict) -> Table:
         table.add_row(
             f"optimizer states ({with_state} kept)", human_bytes(state), human_bytes(state / max(with_state, 1))
         )
+        table.add_row("checkpoints written per update", "", human_bytes(use["written_per_iteration"]))
     table.add_row("logs, report, other", human_bytes(use["other"]), "")
     table.add_row("total", human_bytes(use["total"]), "")
     return table

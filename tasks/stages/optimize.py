@@ -163,12 +163,21 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
     return out
 
 
-def checkpoint_bytes(ctx: RunContext, policy) -> int:
-    """About what this update's checkpoint will take: the checkpoint before it (weights, optimizer state, critic);
-    for the first, the starting weights (a lower bound; a first adapter checkpoint is small, and not estimated)."""
+def checkpoint_bytes(ctx: RunContext, policy, full: bool) -> int:
+    """About what this update's checkpoint will take: the checkpoint before it (weights, critic), with the optimizer
+    state of the newest full checkpoint kept when this one is full; for the first, the starting weights (a lower
+    bound; a first adapter checkpoint is small, and not estimated)."""
     if policy.version == 0 and ctx.cfg.lora.enabled:
         return 0
-    return folder_bytes(Path(policy.path))
+
+    def state_bytes(folder: Path) -> int:
+        return sum(folder_bytes(d) for d in folder.rglob("ds_state"))
+
+    layout = ctx.layout
+    kept = [layout.checkpoint_dir(k) for k in layout.checkpoint_iterations()]
+    with_state = [folder for folder in kept if (folder / "ds_state").is_dir()]
+    state = state_bytes(with_state[-1]) if full and with_state else 0
+    return folder_bytes(Path(policy.path)) - state_bytes(Path(policy.path)) + state
 
 
 def update_request(ctx: RunContext, iteration: int, policy, tmp: Path, beta: float, replay: str = "") -> UpdateRequest:
@@ -274,7 +283,9 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
                 f"the optimizer state of checkpoint {policy.version} was removed (engines.keep_optimizer_states="
                 f"{ctx.cfg.engines.keep_optimizer_states}): iteration {iteration} cannot be redone from it"
             )
-        ensure_free(final.parent, checkpoint_bytes(ctx, policy), f"the checkpoint of iteration {iteration}")
+        ensure_free(
+            final.parent, checkpoint_bytes(ctx, policy, request.save_state), f"the checkpoint of iteration {iteration}"
+        )
         resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"optimize-{iteration:05d}")
         digest = probe_digest(tmp)
         commit_dir(tmp, final)

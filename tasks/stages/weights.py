@@ -59,12 +59,14 @@ def weights_after(ctx: RunContext, iteration: int, stage: str = "train_metrics")
         return starting_weights(ctx)
     fp = weights_fingerprint(ctx, iteration, stage)
     ckpt = ctx.layout.checkpoint_dir(iteration)
+    if not (ckpt / "config.json").exists() and stage == "train_metrics":
+        # A weights-only checkpoint removed since (checkpoint.every): rebuilt by replaying the updates before it.
+        from tasks.stages import optimize
+        from tasks.stages.common import load_run
+
+        optimize.restore_state(load_run(str(ctx.layout.root), ctx.layout.run_id, optimize.SPEC), iteration)
     if not (ckpt / "config.json").exists():
-        kept = ctx.layout.checkpoint_iterations()
-        raise ModelPathError(
-            f"run {ctx.layout.run_id!r} did not keep the checkpoint of iteration {iteration} (checkpoint.every "
-            f"{ctx.cfg.checkpoint.every} keeps every such iteration's, the run's last and the latest; kept: {kept})"
-        )
+        raise ModelPathError(f"run {ctx.layout.run_id!r} has no checkpoint for iteration {iteration}")
     return Weights(str(ckpt), fp, iteration)
 
 
