@@ -715,9 +715,9 @@ class EnginesConfig(Section):
     keep_optimizer_states: int | None = Field(
         2,
         ge=2,
-        description="Keep the DeepSpeed optimizer state (`ds_state/`, 2-3× the weights) of the last N RL "
-        "checkpoints only; every checkpoint keeps its weights. A resume needs the last two; rerunning an older update "
-        "needs its predecessor's. None: keep all (10 iterations of a 135M model then take 16 GB).",
+        description="Keep the DeepSpeed optimizer state (`ds_state/`, 2-3× the weights) of the last N full RL "
+        "checkpoints only (checkpoint.every). A resume needs the last two; an update whose predecessor's state was "
+        "removed is redone by replaying the updates since an older state. None: keep all.",
     )
 
 

@@ -212,8 +212,9 @@ def update_request(ctx: RunContext, iteration: int, policy, tmp: Path, beta: flo
 
 def restore_state(ctx: RunContext, iteration: int) -> None:
     """Make the optimizer state after update `iteration` available to the next update: on disk (a full checkpoint),
-    being written by this run's trainer (pending), or held by it. Otherwise (a weights-only checkpoint, and a trainer
-    started since) replay the updates after the last full checkpoint from their cached tables, each checked to give
+    being written by this run's trainer (pending: it finishes it before it takes another request), or held by it.
+    Otherwise (a weights-only checkpoint, or a state removed by engines.keep_optimizer_states, and a trainer started
+    since) replay the updates after the last checkpoint with a state from their cached tables, each checked to give
     the weights it recorded."""
     layout = ctx.layout
     ckpt = str(layout.checkpoint_dir(iteration))
@@ -271,18 +272,6 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
         tmp = temp_dir_for(final)
         shutil.rmtree(state_dir_for(final), ignore_errors=True)  # a stopped command's unpublished optimizer state
         request = update_request(ctx, iteration, policy, tmp, beta)
-        prev_state = request.resume_state
-        # A pending state is being written by this run's trainer, which finishes it before it takes this request.
-        if (
-            prev_state
-            and not Path(prev_state).exists()
-            and not state_pending(policy.path)
-            and not trainer_holds(ctx.layout, ctx.cfg.engines, policy.path)
-        ):
-            raise NotFound(
-                f"the optimizer state of checkpoint {policy.version} was removed (engines.keep_optimizer_states="
-                f"{ctx.cfg.engines.keep_optimizer_states}): iteration {iteration} cannot be redone from it"
-            )
         ensure_free(
             final.parent, checkpoint_bytes(ctx, policy, request.save_state), f"the checkpoint of iteration {iteration}"
         )

@@ -14,15 +14,17 @@ first pays the engines' start), each heavy stage's useful FLOPs over its seconds
   trainer reports (`logprobs_forward_*`);
 - optimize: the update's forward and backward (`update_*`), over `seconds_forward_backward`.
 
-Two runs, one after the other: `rlpipe run`'s own settings, then a baseline with `engines.defer_optimizer_state=false`
-(each update's DeepSpeed state written before its optimize stage completes, instead of while the next rollouts run).
-Their breakdowns of an iteration are printed side by side.
+Two runs, one after the other: `rlpipe run`'s own settings (sparse checkpoints, `checkpoint.every` 5: the optimizer
+state written only at the last of the ITERATIONS), then a baseline with `checkpoint.every=1` (every update's
+checkpoint full, its state written while the next rollouts run). Their breakdowns of an iteration are printed side by
+side.
 
 Rows (from the first run): real_rollout_peak_fraction, real_logprobs_peak_fraction, real_optimize_peak_fraction
 (ratio: the fraction), real_padding_fraction (computed positions that are padding, trainer passes),
 real_iteration_overhead (the fraction of an iteration outside generation, forward and backward passes),
-real_samples_per_s; and real_deferred_state_samples_per_s, samples/s over the baseline's (a state writer that slowed the
-next generation down would show here, where the overhead row would count it as generation).
+real_samples_per_s; and against the baseline: real_sparse_checkpoint_samples_per_s (a state writer that slowed the
+next generation down would show here, where the overhead row would count it as generation) and
+real_checkpoint_bytes_per_update (what an update writes on average, as `rlpipe show` counts it).
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ def overhead_breakdown(layout, ends: list[float]) -> pl.DataFrame:
 def measure(shapes: dict, run_id: str, overrides: list[str]) -> tuple[dict, pl.DataFrame]:
     """A fresh run of ITERATIONS demo iterations: (totals over iterations 2..N, the breakdown of one iteration)."""
     from storage import read_stage
+    from tasks.analysis.show import checkpoint_bytes_written, disk_use
     from tests.benchmarks.trl_match import run_iterations
 
     layout, ends = run_iterations(CONFIG, [f"storage_root={ROOT}", *overrides], run_id, ITERATIONS)
@@ -196,6 +199,7 @@ def measure(shapes: dict, run_id: str, overrides: list[str]) -> tuple[dict, pl.D
     with pl.Config(tbl_rows=-1, tbl_width_chars=120):
         print(f"real {run_id}:")
         print(pl.DataFrame(rows))
+    totals["written"] = checkpoint_bytes_written(layout, disk_use(layout)["checkpoints"])
     return totals, overhead_breakdown(layout, ends)
 
 
@@ -212,7 +216,7 @@ def run() -> list[dict]:
     # The same run as `rlpipe run` makes it, then a baseline with the update's optimizer state written before the
     # optimize stage completes (instead of while the next rollouts run): one after the other, never side by side.
     totals, breakdown = measure(shapes, "real", [])
-    base_totals, base_breakdown = measure(shapes, "real-state-first", ["engines.defer_optimizer_state=false"])
+    base_totals, base_breakdown = measure(shapes, "real-every-1", ["checkpoint.every=1"])
     # This machine's speed drifts over minutes: the limit is the mean of two measurements, before and after the runs,
     # as the stages' rates are means over the time between them (one taken in a slow spell flattered the stages).
     last = gemm_peak(shapes)
@@ -224,7 +228,7 @@ def run() -> list[dict]:
     with pl.Config(tbl_rows=-1, fmt_str_lengths=60, tbl_width_chars=120):  # every row of the breakdown, unabridged
         print(
             breakdown.rename({"mean": "rlpipe"}).join(
-                base_breakdown.rename({"mean": "state written first"}),
+                base_breakdown.rename({"mean": "full checkpoint every update"}),
                 on="seconds per iteration",
                 how="full",
                 coalesce=True,
@@ -238,7 +242,9 @@ def run() -> list[dict]:
     print(
         f"real: peak fractions rollouts {fraction['rollout']:.2f}, logprobs {fraction['logprobs']:.2f}, optimize "
         f"{fraction['update']:.2f}; padding {totals['padding'] / totals['positions']:.3f}; overhead {overhead:.3f} "
-        f"({base_overhead:.3f} with the state written first); {samples_per_s:.2f} samples/s ({base_samples_per_s:.2f})"
+        f"({base_overhead:.3f} with a full checkpoint every update); {samples_per_s:.2f} samples/s "
+        f"({base_samples_per_s:.2f}); checkpoints written per update {totals['written'] / 1e9:.2f} GB "
+        f"({base_totals['written'] / 1e9:.2f} GB)"
     )
 
     def row(name, value, unit, target, baseline="target"):
@@ -260,10 +266,17 @@ def run() -> list[dict]:
         row("real_iteration_overhead", overhead, "fraction of iteration wall", 0.05),
         row("real_samples_per_s", samples_per_s, "samples/s", float("nan")),
         row(
-            "real_deferred_state_samples_per_s",
+            "real_sparse_checkpoint_samples_per_s",
             samples_per_s,
             "samples/s",
             base_samples_per_s,
-            baseline="optimizer state written before optimize completes",
+            baseline="checkpoint.every=1",
+        ),
+        row(
+            "real_checkpoint_bytes_per_update",
+            totals["written"],
+            "bytes",
+            base_totals["written"],
+            baseline="checkpoint.every=1",
         ),
     ]
