@@ -125,6 +125,11 @@ def folder_bytes(path: Path) -> int:
     return total
 
 
+def state_bytes(checkpoint: Path) -> int:
+    """The bytes of a checkpoint's DeepSpeed optimizer state: every `ds_state/` under it (policy's and critic's)."""
+    return sum(folder_bytes(d) for d in checkpoint.rglob("ds_state") if d.is_dir())
+
+
 def ensure_free(folder: Path, needed: int, what: str) -> None:
     """Refuse, with one line naming the path and the bytes, to start writing `needed` bytes where fewer are free:
     a checkpoint found the full disk only after minutes of training."""

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.errors import NotFound
-from storage import RunLayout, folder_bytes, read_manifest, scan, verified_parts
+from storage import RunLayout, folder_bytes, read_manifest, scan, state_bytes, verified_parts
 from tasks.analysis.agent_stats import per_iteration
 from tasks.analysis.query import warn_strays
 
@@ -184,7 +184,7 @@ def disk_use(layout: RunLayout) -> dict:
     checkpoints = {}
     for k in layout.checkpoint_iterations():
         folder = layout.checkpoint_dir(k)
-        state = sum(folder_bytes(d) for d in folder.rglob("ds_state") if d.is_dir())
+        state = state_bytes(folder)
         checkpoints[k] = {"weights": folder_bytes(folder) - state, "state": state}
     total = folder_bytes(layout.run_dir)  # a second walk of a few hundred files: simpler than excluding folders
     iterations = max((max(layout.iterations(stage), default=0) for stage in tables), default=0)

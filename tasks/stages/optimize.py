@@ -29,6 +29,7 @@ from storage import (
     folder_bytes,
     read_manifest,
     read_stage,
+    state_bytes,
     state_dir_for,
     temp_dir_for,
 )
@@ -169,10 +170,6 @@ def checkpoint_bytes(ctx: RunContext, policy, full: bool) -> int:
     bound; a first adapter checkpoint is small, and not estimated)."""
     if policy.version == 0 and ctx.cfg.lora.enabled:
         return 0
-
-    def state_bytes(folder: Path) -> int:
-        return sum(folder_bytes(d) for d in folder.rglob("ds_state"))
-
     layout = ctx.layout
     kept = [layout.checkpoint_dir(k) for k in layout.checkpoint_iterations()]
     with_state = [folder for folder in kept if (folder / "ds_state").is_dir()]

@@ -347,9 +347,14 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
         metrics["trainer_peak_rss_gib"] = peak_rss_gib()  # rank 0's: each rank holds as much
         train_seconds = time.time() - t0
         defer = cache is not None and cache.deferred is not None and bool(request.final_dir) and request.save_state
-        saving = {"save_state": request.save_state}
         state_id = save_checkpoint(
-            engine, tokenizer, request.tmp_dir, request.crash_point, defer, state_id=request.state_id, **saving
+            engine,
+            tokenizer,
+            request.tmp_dir,
+            request.crash_point,
+            defer,
+            save_state=request.save_state,
+            state_id=request.state_id,
         )
         critic_id = (
             save_checkpoint(  # named after the policy's, so a replay gives both their recorded ids
@@ -357,8 +362,8 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
                 tokenizer,
                 request.critic.out_dir,
                 defer_state=defer,
+                save_state=request.save_state,
                 state_id=f"{state_id}-critic",
-                **saving,
             )
             if critic is not None
             else None
