@@ -1,6 +1,6 @@
 """Experiment tracking end to end: a 2-iteration run with `tracking: [tensorboard, mlflow]`, read back with
-TensorBoard's event reader and MLflow's client; killed in iteration 2 and resumed, the same MLflow run with no step
-twice."""
+TensorBoard's event reader and MLflow's client; killed inside iteration 2's scores and resumed, the same MLflow run
+with no step twice."""
 
 import json
 import math
@@ -42,8 +42,9 @@ def test_a_tracked_run_is_read_back_and_a_resumed_one_has_no_duplicate_steps(tin
     from mlflow.tracking import MlflowClient
 
     workspace, cfg = tiny_sft
-    run_until_killed(workspace, cfg, "tracked", "optimize:2", "run", *TRACKING)
+    run_until_killed(workspace, cfg, "tracked", "scores:2", "run", *TRACKING)  # after its part, before its manifest
     layout = RunLayout(workspace / "runs", "tracked")
+    assert layout.part_path("scores", 2, 0).exists() and not layout.manifest_path("scores", 2).exists()
     assert (
         json.loads((layout.run_dir / "tracking.json").read_text())["train"] == 1
     )  # iteration 1 logged before the kill

