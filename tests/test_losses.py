@@ -112,6 +112,59 @@ def test_gspo_token_has_gspo_value_and_a_per_token_gradient():
     assert c.grad.tolist()[0] == pytest.approx([-1.0, -2.0, -3.0], abs=1e-6)
 
 
+def test_cispo_weights_every_tokens_gradient_by_the_truncated_ratio():
+    # ρ = [1.0, 1.5, 0.5], A = [1, 1, −1], ε_low 0.2, ε_high 0.28 → ŵ = [1.0, 1.28, 0.8]; ℓ = −ŵ·A·log π_θ
+    logp = torch.tensor([-1.0, -0.5, -2.0], requires_grad=True)
+    old = logp.detach() - torch.log(torch.tensor([1.0, 1.5, 0.5]))
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    settings = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28)
+    loss, low, high = OBJECTIVES["cispo"](logp, old, adv, torch.ones(3), settings)
+    assert loss.tolist() == pytest.approx([1.0, 0.64, -1.6], abs=1e-6)  # −1·1·(−1), −1.28·1·(−0.5), −0.8·(−1)·(−2)
+    assert high.tolist() == [False, True, False] and low.tolist() == [False, False, True]
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-1.0, -1.28, 0.8], abs=1e-6)  # −ŵ·A: the truncated tokens keep theirs
+    clipped = logp.detach().clone().requires_grad_(True)
+    clip_objective(clipped, old, adv, torch.ones(3), settings)[0].sum().backward()
+    assert clipped.grad[1] == 0  # PPO's clip drops the gradient of the token beyond 1 + ε_high
+
+
+def test_gmpo_clips_each_log_ratio_and_takes_the_geometric_mean():
+    # Row 0, A = 1: Δ = [0.6, −0.2, pad] → [0.4, −0.2] (0.6 clipped to ε_high) → ratio e^0.1, ℓ = −e^0.1.
+    # Row 1, A = −1: Δ = [−0.6, 0.2, 0.5] → [−0.4, 0.2, 0.5] (−0.6 clipped to −ε_low) → e^(0.3/3) = e^0.1, ℓ = +e^0.1.
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.6, -0.2, 9.0], [-0.6, 0.2, 0.5]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, low, high = OBJECTIVES["gmpo"](logp, old, adv, mask, LossConfig(clip_eps_low=0.4, clip_eps_high=0.4))
+    e = math.exp(0.1)
+    assert torch.allclose(loss, torch.tensor([[-e, -e, -e], [e, e, e]]), atol=1e-6)
+    assert high.tolist() == [[True, False, True], [False, False, False]]  # the pad's Δ too: masked by the caller
+    assert low.tolist() == [[False, False, False], [True, False, False]]
+    loss[:, 0].sum().backward()  # each row's ℓ once: the clipped tokens get no gradient, the others ℓ/n
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, -e / 2, 0.0], [0.0, e / 3, e / 3]]), atol=1e-6)
+
+
+def test_gmpo_matches_the_papers_product_form_in_a_loop():
+    """ℓ_i = −A_i·(Π_t min(ρ_t, clip(ρ_t, e^−ε_low, e^ε_high)))^(1/|y_i|) for A_i > 0, max for A_i < 0 (the paper's
+    |Π min(ρA, clip(ρ)A)|^(1/|y|)·sgn A), against the vectorised log-space form."""
+    torch.manual_seed(3)
+    b, t, eps_low, eps_high = 7, 6, 0.3, 0.4
+    old, logp = torch.randn(b, t), torch.randn(b, t)
+    adv = torch.randn(b, 1).expand(b, t).contiguous()  # one advantage per sequence, as GRPO's
+    mask = (torch.rand(b, t) > 0.3).float()
+    mask[:, 0] = 1.0
+    loss, _, _ = OBJECTIVES["gmpo"](logp, old, adv, mask, LossConfig(clip_eps_low=eps_low, clip_eps_high=eps_high))
+    for i in range(b):
+        a, product, n = float(adv[i, 0]), 1.0, 0
+        for j in range(t):
+            if mask[i, j]:
+                rho = math.exp(float(logp[i, j] - old[i, j]))
+                bounded = min(max(rho, math.exp(-eps_low)), math.exp(eps_high))
+                product *= min(rho, bounded) if a > 0 else max(rho, bounded)
+                n += 1
+        assert float(loss[i, 0]) == pytest.approx(-a * product ** (1 / n), rel=1e-5)
+
+
 def test_dcpo_bounds_match_design_at_q_0_9_and_0_01():
     low, high = dcpo_bounds(torch.tensor([0.9, 0.01]), 0.16, 0.2, 3.0)
     # q = 0.9: low = ½ + ½·sqrt(1 − 0.64/0.9) = 0.768749, high = ½ + ½·sqrt(1 + 0.8/0.9) = 1.187212

@@ -84,6 +84,35 @@ def dcpo_objective(logp, old_logp, adv, mask, loss: LossConfig):
     return clipped_surrogate(torch.exp(logp - old_logp), adv, low, high, loss.dual_clip)
 
 
+def cispo_objective(logp, old_logp, adv, mask, loss: LossConfig):
+    """CISPO (MiniMax-M1, 2506.13585): ℓ = −sg(clip(ρ, 1−ε_low, 1+ε_high))·A·log π_θ. The clip bounds the importance
+    weight, not the update: every token keeps its gradient −ŵ·A·∇log π_θ (PPO's clip zeroes it beyond the bound). ℓ's
+    value is a weighted log-probability, not a surrogate of the return. The masks mark tokens whose weight was
+    truncated, whatever A's sign."""
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # verl's guard against an overflowing exp
+    low, high = 1.0 - loss.clip_eps_low, 1.0 + loss.clip_eps_high
+    weight = ratio.clamp(min=low, max=high).detach()
+    return -weight * adv * logp, ratio < low, ratio > high
+
+
+def gmpo_objective(logp, old_logp, adv, mask, loss: LossConfig):
+    """GMPO (Zhao et al. 2025, 2507.20673): the geometric mean of the token ratios in place of their arithmetic mean.
+    Each log-ratio Δ_t is clipped pessimistically in log space (to ε_high above for A > 0, to −ε_low below for A < 0),
+    and ℓ_i = −Ā_i·exp(mean over y_i's tokens of the clipped Δ_t), Ā_i the mean of y_i's token advantages; ℓ_i is
+    placed on every token of y_i (aggregate with seq-mean-token-mean for the paper's mean over sequences), as verl
+    does."""
+    delta = (logp - old_logp).clamp(-20.0, 20.0)
+    sign = torch.sign(adv)
+    clipped = delta.clamp(-loss.clip_eps_low, loss.clip_eps_high)
+    pessimistic = sign * torch.minimum(sign * delta, sign * clipped)
+    n = mask.sum(-1, keepdim=True).clamp_min(1.0)
+    ratio = torch.exp((pessimistic * mask).sum(-1, keepdim=True) / n)
+    seq_adv = (adv * mask).sum(-1, keepdim=True) / n
+    clipped_high = (delta > loss.clip_eps_high) & (adv > 0)
+    clipped_low = (delta < -loss.clip_eps_low) & (adv < 0)
+    return (-seq_adv * ratio).expand_as(logp), clipped_low, clipped_high
+
+
 def _first_token(mask):
     """Index of each row's first response token (0 for an all-zero row)."""
     return torch.argmax((mask > 0).int(), dim=-1)
@@ -95,6 +124,8 @@ for _name, _fn in (
     ("gspo", gspo_objective),
     ("gspo_token", gspo_token_objective),
     ("dcpo", dcpo_objective),
+    ("cispo", cispo_objective),
+    ("gmpo", gmpo_objective),
 ):
     OBJECTIVES.register(_name)(_fn)
 
