@@ -98,9 +98,9 @@ def cispo_objective(logp, old_logp, adv, mask, loss: LossConfig):
 def gmpo_objective(logp, old_logp, adv, mask, loss: LossConfig):
     """GMPO (Zhao et al. 2025, 2507.20673): the geometric mean of the token ratios in place of their arithmetic mean.
     Each log-ratio Δ_t is clipped pessimistically in log space (to ε_high above for A > 0, to −ε_low below for A < 0),
-    and ℓ_i = −Ā_i·exp(mean over y_i's tokens of the clipped Δ_t), Ā_i the mean of y_i's token advantages; ℓ_i is
-    placed on every token of y_i (aggregate with seq-mean-token-mean for the paper's mean over sequences), as verl
-    does."""
+    and ℓ_i = −Ā_i·exp(mean over y_i's tokens of the clipped Δ_t), Ā_i the mean of y_i's token advantages (as verl's
+    GMPO loss takes it); ℓ_i is placed on every token of y_i (aggregate with seq-mean-token-mean for the paper's mean
+    over sequences)."""
     delta = (logp - old_logp).clamp(-20.0, 20.0)
     sign = torch.sign(adv)
     clipped = delta.clamp(-loss.clip_eps_low, loss.clip_eps_high)

@@ -138,7 +138,7 @@ def _link_compile_headers(temp: str, cache: str | None) -> None:
     link = os.path.join(temp, f"torchinductor_{getpass.getuser()}")
     os.makedirs(cache, exist_ok=True)
     try:
-        os.symlink(cache, link)
+        os.symlink(os.path.abspath(cache), link)  # torch too reads a relative cache folder from the actor's own cwd
     except FileExistsError:  # another rank of this command made it
         pass
 
