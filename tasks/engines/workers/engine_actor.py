@@ -8,6 +8,7 @@ Imports: ray inside the methods that need it (the module is imported by the clie
 from __future__ import annotations
 
 import atexit
+import getpass
 import importlib
 import os
 import shutil
@@ -133,8 +134,6 @@ def _link_compile_headers(temp: str, cache: str | None) -> None:
     folder, to the shared cache, keeps them there; removing the command's folder removes the link only."""
     if not cache:
         return
-    import getpass
-
     link = os.path.join(temp, f"torchinductor_{getpass.getuser()}")
     os.makedirs(cache, exist_ok=True)
     try:
