@@ -403,3 +403,27 @@ def test_progress_lines_say_steps_rate_and_time_left(tmp_path, capsys):
         "progress: half a line",
         "progress: step 2",
     ]
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time
+from flows.cli import exit_without_final_collection
+
+atexit.register(lambda: print("exit handler ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished"))).start()
+sys.stdout.write("buffered, not flushed\\n")
+exit_without_final_collection({code!r})
+print("never reached")
+"""
+
+
+@pytest.mark.parametrize("code, status", [(3, 3), ("error: a message", 1)])  # 0: every command that succeeds
+def test_the_command_exits_as_the_interpreter_would_less_its_final_collection(code, status):
+    """The command's fast exit (no final garbage collection) still joins threads, runs the exit handlers, flushes
+    what was written, and exits with the status sys.exit would give, a message printed to stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT.format(code=code)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == status
+    assert proc.stdout.splitlines() == ["buffered, not flushed", "thread finished", "exit handler ran"]
+    assert proc.stderr.strip() == (code if isinstance(code, str) else "")
