@@ -214,7 +214,10 @@ def run(
     overrides: Optional[list[str]] = SetOpt,
     run_id: str = typer.Option("rl", "--run-id"),
     algo: Optional[str] = typer.Option(
-        None, "--algo", help="Algorithm preset from infra/algos/ (ppo, grpo, dapo, dcpo, ...)."
+        None,
+        "--algo",
+        help="Algorithm preset from infra/algos/ (ppo, grpo, dapo, dcpo, ...); several, comma-separated, merge in "
+        "order (grpo,geo_rs: GRPO with a rollout correction).",
     ),
     reconfigure: bool = ReconfigureOpt,
 ) -> None:
@@ -313,7 +316,7 @@ def compare_advantages_cmd(
     run_id: str,
     iteration: int = typer.Option(..., "--iteration", help="The iteration whose saved rollouts to use."),
     estimators: str = typer.Option(
-        "grpo,drgrpo,lite_ppo,rloo,dcpo", "--estimators", help="Comma-separated estimator names."
+        "grpo,drgrpo,lite_ppo,rloo,dcpo,passk,gdpo", "--estimators", help="Comma-separated estimator names."
     ),
     aggregation: Optional[str] = typer.Option(
         None, "--aggregation", help="Loss aggregation for the token weights (default: the run's)."

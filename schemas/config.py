@@ -101,7 +101,7 @@ class ModelConfig(Section):
         "float32",
         description="Weights and compute dtype of both engines (vLLM "
         "and the DeepSpeed trainer). bfloat16 halves memory on GPUs; the sampler's "
-        "logprobs then differ from the trainer's (see loss.tis_cap).",
+        "logprobs then differ from the trainer's (see loss.rollout_is).",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, ~30% more time."
@@ -559,6 +559,12 @@ class AdvantageConfig(Section):
     eps: float = Field(1e-6, gt=0, description="Added to a group's reward standard deviation before dividing by it.")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount γ.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE's λ: 1 is Monte Carlo returns, 0 is TD(0).")
+    pass_k: int = Field(
+        4, ge=1, description="passk: the k whose pass@k the advantage optimises (at most rollout.group_size)."
+    )
+    correct_at: float = Field(
+        1.0, description="passk: a response counts as correct when its reward is at least this (rewards are 0/1 there)."
+    )
 
 
 class LossConfig(Section):
@@ -587,12 +593,80 @@ class LossConfig(Section):
         "step.",
     )
     ptx_batch: int = Field(16, ge=1, description="Demonstrations per optimizer step for PPO-ptx.")
-    tis_cap: float | None = Field(
+    # Rollout correction: the sampler's logprobs (rollouts.sampler_logprobs) against the trainer's π_old.
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None,
+        description="Truncated importance sampling of the sampler's samples: each token's policy loss weighted by "
+        "min(π_old/π_sampler, rollout_is_threshold), the ratio per token or, sequence, the product over the response "
+        "(Yao et al. 2025); None: off.",
+    )
+    rollout_is_threshold: float = Field(2.0, gt=0, description="The importance weight's cap.")
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = Field(
+        None,
+        description="Rejection by the sampler/trainer ratio (masked IS): tokens (token), or whole responses by the "
+        "product (sequence) or geometric mean (geometric) of their ratios, outside [rollout_rs_threshold_lower, "
+        "rollout_rs_threshold] get no policy loss; None: off.",
+    )
+    rollout_rs_threshold: float = Field(2.0, gt=1, description="Rejection's upper bound on the ratio.")
+    rollout_rs_threshold_lower: float | None = Field(
+        None, gt=0, lt=1, description="Rejection's lower bound; None: 1/rollout_rs_threshold."
+    )
+    rollout_veto_threshold: float | None = Field(
         None,
         gt=0,
-        description="Truncated importance sampling (Yao et al. 2025): each token's loss weighted by "
-        "min(π_old/π_sampler, tis_cap), for a sampler that disagrees with the trainer (bf16); None: off.",
+        lt=1,
+        description="A response with any token whose ratio π_old/π_sampler is below this (e.g. 1e-4: a token the "
+        "trainer finds near impossible) gets no policy loss at all; None: off.",
     )
+    sapo_tau_pos: float = Field(1.0, gt=0, description="SAPO's gate temperature τ for tokens with A > 0.")
+    sapo_tau_neg: float = Field(
+        1.05, gt=0, description="SAPO's gate temperature τ for tokens with A ≤ 0 (higher: their gradient fades sooner)."
+    )
+    cov_ratio: float = Field(
+        2e-4,
+        gt=0,
+        le=1,
+        description="Clip-Cov and KL-Cov: the share of a micro-batch's response tokens selected by their covariance of "
+        "advantage and log-probability (at least one).",
+    )
+    clip_cov_lb: float = Field(1.0, description="Clip-Cov: tokens are picked among those with covariance above this.")
+    clip_cov_ub: float = Field(5.0, description="Clip-Cov: ... and below this.")
+    kl_cov_coef: float = Field(
+        0.1, ge=0, description="KL-Cov: the coefficient k of |log π_θ − log π_old| on the selected tokens."
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Only the top share of a micro-batch's response tokens by entropy get the policy loss (0.2: the "
+        "80/20 paper's); the others still count in the normalizers and the KL. 1: every token.",
+    )
+    entropy_target: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive entropy bonus: each iteration the coefficient moves by entropy_coef_delta, up when the "
+        "previous iteration's mean token entropy was at or below this (nats), down when above, within "
+        "[entropy_coef_min, entropy_coef_max], starting from entropy_coef. None: a fixed entropy_coef.",
+    )
+    entropy_coef_delta: float = Field(0.005, gt=0, description="The adaptive entropy coefficient's step.")
+    entropy_coef_min: float = Field(0.0, ge=0, description="The adaptive entropy coefficient's lower bound.")
+    entropy_coef_max: float = Field(1.0, ge=0, description="The adaptive entropy coefficient's upper bound.")
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the update reads the sampler's logprobs (rollout correction)."""
+        return bool(self.rollout_is or self.rollout_rs or self.rollout_veto_threshold)
+
+    @model_validator(mode="after")
+    def _ordered_bounds(self) -> "LossConfig":
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"loss.clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
+        if not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max and self.entropy_target is not None:
+            raise ValueError(
+                f"loss.entropy_coef ({self.entropy_coef}) must lie within [entropy_coef_min, entropy_coef_max] "
+                f"([{self.entropy_coef_min}, {self.entropy_coef_max}]) with an entropy_target"
+            )
+        return self
 
 
 class KLConfig(Section):
@@ -926,6 +1000,22 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _estimator_fits(self) -> "RunConfig":
+        a = self.advantage
+        if a.estimator == "passk" and a.pass_k > self.rollout.group_size:
+            raise ValueError(
+                f"advantage.pass_k ({a.pass_k}) exceeds rollout.group_size ({self.rollout.group_size}): pass@k needs "
+                f"groups of at least k responses"
+            )
+        if (
+            a.estimator == "gdpo"
+            and not any(f.weight for f in self.reward.functions.values())
+            and not (self.reward.kind == "model" and self.reward.model_weight)
+        ):
+            raise ValueError("advantage.estimator gdpo normalises the reward's weighted parts, and every weight is 0")
+        return self
+
+    @model_validator(mode="after")
     def _judge_is_scored(self) -> "RunConfig":
         judges = {*self.reward.functions, "reward"} | ({"model"} if self.reward.kind == "model" else set())
         if self.eval.judge not in judges:
@@ -1069,16 +1159,17 @@ def deep_merge(base: dict, top: dict) -> dict:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, algo: str | None = None) -> RunConfig:
-    """The config file, then the algorithm preset `infra/algos/{algo}.yaml` merged over it (a preset only
-    chooses registry entries and their settings), then `--set` overrides."""
+    """The config file, then the presets `infra/algos/{name}.yaml` that `algo` names (one, or several separated by
+    commas, merged in order: `grpo,geo_rs` is GRPO with a rollout correction; a preset only chooses registry entries
+    and their settings), then `--set` overrides."""
     data = _read_mapping(Path(path), "config file")
-    if algo is not None:
-        if algo not in algorithm_presets():
-            raise ConfigError(f"unknown --algo {algo!r}: choose one of {', '.join(algorithm_presets())}")
+    for name in [n.strip() for n in algo.split(",")] if algo is not None else []:
+        if name not in algorithm_presets():
+            raise ConfigError(f"unknown --algo {name!r}: choose one of {', '.join(algorithm_presets())}")
         # Merged over the resolved config, so a preset's `reward.functions: {overlong: ...}` adds to the
         # configured functions instead of replacing them.
         resolved = build_config(data).model_dump(mode="json")
-        data = deep_merge(resolved, _read_mapping(PRESETS_DIR / f"{algo}.yaml", "preset"))
+        data = deep_merge(resolved, _read_mapping(PRESETS_DIR / f"{name}.yaml", "preset"))
     return build_config(data, overrides)
 
 

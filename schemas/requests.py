@@ -191,19 +191,24 @@ class LossSettings:
     loss: LossConfig = LossConfig()
     kl: KLConfig = KLConfig()
     kl_beta: float = KLConfig.model_fields["beta"].default  # the iteration's β (tasks/stages/kl_control.py)
+    entropy_coef: float = LossConfig.model_fields["entropy_coef"].default  # the iteration's (kl_control.py too)
     max_tokens: int = RolloutConfig.model_fields["max_tokens"].default  # L_max of seq-mean-token-sum-norm
 
     CONFIG_KEYS: ClassVar[dict[str, str]] = {
         "loss": "loss",
         "kl": "kl",
         "kl_beta": "kl.beta, or the adaptive controller's β when kl.target is set",
+        "entropy_coef": "loss.entropy_coef, or the adaptive controller's when loss.entropy_target is set",
         "max_tokens": "rollout.max_tokens",
     }
 
     @classmethod
-    def for_iteration(cls, cfg, kl_beta: float) -> "LossSettings":
-        """From a run's config (a stage's view of it, with the loss, kl and rollout sections) and the iteration's β."""
-        return cls(loss=cfg.loss, kl=cfg.kl, kl_beta=kl_beta, max_tokens=cfg.rollout.max_tokens)
+    def for_iteration(cls, cfg, kl_beta: float, entropy_coef: float) -> "LossSettings":
+        """From a run's config (a stage's view of it, with the loss, kl and rollout sections) and the iteration's β
+        and entropy coefficient."""
+        return cls(
+            loss=cfg.loss, kl=cfg.kl, kl_beta=kl_beta, entropy_coef=entropy_coef, max_tokens=cfg.rollout.max_tokens
+        )
 
     @property
     def kl_in_loss(self) -> bool:

@@ -371,3 +371,86 @@ def test_one_rule_for_a_non_finite_reward_whatever_the_estimator(estimator):
         df = df.with_columns(pl.Series("values", [[0.0]] * 4, dtype=pl.List(pl.Float32)))
     with pytest.raises(AdvantageInputError, match="prompt 'b' has a non-finite reward"):
         compute_advantages(df, estimator, S, empty_prompt_stats())
+
+
+# ---- Pass@k training and GDPO ------------------------------------------------------------------------------------
+
+
+def test_passk_hand_values_and_edges():
+    from tasks.algos.advantages import passk_advantages
+
+    # n 4, c 1, k 2: ρ = 1 − C(3,2)/C(4,2) = 1/2, σ = 1/2; A_pos = (1/2)/(1/2) = 1, A_neg = (1/2 − C(2,1)/C(3,1))/(1/2)
+    # = (1/2 − 2/3)·2 = −1/3: the group's advantages sum to 0 (1 − 3·1/3).
+    pos, neg = passk_advantages(4, 1, 2, 0.0)
+    assert pos == pytest.approx(1.0) and neg == pytest.approx(-1 / 3)
+    for n, c, k in ((4, 0, 2), (4, 4, 2), (4, 3, 2)):  # none correct; all; n − c < k: every 2-subset passes
+        assert passk_advantages(n, c, k, 1e-6) == pytest.approx((0.0, 0.0), abs=1e-9), (n, c, k)
+    s = AdvantageSettings(pass_k=2)
+    assert adv("passk", {"a": [1, 0, 0, 0]}, s) == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3], abs=1e-5)
+    with pytest.raises(Exception, match="needs groups of at least k responses; prompt 'b' has 1"):
+        adv("passk", {"a": [1, 0], "b": [1]}, s)
+
+
+def test_passk_with_k_1_is_grpo_with_the_population_std():
+    groups = {"a": [1, 0, 0, 1, 1], "b": [0, 0, 1, 0, 0], "c": [1, 1, 1, 1, 1]}
+    got = adv("passk", groups, AdvantageSettings(pass_k=1, eps=0.0))
+    want = []
+    for rs in groups.values():
+        mean, std = statistics.fmean(rs), statistics.pstdev(rs)
+        want += [(r - mean) / std if std else 0.0 for r in rs]
+    assert got == pytest.approx(want, abs=1e-9)
+
+
+def test_passk_matches_a_reference_loop_with_a_threshold_on_the_reward():
+    rng = random.Random(3)
+    groups = {f"p{i}": [rng.choice([0.0, 0.1, 1.0, 1.1]) for _ in range(8)] for i in range(60)}
+    s = AdvantageSettings(pass_k=3, correct_at=1.0)
+    want = []
+    for rs in groups.values():
+        n, c = len(rs), sum(r >= 1.0 for r in rs)
+        rho = 1 - math.comb(n - c, 3) / math.comb(n, 3)
+        sigma = math.sqrt(rho * (1 - rho))
+        pos = (1 - rho) / (sigma + s.eps)
+        neg = (1 - rho - (math.comb(n - c - 1, 2) / math.comb(n - 1, 2) if n - c else 0)) / (sigma + s.eps)
+        want += [pos if r >= 1.0 else neg for r in rs]
+    assert adv("passk", groups, s) == pytest.approx(want, abs=1e-9)
+
+
+def components_frame(groups: dict[str, list[tuple[float, float]]]) -> pl.DataFrame:
+    rows = [(p, i, a, f, a + 0.1 * f) for p, rs in groups.items() for i, (a, f) in enumerate(rs)]
+    schema = {"prompt_id": pl.Utf8, "sample_idx": pl.Int32, "score_a": pl.Float64, "score_f": pl.Float64}
+    df = pl.DataFrame(rows, schema={**schema, "reward": pl.Float64}, orient="row")
+    return df.with_columns(pl.lit(1, pl.Int32).alias("length"))
+
+
+def test_gdpo_normalises_each_component_in_its_group_then_the_weighted_sum_over_the_batch():
+    # Group g: a = [1, 0], f = [0, 1] → z_a = [0.7071, −0.7071], z_f = [−0.7071, 0.7071] (std 0.7071);
+    # with weights 1 and 0.1: [0.6364, −0.6364]. Group h: a = [1, 1] (equal: z 0), f = [1, 0] → [0.0707, −0.0707].
+    # Batch: mean 0, std of [0.6364, −0.6364, 0.0707, −0.0707] (ddof 1) = 0.5222 → divided by it.
+    df = components_frame({"g": [(1, 0), (0, 1)], "h": [(1, 1), (1, 0)]})
+    s = AdvantageSettings(components=(("score_a", 1.0), ("score_f", 0.1)), eps=0.0)
+    got = compute_advantages(df, "gdpo", s)["advantage"].to_list()
+    z = 1 / math.sqrt(2)
+    raw = [z - 0.1 * z, -z + 0.1 * z, 0.1 * z, -0.1 * z]
+    std = statistics.stdev(raw)
+    assert got == pytest.approx([r / std for r in raw], abs=1e-9)
+    # GRPO on the summed reward instead: group h's reward [1.1, 1.0] gives ±0.7071, as large as group g's.
+    assert compute_advantages(df, "grpo", S)["advantage"].to_list()[2] == pytest.approx(z, abs=1e-5)
+
+
+def test_gdpo_matches_a_reference_loop():
+    rng = random.Random(5)
+    groups = {f"p{i}": [(rng.choice([0.0, 1.0]), rng.random()) for _ in range(rng.randint(1, 6))] for i in range(80)}
+    s = AdvantageSettings(components=(("score_a", 1.0), ("score_f", 0.5)))
+    raw = []
+    for rs in groups.values():
+        parts = []
+        for k, w in ((0, 1.0), (1, 0.5)):
+            xs = [r[k] for r in rs]
+            equal = max(xs) == min(xs)
+            std = statistics.stdev(xs) if len(xs) > 1 else 0.0
+            parts.append([0.0 if equal else w * (x - statistics.fmean(xs)) / (std + s.eps) for x in xs])
+        raw += [a + b for a, b in zip(*parts)]
+    mean, std = statistics.fmean(raw), statistics.stdev(raw)
+    got = compute_advantages(components_frame(groups), "gdpo", s)["advantage"].to_list()
+    assert got == pytest.approx([(r - mean) / (std + s.eps) for r in raw], abs=1e-9)

@@ -213,7 +213,7 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
         out = rlpipe(
             "compare-advantages", f"algo-{algo}", "--iteration", "2", "--root", str(workspace / "runs"), cwd=workspace
         )
-        for name in ("grpo", "drgrpo", "lite_ppo", "rloo", "dcpo"):
+        for name in ("grpo", "drgrpo", "lite_ppo", "rloo", "dcpo", "passk", "gdpo"):
             assert name in out.stdout
         check_fork_and_diff(workspace, layout)
 

@@ -247,7 +247,7 @@ def test_entropy_bonus_lowers_the_loss_by_c_times_entropy():
         torch.zeros(1, 2),
         mask,
         norm,
-        LossSettings(kl=KLConfig(placement="none"), loss=LossConfig(entropy_coef=0.1)),
+        LossSettings(kl=KLConfig(placement="none"), entropy_coef=0.1),  # the iteration's coefficient
         entropy=ent,
     )
     assert plain.item() == pytest.approx(0.0) and bonus.item() == pytest.approx(-0.1 * 1.0)
@@ -282,8 +282,13 @@ def _accumulate(model, ids, old, ref, adv, mask, rows_per_micro, settings):
     return total, [p.grad.clone() for p in model.parameters()]
 
 
+# Clip-Cov and KL-Cov select tokens by their covariance within each micro-batch (as verl's, where a micro-batch is one
+# GPU's share), so their update does depend on micro_batch_size; their tests below hold the micro-batch fixed.
+PER_MICRO_BATCH = {"clip_cov", "kl_cov"}
+
+
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
-@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+@pytest.mark.parametrize("objective", sorted(set(OBJECTIVES) - PER_MICRO_BATCH))
 def test_gradient_accumulation_leaves_loss_and_gradient_unchanged(objective, aggregation):
     torch.manual_seed(1)
     b, t = 6, 5
@@ -301,8 +306,8 @@ def test_gradient_accumulation_leaves_loss_and_gradient_unchanged(objective, agg
             clip_eps_low=0.2,
             clip_eps_high=0.28,
             dual_clip=3.0,
-            entropy_coef=0.01,
-        )
+        ),
+        entropy_coef=0.01,
     )
     full, full_grad = _accumulate(model, ids, old, ref, adv, mask, b, settings)
     for rows in (1, 2, 4):
@@ -324,12 +329,14 @@ def test_adaptive_kl_controller_hand_values():
 
 
 def test_truncated_importance_sampling_weights_the_policy_term_only():
-    from tasks.algos.losses import tis_weights
+    from tasks.algos.losses import rollout_correction
 
     # π_old/π_sampler = e^{old − sampler}: 0.5 → e^0.5 = 1.6487; 1.0 → e^1 = 2.718, capped at 2; −0.5 → 0.6065.
     old, sampler = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-1.5, -2.0, -0.5]])
-    w = tis_weights(old, sampler, 2.0)
+    token_is = LossConfig(rollout_is="token", rollout_is_threshold=2.0)
+    w, sums = rollout_correction(old, sampler, torch.ones(1, 3), token_is)
     assert w.tolist()[0] == pytest.approx([math.exp(0.5), 2.0, math.exp(-0.5)], abs=1e-6)
+    assert sums["rollout_is_capped_fraction"].item() == 1.0 and sums["rollout_rejected_fraction"].item() == 0.0
     logp = torch.tensor([[-0.9, -1.1, -1.0]], requires_grad=True)
     adv, mask, ref = torch.tensor([[1.0, -1.0, 0.5]]), torch.ones(1, 3), torch.tensor([[-1.2, -1.2, -1.2]])
     norm = MinibatchNorm(tokens=3.0, sequences=1.0)
@@ -341,4 +348,117 @@ def test_truncated_importance_sampling_weights_the_policy_term_only():
     # By hand: token-mean of w·ℓ_pg + β·k3 (the KL term is not reweighted).
     assert weighted.item() == pytest.approx(((w * pg + kl).sum() / 3).item(), abs=1e-6)
     assert plain.item() == pytest.approx(((pg + kl).sum() / 3).item(), abs=1e-6)
-    assert tis_weights(old, old, 2.0).tolist() == [[1.0, 1.0, 1.0]]  # sampler = trainer: no correction
+    same, _ = rollout_correction(old, old, torch.ones(1, 3), token_is)
+    assert same.tolist() == [[1.0, 1.0, 1.0]]  # sampler = trainer: no correction
+
+
+def test_sequence_is_geometric_rejection_and_the_veto_by_hand():
+    from tasks.algos.losses import rollout_correction
+
+    # Log ratios (old − sampler), row 0: [0.2, 0.3, pad]: Σ 0.5, mean 0.25; row 1: [−0.1] × 3: Σ −0.3, mean −0.1;
+    # row 2: [0.0, −10.0, 0.0]: a token the trainer finds e^−10 as likely as the sampler did.
+    log_ratio = torch.tensor([[0.2, 0.3, 0.0], [-0.1, -0.1, -0.1], [0.0, -10.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    sampler = torch.full((3, 3), -2.0)
+    old = sampler + log_ratio
+    seq_is = LossConfig(rollout_is="sequence", rollout_is_threshold=1.5)
+    w, _ = rollout_correction(old, sampler, mask, seq_is)
+    assert w[0, :2].tolist() == pytest.approx([1.5, 1.5]) and w[0, 2] == 0.0  # e^0.5 = 1.65 capped at 1.5; padding 0
+    assert w[1].tolist() == pytest.approx([math.exp(-0.3)] * 3, abs=1e-6)
+    # Geometric rejection within [e^−0.2, e^0.2]: row 0's e^0.25 is out, row 1's e^−0.1 in, row 2's e^(−10/3) out.
+    geo = LossConfig(
+        rollout_rs="geometric", rollout_rs_threshold=math.exp(0.2), rollout_rs_threshold_lower=math.exp(-0.2)
+    )
+    w, sums = rollout_correction(old, sampler, mask, geo)
+    assert w.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert sums["rollout_rejected_fraction"].item() == 5.0  # tokens: 2 of row 0, 3 of row 2
+    # Token rejection within [1/1.25, 1.25] (log ±0.223): 0.3 and −10 are out. The veto (1e-4: log −9.2) drops row 2.
+    token = LossConfig(rollout_rs="token", rollout_rs_threshold=1.25, rollout_veto_threshold=1e-4)
+    w, sums = rollout_correction(old, sampler, mask, token)
+    assert w.tolist() == [[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert sums["rollout_vetoed_fraction"].item() == 3.0 and sums["rollout_rejected_fraction"].item() == 4.0
+
+
+def test_sapo_gates_the_ratio_smoothly_with_a_temperature_per_sign():
+    # ρ = 1.2: A = 1, τ 1: f = σ(0.2)·4 = 2.199340; A = −1, τ 1.05: f = σ(0.21)·4/1.05 = 2.104034 → ℓ = −f·A.
+    logp = torch.tensor([math.log(1.2), math.log(1.2), 0.0, 0.0], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, 2.0, -3.0])
+    settings = LossConfig(sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    loss, low, high = OBJECTIVES["sapo"](logp, torch.zeros(4), adv, torch.ones(4), settings)
+    sig = lambda x: 1.0 / (1.0 + math.exp(-x))  # noqa: E731
+    assert loss[:2].tolist() == pytest.approx([-4 * sig(0.2), 4 * sig(0.21) / 1.05], abs=1e-6)
+    assert not low.any() and not high.any()  # no hard clip
+    loss.sum().backward()
+    # At ρ = 1 the gate's slope is 1: the plain surrogate's gradient, −A; at ρ = 1.2 it is 4σ(1−σ)·ρ·(−A), smaller.
+    assert logp.grad[2:].tolist() == pytest.approx([-2.0, 3.0], abs=1e-6)
+    s = sig(0.2)
+    assert logp.grad[0].item() == pytest.approx(-4 * s * (1 - s) * 1.2, abs=1e-6) and abs(logp.grad[0]) < 1.2
+
+
+def test_clip_cov_drops_the_gradient_of_a_seeded_random_pick_among_unclipped_in_band_tokens():
+    # Token covariances (A − Ā)(log π − mean log π) over the 8 tokens, both means 2.5/8 = 0.3125: tokens 0 and 1 have
+    # 1.6875² = 2.85, token 7 (−1.8125)² = 3.29, the others 0.3125² = 0.098: the band (1, 5) holds 0, 1 and 7, and PPO
+    # clipped token 1 (ρ = 2, A > 0), so the candidates are 0 and 7. cov_ratio 0.25 → 2 tokens.
+    logp = torch.tensor([[2.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, -1.5]], requires_grad=True)
+    old = logp.detach().clone()
+    old[0, 1] -= math.log(2.0)
+    adv = torch.tensor([[2.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, -1.5]])
+    mask = torch.ones(2, 4)
+    cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    from tasks.algos.losses import token_covariance
+
+    cov = token_covariance(logp, adv, mask)
+    assert [i for i, c in enumerate(cov.view(-1).tolist()) if 1 < c < 5] == [0, 1, 7]
+    loss, low, high = OBJECTIVES["clip_cov"](logp, old, adv, mask, cfg)
+    loss.sum().backward()
+    dropped = {i for i, g in enumerate(logp.grad.view(-1).tolist()) if g == 0 and adv.view(-1)[i] != 0}
+    assert dropped == {0, 1, 7}  # 1 by PPO's clip, 0 and 7 by the pick (both candidates: k = min(2, 2))
+    assert high.view(-1).tolist()[:2] == [True, True] and low.view(-1).tolist()[7]
+    again, _, _ = OBJECTIVES["clip_cov"](logp, old, adv, mask, cfg.model_copy(update={"cov_ratio": 0.125}))
+    twice, _, _ = OBJECTIVES["clip_cov"](logp, old, adv, mask, cfg.model_copy(update={"cov_ratio": 0.125}))
+    zeroed = [i for i in (0, 7) if again.view(-1)[i] == 0]
+    assert len(zeroed) == 1 and torch.equal(again, twice)  # one of the two, the same one every time (seeded by data)
+
+
+def test_kl_cov_penalises_the_highest_covariance_tokens_without_a_clip():
+    # One row: A = [1, 0, −1] (mean 0), log π = [0, −1, −2] (mean −1): cov = [1·1, 0·0, (−1)(−1)] = [1, 0, 1]; top-1
+    # (cov_ratio 1/3) is one of the tied maxima. Δ = log π − log π_old = [0.5, 0.5, −0.5].
+    logp = torch.tensor([[0.0, -1.0, -2.0]])
+    old = logp - torch.tensor([[0.5, 0.5, -0.5]])
+    adv = torch.tensor([[1.0, 0.0, -1.0]])
+    cfg = LossConfig(cov_ratio=1 / 3, kl_cov_coef=0.1)
+    loss, low, high = OBJECTIVES["kl_cov"](logp, old, adv, torch.ones(1, 3), cfg)
+    plain = (-adv * torch.exp(logp - old)).view(-1).tolist()  # −A·ρ, no clip: ρ = e^0.5 is kept whole
+    picked = int(torch.nonzero(high | low)[0, 1])
+    assert picked in (0, 2) and int((high | low).sum()) == 1
+    expected = [p + (0.1 * 0.5 if i == picked else 0.0) for i, p in enumerate(plain)]
+    assert loss.view(-1).tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens_and_keeps_the_kl_on_all():
+    # Entropies [0.1, 0.5, 0.9, 0.3]: the 0.5 quantile is 0.4 (between 0.3 and 0.5) → tokens 1 and 2 keep the loss.
+    logp = torch.zeros(1, 4)
+    old = logp - 0.1  # ρ = e^0.1 on every token
+    ref = logp - 0.2
+    adv, mask, ent = torch.ones(1, 4), torch.ones(1, 4), torch.tensor([[0.1, 0.5, 0.9, 0.3]])
+    norm = MinibatchNorm(tokens=4, sequences=1)
+    kl = KLConfig(estimator="k1", placement="loss")
+    cut = LossSettings(loss=LossConfig(top_entropy_quantile=0.5, clip_eps_high=1.0), kl=kl, kl_beta=0.5)
+    loss, sums = policy_loss(logp, old, ref, adv, mask, norm, cut, entropy=ent)
+    rho = math.exp(0.1)
+    assert loss.item() == pytest.approx((2 * -rho + 4 * 0.5 * 0.2) / 4, abs=1e-6)  # pg on 2 tokens, β·k1 on all 4
+    assert sums["entropy_masked_fraction"].item() == 2.0  # a token sum: the trainer divides by the tokens
+    every = LossSettings(loss=LossConfig(clip_eps_high=1.0), kl=kl, kl_beta=0.5)
+    whole, sums = policy_loss(logp, old, ref, adv, mask, norm, every, entropy=ent)
+    assert whole.item() == pytest.approx((4 * -rho + 4 * 0.5 * 0.2) / 4, abs=1e-6)
+    assert sums["entropy_masked_fraction"] == 0
+
+
+def test_adaptive_entropy_coefficient_steps_toward_the_target_within_its_bounds():
+    from tasks.stages.kl_control import adapt_entropy_coef
+
+    assert adapt_entropy_coef(0.01, 0.15, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.015)  # at or below: up
+    assert adapt_entropy_coef(0.01, 0.2, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.015)
+    assert adapt_entropy_coef(0.01, 0.3, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.005)  # above: down
+    assert adapt_entropy_coef(0.002, 0.3, 0.2, 0.005, 0.0, 1.0) == 0.0  # not below the lower bound
+    assert adapt_entropy_coef(0.998, 0.1, 0.2, 0.005, 0.0, 1.0) == 1.0  # nor above the upper

@@ -21,18 +21,19 @@ def test_every_request_is_keyword_only(name):
 
 # A value for each key that differs from its default.
 CHANGED = {"loss": ("loss.clip_eps_high", 0.28), "kl": ("kl.estimator", "k1"), "kl_beta": ("kl.beta", 0.5),
-           "max_tokens": ("rollout.max_tokens", 48)}  # fmt: skip
+           "entropy_coef": ("loss.entropy_coef", 0.01), "max_tokens": ("rollout.max_tokens", 48)}  # fmt: skip
 
 
 def test_each_loss_setting_comes_from_the_config_key_it_names():
     fields = {f.name for f in dataclasses.fields(LossSettings)}
     assert set(LossSettings.CONFIG_KEYS) == fields == set(CHANGED)
     base = build_config({})
-    before = LossSettings.for_iteration(base, base.kl.beta)
+    before = LossSettings.for_iteration(base, base.kl.beta, base.loss.entropy_coef)
     for name, (key, value) in CHANGED.items():
         assert LossSettings.CONFIG_KEYS[name].split(",")[0].split(".")[0] == key.split(".")[0]
         cfg = build_config({}, [f"{key}={value}"])
-        after = LossSettings.for_iteration(cfg, cfg.kl.beta)  # β fixed (no kl.target): the key's own value
+        # β and the entropy coefficient fixed (no kl.target, no loss.entropy_target): their keys' own values
+        after = LossSettings.for_iteration(cfg, cfg.kl.beta, cfg.loss.entropy_coef)
         moved = {f for f in fields if getattr(after, f) != getattr(before, f)}
         section = key.split(".")[0]  # a section carried whole moves with each of its keys (kl.beta: β's start)
         others = moved - {name} - ({section} if section in fields else set())
@@ -41,7 +42,7 @@ def test_each_loss_setting_comes_from_the_config_key_it_names():
 
 def test_loss_settings_cross_the_wire_whole():
     s = LossSettings.for_iteration(
-        build_config({}, ["loss.objective=gspo", "loss.dual_clip=3", "kl.placement=none"]), 0.1
+        build_config({}, ["loss.objective=gspo", "loss.dual_clip=3", "kl.placement=none"]), 0.1, 0.02
     )
     back = from_wire(to_wire(s))
     assert back == s and back.loss.dual_clip == 3.0 and not back.kl_in_loss

@@ -40,6 +40,10 @@ class AdvantageSettings:
     lam: float = 0.95
     kl_beta: float = 0.0  # > 0 only when the KL penalty is placed in the reward
     kl_estimator: str = "k1"
+    pass_k: int = 1  # passk's k
+    correct_at: float = 1.0  # passk: a response is correct when its reward is at least this
+    # gdpo: the reward's components, (column of `scores`, weight), each normalised within its group before the sum
+    components: tuple[tuple[str, float], ...] = ()
 
 
 Estimator = Callable[[pl.DataFrame, AdvantageSettings, "pl.DataFrame | None"], pl.DataFrame]
@@ -49,6 +53,7 @@ Estimator = Callable[[pl.DataFrame, AdvantageSettings, "pl.DataFrame | None"], p
 class EstimatorNeeds:
     needs_critic: bool = False  # reads the critic's values per token
     keeps_prompt_state: bool = False  # reads and writes the prompt_stats history
+    needs_components: bool = False  # reads each reward component's column (AdvantageSettings.components)
 
 
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", EstimatorNeeds)
@@ -191,6 +196,67 @@ def rloo(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
 def reinforce_pp_baseline(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     """A_i = r_i − mean_g r on every token (plus the KL reward-to-go), then whitened over the batch's tokens."""
     return _sequence_advantages(df, s, centered(), whiten_tokens=True)
+
+
+# ---- Pass@k training, GDPO ------------------------------------------------------------------------------
+
+
+def passk_advantages(n: int, c: int, k: int, eps: float) -> tuple[float, float]:
+    """Pass@k training's analytic advantages (Chen et al. 2025, 2508.10751) of a correct and of an incorrect response
+    in a group of n with c correct: the group's pass@k reward mean ρ = 1 − C(n−c, k)/C(n, k), σ = sqrt(ρ(1 − ρ)),
+    A_pos = (1 − ρ)/(σ + ε), A_neg = (1 − ρ − C(n−c−1, k−1)/C(n−1, k−1))/(σ + ε). Both are 0 when every k-subset
+    passes or none does (c = n, c = 0, n − c < k): exactly 0. k = 1 is GRPO's advantage with the population std."""
+    from math import comb, sqrt
+
+    rho = 1.0 - comb(n - c, k) / comb(n, k)
+    sigma = sqrt(max(rho * (1.0 - rho), 0.0))
+    if sigma == 0.0:  # every k-subset passes, or none does: no signal (exactly 0, as GRPO's equal-reward groups)
+        return 0.0, 0.0
+    neg = 1.0 - rho - (comb(n - c - 1, k - 1) / comb(n - 1, k - 1) if n - c >= 1 else 0.0)
+    return (1.0 - rho) / (sigma + eps), neg / (sigma + eps)
+
+
+@register("passk")
+def passk(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """Pass@k training: each response's advantage is its share of the group's pass@k (`passk_advantages`), correct
+    meaning reward ≥ advantage.correct_at; computed once per distinct (group size, correct count)."""
+    correct = (pl.col("reward") >= s.correct_at).cast(pl.Int64)
+    groups = df.group_by(KEY).agg(pl.len().alias("_n"), correct.sum().alias("_c"))
+    small = groups.filter(pl.col("_n") < s.pass_k).head(1)
+    if small.height:
+        raise AdvantageInputError(
+            f"advantages: passk with advantage.pass_k={s.pass_k} needs groups of at least k responses; prompt "
+            f"{small[KEY][0]!r} has {small['_n'][0]} (rollout.group_size)"
+        )
+    pairs = groups.select("_n", "_c").unique()
+    values = [passk_advantages(n, c, s.pass_k, s.eps) for n, c in pairs.iter_rows()]
+    table = pairs.with_columns(
+        pl.Series("_pos", [v[0] for v in values], pl.Float64), pl.Series("_neg", [v[1] for v in values], pl.Float64)
+    )
+    out = df.join(groups.join(table, on=["_n", "_c"]), on=KEY, how="left", maintain_order="left")
+    advantage = pl.when(correct == 1).then(pl.col("_pos")).otherwise(pl.col("_neg"))
+    return to_tokens(out.with_columns(advantage.alias("advantage")).drop("_n", "_c", "_pos", "_neg"), s)
+
+
+@register("gdpo", needs_components=True)
+def gdpo(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """GDPO (Group reward-Decoupled normalization Policy Optimization, NVIDIA 2026, NVlabs/GDPO): each reward
+    component is normalised within its group, (s_k − mean_g s_k)/(std_g s_k + ε_adv) (0 where the group's s_k are all
+    equal), the normalised components are summed with the reward's weights, and the sum is normalised over the batch's
+    responses, (x − mean)/(std + ε_adv). Summing first (GRPO) lets the component with the largest spread drown the
+    others. As TRL's `multi_objective_aggregation="normalize_then_sum"`."""
+    if not s.components:
+        raise AdvantageInputError("advantages: gdpo needs the reward's components, and the run's reward has none")
+    parts = []
+    for column, weight in s.components:
+        x = pl.col(column)
+        equal = x.max().over(KEY) == x.min().over(KEY)
+        std = x.std(ddof=1).over(KEY).fill_null(0.0)
+        z = pl.when(equal).then(0.0).otherwise((x - x.mean().over(KEY)) / (std + s.eps))
+        parts.append(weight * _finite(z))
+    total = pl.sum_horizontal(parts)
+    batch_std = total.std(ddof=1).fill_null(0.0)
+    return to_tokens(df.with_columns(_finite((total - total.mean()) / (batch_std + s.eps)).alias("advantage")), s)
 
 
 # ---- DCPO: smooth advantage standardization over the prompt's history -------------------------------------

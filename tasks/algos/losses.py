@@ -6,6 +6,8 @@ Shapes: B sequences × T response positions; `mask` is 1.0 on real response toke
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -113,6 +115,77 @@ def gmpo_objective(logp, old_logp, adv, mask, loss: LossConfig):
     return (-seq_adv * ratio).expand_as(logp), clipped_low, clipped_high
 
 
+def sapo_objective(logp, old_logp, adv, mask, loss: LossConfig):
+    """SAPO (Soft Adaptive Policy Optimization, Gao et al. 2025, Qwen, 2511.20347): a smooth gate in place of the
+    hard clip, ℓ = −f_τ(ρ)·A with f_τ(ρ) = σ(τ(ρ − 1))·4/τ, τ = τ_pos for A > 0 and τ_neg otherwise. f's slope is 1 at
+    ρ = 1 (the plain surrogate's gradient there) and decays smoothly away from it, so an off-policy token's gradient
+    fades instead of being cut; τ_neg > τ_pos fades negative-advantage tokens faster. As verl's `sapo` loss: no token
+    is clipped, so the clip masks are empty."""
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    tau = torch.where(adv > 0, loss.sapo_tau_pos, loss.sapo_tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    none = torch.zeros_like(ratio, dtype=torch.bool)
+    return -gate * adv, none, none
+
+
+def token_covariance(logp, adv, mask):
+    """Per token, (A − mean A)·(log π_θ − mean log π_θ), the means over the micro-batch's response tokens, detached:
+    the tokens whose log-probability rises with their advantage, which are what drives the entropy down (Cui et al.
+    2025, 2505.22617)."""
+    logp = logp.detach()
+    return (adv - masked_mean(adv, mask)) * (logp - masked_mean(logp, mask))
+
+
+def _selection_seed(old_logp, mask) -> int:
+    """A seed drawn from the micro-batch itself: Clip-Cov's random pick is then the same wherever the same update
+    runs (a replay, a resume), with no generator state to save."""
+    digest = hashlib.sha256(old_logp.detach().cpu().to(torch.float64).mul(mask.cpu()).numpy().tobytes()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def clip_cov_objective(logp, old_logp, adv, mask, loss: LossConfig):
+    """Clip-Cov (Cui et al. 2025, 2505.22617): PPO's clip, and among the tokens it leaves alone, a random
+    max(1, ⌊r·N⌋) of those whose covariance lies in (lb, ub) get no gradient (N: the micro-batch's response tokens,
+    r = loss.cov_ratio). As verl's `clip_cov` loss (which draws from the global generator; here the draw is seeded by
+    the micro-batch's old logprobs). The clip masks count every token whose gradient was removed, by the clip or by
+    the selection."""
+    ratio = torch.exp(logp - old_logp)
+    pg, clipped_low, clipped_high = clipped_surrogate(
+        ratio, adv, 1.0 - loss.clip_eps_low, 1.0 + loss.clip_eps_high, None
+    )
+    cov = token_covariance(logp, adv, mask)
+    valid = mask > 0
+    candidates = valid & ~(clipped_low | clipped_high) & (cov > loss.clip_cov_lb) & (cov < loss.clip_cov_ub)
+    where = torch.nonzero(candidates)
+    k = min(max(int(loss.cov_ratio * int(valid.sum())), 1), len(where))
+    chosen = torch.zeros_like(valid)
+    if k:
+        generator = torch.Generator().manual_seed(_selection_seed(old_logp, mask))
+        picked = where[torch.randperm(len(where), generator=generator)[:k]]
+        chosen[picked[:, 0], picked[:, 1]] = True
+    return (
+        torch.where(chosen, torch.zeros_like(pg), pg),
+        clipped_low | (chosen & (adv < 0)),
+        clipped_high | (chosen & (adv >= 0)),
+    )
+
+
+def kl_cov_objective(logp, old_logp, adv, mask, loss: LossConfig):
+    """KL-Cov (Cui et al. 2025, 2505.22617): no clip; the max(1, ⌊r·N⌋) tokens of the highest covariance get a KL
+    penalty, ℓ = −ρA + k·|log π_θ − log π_old| (k = loss.kl_cov_coef), the others ℓ = −ρA. As verl's `kl_cov` loss.
+    The clip masks count the penalised tokens."""
+    delta = (logp - old_logp).clamp(-20.0, 20.0)
+    pg = -adv * torch.exp(delta)
+    valid = mask > 0
+    cov = torch.where(valid, token_covariance(logp, adv, mask), torch.full_like(pg, -torch.inf))
+    k = min(max(int(loss.cov_ratio * int(valid.sum())), 1), int(valid.sum()))
+    chosen = torch.zeros_like(valid)
+    if k:
+        chosen.view(-1)[torch.topk(cov.view(-1), k).indices] = True
+    pg = torch.where(chosen, pg + loss.kl_cov_coef * delta.abs(), pg)
+    return pg, chosen & (adv < 0), chosen & (adv >= 0)
+
+
 def _first_token(mask):
     """Index of each row's first response token (0 for an all-zero row)."""
     return torch.argmax((mask > 0).int(), dim=-1)
@@ -126,6 +199,9 @@ for _name, _fn in (
     ("dcpo", dcpo_objective),
     ("cispo", cispo_objective),
     ("gmpo", gmpo_objective),
+    ("sapo", sapo_objective),
+    ("clip_cov", clip_cov_objective),
+    ("kl_cov", kl_cov_objective),
 ):
     OBJECTIVES.register(_name)(_fn)
 
@@ -199,18 +275,66 @@ def masked_mean(x, mask):
 # ---- The full policy loss of one micro-batch --------------------------------------------------------------
 
 
-def tis_weights(old_logp, sampler_logp, cap: float):
-    """Truncated importance sampling: min(π_old/π_sampler, C) per token, detached. The sampler (vLLM, often in bf16)
-    and the trainer disagree on the old policy's probabilities; weighting each token's policy loss by their ratio
-    corrects the off-policy gap, and the cap bounds the variance (Yao et al. 2025)."""
-    return torch.clamp(torch.exp(old_logp - sampler_logp), max=cap).detach()
+LOG_RATIO_BOUND = 20.0  # verl's SAFETY_BOUND: log π_old − log π_sampler beyond it is clamped before exp
+
+
+def rollout_correction(old_logp, sampler_logp, mask, loss: LossConfig):
+    """The sampler (vLLM, often in bf16) and the trainer disagree on the old policy's probabilities; the ratio
+    r_t = π_old/π_sampler corrects for it (docs/algorithms.md, "Rollout correction", as verl's rollout_corr_helper).
+
+    Returns (weights, sums): per-token weights (detached) for the policy loss, the importance weight (rollout_is:
+    token, min(r_t, C); sequence, min(Π_t r_t, C) on every token of the response) times 0 where rejection drops the
+    token (rollout_rs: token, r_t outside [lower, upper]; sequence, Π_t r_t outside; geometric, (Π_t r_t)^(1/|y|)
+    outside) or the veto drops the response (a token with r_t below rollout_veto_threshold); and masked token sums of
+    the weights' statistics for train_metrics."""
+    log_ratio = ((old_logp - sampler_logp) * mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    seq_log = (log_ratio * mask).sum(-1, keepdim=True).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    valid = mask > 0
+    weights = torch.ones_like(log_ratio)
+    capped = torch.zeros_like(valid)
+    if loss.rollout_is:
+        raw = torch.exp(log_ratio if loss.rollout_is == "token" else seq_log.expand_as(log_ratio))
+        weights, capped = raw.clamp(max=loss.rollout_is_threshold), raw >= loss.rollout_is_threshold
+    kept = valid
+    if loss.rollout_rs:
+        upper = loss.rollout_rs_threshold
+        lower = loss.rollout_rs_threshold_lower or 1.0 / upper
+        n = mask.sum(-1, keepdim=True).clamp_min(1.0)
+        stat = {"token": log_ratio, "sequence": seq_log, "geometric": seq_log / n}[loss.rollout_rs].expand_as(log_ratio)
+        kept = kept & (stat >= math.log(lower)) & (stat <= math.log(upper))
+    vetoed = torch.zeros_like(valid)
+    if loss.rollout_veto_threshold:
+        vetoed = ((log_ratio < math.log(loss.rollout_veto_threshold)) & valid).any(-1, keepdim=True).expand_as(valid)
+    dropped = valid & (~kept | vetoed)
+    weights = (weights * (valid & ~dropped)).detach()  # 0 on padding and on what was dropped
+    m = mask
+    sums = {
+        "rollout_is_weight_mean": (weights * m).sum(),
+        "rollout_is_capped_fraction": (capped.float() * m).sum(),
+        "rollout_rejected_fraction": (dropped.float() * m).sum(),
+        "rollout_vetoed_fraction": ((vetoed & valid).float() * m).sum(),
+        "rollout_log_ratio_mean": (log_ratio * m).sum(),
+    }
+    return weights, sums
+
+
+def high_entropy_tokens(entropy, mask, quantile: float):
+    """The response tokens whose entropy is at least the (1 − quantile) quantile of the micro-batch's ("Beyond the
+    80/20 rule", Wang et al. 2025, 2506.01939: the top 20% carry the learning). As TRL's `top_entropy_quantile`, over
+    the tokens of one micro-batch (TRL gathers them across ranks; here each rank's micro-batch sets its own)."""
+    valid = mask > 0
+    if quantile >= 1.0 or not valid.any():
+        return valid
+    threshold = torch.quantile(entropy.detach()[valid].float(), 1.0 - quantile)
+    return valid & (entropy.detach() >= threshold)
 
 
 def policy_loss(
     logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: LossSettings, entropy=None, token_weights=None
 ):
-    """Objective (× `token_weights`, e.g. TIS, when given) + β·KL (when KL is in the loss) − c_ent·H, aggregated with
-    minibatch normalizers.
+    """Objective (× `token_weights`, e.g. rollout correction's, when given) − c_ent·H (the iteration's coefficient),
+    both only on the highest-entropy tokens with loss.top_entropy_quantile < 1, + β·KL (when KL is in the loss, on
+    every token), aggregated with minibatch normalizers (every token counts in them, as in TRL).
 
     Returns (loss, sums): `sums` are masked token sums of diagnostics (detached), for token-weighted
     averaging across micro-batches by the caller.
@@ -219,10 +343,14 @@ def policy_loss(
     pg, clipped_low, clipped_high = OBJECTIVES[s.loss.objective](logp, old_logp, adv, mask, s.loss)
     if token_weights is not None:
         pg = pg * token_weights
+    trained = mask
+    if s.loss.top_entropy_quantile < 1.0 and entropy is not None:
+        trained = high_entropy_tokens(entropy, mask, s.loss.top_entropy_quantile).to(mask.dtype)
+        pg = pg * trained
     kl = KL_ESTIMATORS[s.kl.estimator](logp, ref_logp)
     per_token = pg + s.kl_beta * kl if s.kl_in_loss else pg
-    if s.loss.entropy_coef and entropy is not None:
-        per_token = per_token - s.loss.entropy_coef * entropy
+    if s.entropy_coef and entropy is not None:  # over the tokens the policy loss trains, as TRL's
+        per_token = per_token - s.entropy_coef * entropy * trained
     loss = aggregate(per_token, mask, norm)
     with torch.no_grad():
         sums = {
@@ -231,6 +359,7 @@ def policy_loss(
             "ppo_kl": ((old_logp - logp) * mask).sum(),
             "clip_frac_low": (clipped_low.float() * mask).sum(),
             "clip_frac_high": (clipped_high.float() * mask).sum(),
+            "entropy_masked_fraction": (mask - trained).sum(),
             "tokens": mask.sum(),
         }
     return loss, sums

@@ -35,7 +35,7 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
     from tasks.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages
     from tasks.algos.losses import AGGREGATIONS
     from tasks.analysis.advantage_analysis import estimator_summary
-    from tasks.stages.advantages import advantage_inputs
+    from tasks.stages.advantages import advantage_inputs, reward_components
     from tasks.stages.common import load_run
 
     ctx = load_run(root, run_id)  # validates the run id too
@@ -54,8 +54,12 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
     verified_parts(
         ctx.layout, [(stage, k) for k in range(1, iteration + 1) for stage in ("scores", "rollouts", "prompt_stats")]
     )
-    df = advantage_inputs(ctx, iteration, kept_only=False).sort("prompt_id", "sample_idx")
-    settings = AdvantageSettings(eps=ctx.cfg.advantage.eps)
+    parts = any(e.needs_components for e in entries)
+    df = advantage_inputs(ctx, iteration, kept_only=False, components=parts).sort("prompt_id", "sample_idx")
+    a = ctx.cfg.advantage
+    settings = AdvantageSettings(
+        eps=a.eps, pass_k=a.pass_k, correct_at=a.correct_at, components=reward_components(ctx.cfg.reward)
+    )
     history = _history(ctx, iteration) if any(e.keeps_prompt_state for e in entries) else None
     reference = compute_advantages(df, "grpo", settings)["advantage"]
     max_len = ctx.cfg.rollout.max_tokens

@@ -26,10 +26,25 @@ from tasks.stages.spec import StageSpec
 KEYS = ["prompt_id", "sample_idx"]
 
 
-def advantage_inputs(ctx: RunContext, iteration: int, kept_only: bool = True) -> pl.DataFrame:
-    """One row per response: prompt_id, sample_idx, reward, length (and a multi-turn rollout's action_mask), and
-    the logprobs table's lists."""
-    scores = read_stage(ctx.layout, "scores", iteration).select("iteration", *KEYS, "reward")
+def reward_components(reward) -> tuple[tuple[str, float], ...]:
+    """The reward's weighted parts as `scores` holds them: each function's score_<name>, and the reward model's
+    score_model (reward.kind=model); a part of weight 0 is left out."""
+    parts = [(f"score_{name}", f.weight) for name, f in reward.functions.items()]
+    if reward.kind == "model":
+        parts.append(("score_model", reward.model_weight))
+    return tuple((column, weight) for column, weight in parts if weight)
+
+
+def advantage_inputs(
+    ctx: RunContext, iteration: int, kept_only: bool = True, components: bool | None = None
+) -> pl.DataFrame:
+    """One row per response: prompt_id, sample_idx, reward, length (and a multi-turn rollout's action_mask), the
+    reward's components (`components`; by default, when the run's estimator reads them), and the logprobs table's
+    lists."""
+    if components is None:
+        components = ADVANTAGE_ESTIMATORS.entry(ctx.cfg.advantage.estimator).needs_components
+    parts = [column for column, _ in reward_components(ctx.cfg.reward)] if components else []
+    scores = read_stage(ctx.layout, "scores", iteration).select("iteration", *KEYS, "reward", *parts)
     if kept_only:
         kept = read_stage(ctx.layout, "batch", iteration).filter("kept").select("prompt_id")
         scores = scores.join(kept, on="prompt_id", how="semi")
@@ -46,7 +61,16 @@ def advantage_inputs(ctx: RunContext, iteration: int, kept_only: bool = True) ->
 def advantage_settings(ctx: RunContext, iteration: int) -> AdvantageSettings:
     a, kl = ctx.cfg.advantage, ctx.cfg.kl
     beta = kl_beta(ctx, iteration) if kl.placement == "reward" else 0.0  # a KL in the loss is the trainer's
-    return AdvantageSettings(eps=a.eps, gamma=a.gamma, lam=a.lam, kl_beta=beta, kl_estimator=kl.estimator)
+    return AdvantageSettings(
+        eps=a.eps,
+        gamma=a.gamma,
+        lam=a.lam,
+        kl_beta=beta,
+        kl_estimator=kl.estimator,
+        pass_k=a.pass_k,
+        correct_at=a.correct_at,
+        components=reward_components(ctx.cfg.reward),
+    )
 
 
 def prompt_history(ctx: RunContext, iteration: int) -> tuple[pl.DataFrame, str]:
@@ -89,7 +113,7 @@ SPEC = StageSpec(
     "advantages",
     reads=("logprobs", "batch"),
     also_reads=("scores", "rollouts"),  # the batch's rewards and lengths
-    sections=("advantage", "kl"),
+    sections=("advantage", "kl", "reward"),  # reward: its weights, which gdpo applies to the normalised components
     scope="iteration",
     also_writes=("prompt_stats",),
     reads_previous=("prompt_stats", "train_metrics"),  # DCPO's history; the adaptive KL's β

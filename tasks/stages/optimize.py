@@ -48,7 +48,7 @@ from tasks.stages.common import (
     scratch_file,
     stage_task,
 )
-from tasks.stages.kl_control import kl_beta
+from tasks.stages.kl_control import entropy_coef, kl_beta
 from tasks.stages.logprobs import kept_rollouts
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import critic_after, weights_after, weights_fingerprint
@@ -195,7 +195,7 @@ def update_request(ctx: RunContext, iteration: int, policy, tmp: Path, beta: flo
         minibatches=o.minibatches,
         warmup_steps=o.warmup_steps,
         first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
-        loss=LossSettings.for_iteration(ctx.cfg, beta),
+        loss=LossSettings.for_iteration(ctx.cfg, beta, entropy_coef(ctx, iteration)),
         critic=critic_request(ctx, iteration, tmp),
         ptx=PtxRequest(coef=lc.ptx_coef, batch=lc.ptx_batch, data_path=str(ptx_file(ctx))) if lc.ptx_coef else None,
         crash_point=f"{'replay' if replay else 'optimize'}:{iteration}",
@@ -259,7 +259,7 @@ def probe_digest(checkpoint: Path) -> str:
 def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
     policy_fp = weights_fingerprint(ctx, iteration - 1)
-    beta = kl_beta(ctx, iteration)
+    beta, coef = kl_beta(ctx, iteration), entropy_coef(ctx, iteration)
     ptx_fp = ptx_fingerprint(ctx) if ctx.cfg.loss.ptx_coef else ""
 
     def compute():
@@ -289,6 +289,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
             **resp["metrics"],
             **critic_metrics,
             "kl_beta": beta,
+            "entropy_coef": coef,
             "loss_masked_fraction": float((samples["loss_mask"] == 0).mean()),
             **rollout_metrics(
                 rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)
@@ -320,7 +321,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
     out = run_stage(
         ctx,
         iteration,
-        salt=f"beta={beta:.12g}",
+        salt=f"beta={beta:.12g}" + (f",entropy_coef={coef:.12g}" if ctx.cfg.loss.entropy_target is not None else ""),
         compute=compute,
         inputs={**upstream, "policy": policy_fp, "ptx": ptx_fp},
         # A command stopped while its trainer wrote this update's optimizer state (tasks/engines/workers/

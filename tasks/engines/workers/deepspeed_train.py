@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from schemas.requests import CriticRequest, EngineSettings, LoraSettings, SFTRequest, UpdateRequest
 from storage.crash import crash_point
-from tasks.algos.losses import MinibatchNorm, policy_loss, tis_weights, value_loss
+from tasks.algos.losses import MinibatchNorm, policy_loss, rollout_correction, value_loss
 from tasks.data.formatting import pad_id
 from tasks.engines.launch import peak_rss_gib
 from tasks.engines.workers import data_parallel
@@ -118,7 +118,7 @@ class _Update:
         self.request, self.pad = request, pad_id(tokenizer)
         self.prompts, self.responses = data["prompt_token_ids"].to_list(), data["token_ids"].to_list()
         columns = ("old_logprobs", "ref_logprobs", "token_advantages") + (
-            ("sampler_logprobs",) if request.loss.loss.tis_cap else ()
+            ("sampler_logprobs",) if request.loss.loss.corrects_rollout else ()
         )
         self.lists = {c: data[c].to_list() for c in columns}
         self.loss_mask = data["loss_mask"].to_list()
@@ -166,16 +166,15 @@ class _Update:
             align_responses([self.lists[c][i] for i in idx], width)
             for c in ("old_logprobs", "ref_logprobs", "token_advantages")
         )
-        weights, cap = None, self.request.loss.loss.tis_cap
-        if cap:
-            weights = tis_weights(
-                old, align_responses([self.lists["sampler_logprobs"][i] for i in idx], width), cap
-            )  # (B, R)
-            add("tis_weight_mean", (weights * mask).sum())
-            add("tis_capped_fraction", ((weights >= cap).float() * mask).sum())
+        weights = None
+        if self.settings.loss.corrects_rollout:
+            sampler = align_responses([self.lists["sampler_logprobs"][i] for i in idx], width)
+            weights, correction = rollout_correction(old, sampler, mask, self.settings.loss)  # (B, R)
+            for key, value in correction.items():
+                add(key, value)
         t0 = time.time()
         logp, ent = response_logprobs(
-            engine, batch, with_entropy=True, entropy_grad=bool(self.settings.loss.entropy_coef)
+            engine, batch, with_entropy=True, entropy_grad=bool(self.settings.entropy_coef)
         )  # (B, R) each
         loss, sums = policy_loss(logp, old, ref, adv, mask, norm, self.settings, entropy=ent, token_weights=weights)
         total = loss * scale
