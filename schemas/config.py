@@ -565,6 +565,11 @@ class AdvantageConfig(Section):
     correct_at: float = Field(
         1.0, description="passk: a response counts as correct when its reward is at least this (rewards are 0/1 there)."
     )
+    teacher_path: str | None = Field(
+        None,
+        description="distill: the teacher, a local model folder with the policy's tokenizer; the logprobs stage scores "
+        "every sampled token with it too.",
+    )
 
 
 class LossConfig(Section):
@@ -1007,6 +1012,9 @@ class RunConfig(Section):
                 f"advantage.pass_k ({a.pass_k}) exceeds rollout.group_size ({self.rollout.group_size}): pass@k needs "
                 f"groups of at least k responses"
             )
+        # (distill without a teacher is refused when a run starts: the distill preset leaves the teacher to --set)
+        if a.teacher_path and a.estimator != "distill":
+            raise ValueError("advantage.teacher_path is only read by advantage.estimator distill")
         if (
             a.estimator == "gdpo"
             and not any(f.weight for f in self.reward.functions.values())

@@ -271,6 +271,7 @@ class LogprobsRequest:
     dtype: str
     critic_path: str | None
     critic_fresh: bool
+    teacher_path: str | None = None  # on-policy distillation: the teacher scores the same tokens
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -203,6 +203,7 @@ LOGPROBS = _table(
         "values": LIST_F32,  # the critic's V per response token (PPO); null without a critic
     },
     unique=("iteration", "prompt_id", "sample_idx"),
+    optional={"teacher_logprobs": LIST_F32},  # on-policy distillation (advantage.teacher_path)
 )
 
 ADVANTAGES = _table(

@@ -454,3 +454,40 @@ def test_gdpo_matches_a_reference_loop():
     mean, std = statistics.fmean(raw), statistics.stdev(raw)
     got = compute_advantages(components_frame(groups), "gdpo", s)["advantage"].to_list()
     assert got == pytest.approx([(r - mean) / (std + s.eps) for r in raw], abs=1e-9)
+
+
+# ---- On-policy distillation --------------------------------------------------------------------------------------
+
+
+def test_distill_gives_each_token_the_negative_reverse_kl_to_the_teacher():
+    # Response 0: old [−1, −2], teacher [−0.5, −3] → A_t = teacher − old = [0.5, −1], mean −0.25; response 1 is empty.
+    df = frame({"a": [1.0, 0.0]}, lengths=[2, 0]).with_columns(
+        pl.Series("old_logprobs", [[-1.0, -2.0], []], dtype=F32),
+        pl.Series("teacher_logprobs", [[-0.5, -3.0], []], dtype=F32),
+    )
+    out = compute_advantages(df, "distill", S)
+    assert out["token_advantages"].to_list() == [[0.5, -1.0], []] and out["returns"].to_list() == [[0.5, -1.0], []]
+    assert out["advantage"].to_list() == [-0.25, 0.0]  # the reward plays no part
+
+
+def test_distill_matches_a_reference_loop():
+    rng = random.Random(7)
+    lengths = [rng.randint(0, 9) for _ in range(200)]
+    old = [[-rng.random() * 5 for _ in range(n)] for n in lengths]
+    teacher = [[-rng.random() * 5 for _ in range(n)] for n in lengths]
+    df = pl.DataFrame(
+        {
+            "prompt_id": [f"p{i // 4}" for i in range(200)],
+            "sample_idx": [i % 4 for i in range(200)],
+            "reward": [0.0] * 200,
+            "length": lengths,
+            "old_logprobs": old,
+            "teacher_logprobs": teacher,
+        },
+        schema_overrides={"length": pl.Int32, "old_logprobs": F32, "teacher_logprobs": F32, "sample_idx": pl.Int32},
+    )
+    out = compute_advantages(df, "distill", S)
+    for row, o, t in zip(out.iter_rows(named=True), df["old_logprobs"].to_list(), df["teacher_logprobs"].to_list()):
+        want = [b - a for a, b in zip(o, t)]
+        assert row["token_advantages"] == pytest.approx(want, abs=1e-6)
+        assert row["advantage"] == pytest.approx(statistics.fmean(want) if want else 0.0, abs=1e-6)

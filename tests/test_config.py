@@ -161,3 +161,10 @@ def test_the_scale_out_recipes_are_valid_overrides_of_the_demo(scale):
     cfg = build_config({**demo, **merged})
     assert cfg.engines.train_ranks > 1 and cfg.engines.trainer_bundle.get("GPU", 0) > 0
     assert cfg.engines.rollout_bundle.get("GPU", 0) == cfg.rollout.tensor_parallel_size
+
+
+def test_a_teacher_is_only_read_by_distillation():
+    with pytest.raises(ConfigError, match="advantage.teacher_path is only read by advantage.estimator distill"):
+        build_config({}, ["advantage.teacher_path=models/teacher"])
+    cfg = build_config({}, ["advantage.estimator=distill", "advantage.teacher_path=models/teacher"])
+    assert cfg.advantage.teacher_path == "models/teacher"

@@ -218,6 +218,31 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
         check_fork_and_diff(workspace, layout)
 
 
+def test_on_policy_distillation_scores_the_samples_with_the_teacher_and_trains_on_the_reverse_kl(tiny_sft):
+    """The distill preset, the untrained recipe model as the teacher of the SFT policy (the same tokenizer): the
+    logprobs stage writes the teacher's logprobs of every sampled token, each token's advantage is teacher − old, and
+    the update trains on them."""
+    workspace, cfg = tiny_sft
+    teacher = workspace / "models/base"
+    rlpipe(
+        "run", str(cfg), "--algo", "distill", "--run-id", "distill", "--set", f"advantage.teacher_path={teacher}",
+        "--set", "rl.iterations=1", "--set", "rl.eval_every=1", cwd=workspace,
+    )  # fmt: skip
+    layout = RunLayout(workspace / "runs", "distill")
+    logprobs, advantages = read_table(layout, "logprobs", 1), read_table(layout, "advantages", 1)
+    joined = logprobs.join(advantages, on=["prompt_id", "sample_idx"])
+    gaps = [
+        abs((t - o) - a)
+        for teacher_lp, old, adv in zip(joined["teacher_logprobs"], joined["old_logprobs"], joined["token_advantages"])
+        for t, o, a in zip(teacher_lp, old, adv, strict=True)
+    ]
+    assert gaps and max(gaps) < 1e-6
+    assert joined["teacher_logprobs"].list.len().sum() > 0 and (joined["advantage"] != 0).all()
+    assert not joined["teacher_logprobs"].equals(joined["ref_logprobs"])  # the teacher, not the reference
+    metrics = read_table(layout, "train_metrics", 1).row(0, named=True)
+    assert metrics["optimizer_steps"] == 2 and metrics["grad_norm"] > 0
+
+
 def check_resident_updates_equal_one_shot(workspace, layout: RunLayout):
     """Iteration 1's update ran on the policy engine the resident trainer built ahead from the starting model, iteration
     2's on the engines kept in memory since iteration 1. Redo each in a fork by a one-shot worker that loads everything

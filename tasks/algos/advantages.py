@@ -54,6 +54,7 @@ class EstimatorNeeds:
     needs_critic: bool = False  # reads the critic's values per token
     keeps_prompt_state: bool = False  # reads and writes the prompt_stats history
     needs_components: bool = False  # reads each reward component's column (AdvantageSettings.components)
+    needs_teacher: bool = False  # reads the teacher's logprobs (advantage.teacher_path)
 
 
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", EstimatorNeeds)
@@ -257,6 +258,27 @@ def gdpo(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     total = pl.sum_horizontal(parts)
     batch_std = total.std(ddof=1).fill_null(0.0)
     return to_tokens(df.with_columns(_finite((total - total.mean()) / (batch_std + s.eps)).alias("advantage")), s)
+
+
+# ---- On-policy distillation ---------------------------------------------------------------------------------
+
+
+@register("distill", needs_teacher=True)
+def distill(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """On-policy distillation (Agarwal et al. 2024, GKD, 2306.13649; Lu et al. 2025, Thinking Machines): each sampled
+    token's advantage is the negative per-token reverse KL to the teacher, A_t = log π_teacher(y_t) − log π_old(y_t),
+    with no discount (the teacher grades every token itself); the reward is not used. `advantage` is the response's
+    mean A_t. The teacher's and the policy's logprobs are the trainer's, of the same tokens."""
+    old, offsets = flat_lists(df["old_logprobs"])
+    teacher, teacher_offsets = flat_lists(df["teacher_logprobs"])
+    if not np.array_equal(offsets, teacher_offsets):
+        raise ValueError("distill: teacher_logprobs and old_logprobs have different lengths in some response")
+    token = (teacher - old).astype(np.float32)
+    lengths = np.diff(offsets)
+    sums = np.bincount(np.repeat(np.arange(len(lengths)), lengths), weights=token, minlength=len(lengths))
+    mean = np.where(lengths > 0, sums / np.maximum(lengths, 1), 0.0)
+    tokens = from_flat("token_advantages", token, offsets)
+    return df.with_columns(tokens, tokens.alias("returns"), pl.Series("advantage", mean))
 
 
 # ---- DCPO: smooth advantage standardization over the prompt's history -------------------------------------

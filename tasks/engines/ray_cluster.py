@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 
 from schemas.errors import UserError
 from tasks.engines.launch import engine_env
@@ -123,11 +124,62 @@ def stop() -> None:
     import ray
 
     if ray.is_initialized():
+        workers = [] if _STATE["address"] else _raylet_descendants()
         if not _STATE["address"]:
             _end_autoscaler_monitor()
         ray.shutdown()
+        _wait_until_ended(workers)
     if not _STATE["address"]:
         shutil.rmtree(temp_dir_for(os.getpid()), ignore_errors=True)
+
+
+def _raylet_descendants() -> list:
+    """The processes the embedded instance's raylet started: its agents and every actor's worker."""
+    import psutil
+
+    raylets = [p for p in psutil.Process().children() if _name(p) == "raylet"]
+    return [d for raylet in raylets for d in _children(raylet)]
+
+
+def _name(process) -> str:
+    import psutil
+
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
+
+
+def _children(process) -> list:
+    import psutil
+
+    try:
+        return process.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _wait_until_ended(processes: list, timeout: float = 10.0) -> None:
+    """The embedded instance's workers ended (or zombies, which their new parent reaps) before the command exits;
+    one still running after `timeout` is killed. `ray.shutdown` ends the raylet, and the actors' workers under it
+    notice and exit by themselves, a vLLM or DeepSpeed engine in about a second of teardown (measured): a command that
+    exits first leaves them running, and on 2 cores they slow the next command down."""
+    import psutil
+
+    def running(process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.time() + timeout
+    while (left := [p for p in processes if running(p)]) and time.time() < deadline:
+        time.sleep(0.05)
+    for process in left:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
 
 
 def _end_autoscaler_monitor() -> None:

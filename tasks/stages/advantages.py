@@ -53,7 +53,10 @@ def advantage_inputs(
     lengths = rollouts.select(*KEYS, "length", *actions)
     df = scores.join(lengths, on=KEYS, how="inner", validate="1:1", maintain_order="left")
     if kept_only:
-        lists = read_stage(ctx.layout, "logprobs", iteration).select(*KEYS, "old_logprobs", "ref_logprobs", "values")
+        teacher = ["teacher_logprobs"] if ADVANTAGE_ESTIMATORS.entry(ctx.cfg.advantage.estimator).needs_teacher else []
+        lists = read_stage(ctx.layout, "logprobs", iteration).select(
+            *KEYS, "old_logprobs", "ref_logprobs", "values", *teacher
+        )
         df = df.join(lists, on=KEYS, how="inner", validate="1:1", maintain_order="left")
     return df
 

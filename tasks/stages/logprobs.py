@@ -1,8 +1,8 @@
 """Stage `logprobs`: old-policy and reference logprobs and entropy, recomputed by torch (as verl does).
 
 Reads `batch` (kept groups) and `rollouts`; writes `logprobs` (list<float32> per response token), with the
-critic's values when the run has one (PPO). The sampler's own logprobs stay in `rollouts`; their gap to
-these is a metric.
+critic's values when the run has one (PPO), and a distillation teacher's logprobs with advantage.teacher_path.
+The sampler's own logprobs stay in `rollouts`; their gap to these is a metric.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ from tasks.stages.common import (
     stage_task,
 )
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import critic_after, starting_weights, weights_after, weights_fingerprint
+from tasks.stages.weights import (
+    critic_after,
+    model_fingerprint,
+    starting_weights,
+    weights_after,
+    weights_fingerprint,
+)
 
 
 def kept_rollouts(ctx: RunContext, iteration: int) -> pl.DataFrame:
@@ -33,6 +39,7 @@ def kept_rollouts(ctx: RunContext, iteration: int) -> pl.DataFrame:
 def logprobs_task(storage_root: str, run_id: str, iteration: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
     ref = starting_weights(ctx)
+    teacher = ctx.cfg.advantage.teacher_path
 
     def compute():
         policy = weights_after(ctx, iteration - 1)
@@ -49,6 +56,7 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, upstream: dict
             dtype=ctx.cfg.model.dtype,
             critic_path=critic.path if critic else None,
             critic_fresh=bool(critic and critic.fresh),
+            teacher_path=teacher,
         )
         resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"logprobs-{iteration:05d}")
         df = pl.read_parquet(out).with_columns(pl.lit(iteration, pl.Int32).alias("iteration"))
@@ -59,7 +67,12 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, upstream: dict
         ctx,
         iteration,
         salt="critic" if ctx.cfg.uses_critic else "",
-        inputs={**upstream, "policy": weights_fingerprint(ctx, iteration - 1), "ref": ref.fingerprint},
+        inputs={
+            **upstream,
+            "policy": weights_fingerprint(ctx, iteration - 1),
+            "ref": ref.fingerprint,
+            **({"teacher": model_fingerprint(teacher)} if teacher else {}),
+        },
         compute=compute,
     )
 

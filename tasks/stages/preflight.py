@@ -36,6 +36,25 @@ def check_context(model_path: str, longest_prompt: int, max_tokens: int, what: s
         )
 
 
+def check_teacher(teacher_path: str | None, model_path: str) -> None:
+    """A distillation teacher scores the policy's token ids: it must be a model folder with the policy's vocabulary."""
+    from transformers import AutoTokenizer
+
+    if not teacher_path:
+        raise TeacherError("advantage.estimator distill needs advantage.teacher_path (the teacher's model folder)")
+    model_fingerprint(teacher_path)
+    theirs, ours = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (teacher_path, model_path))
+    if theirs != ours:
+        raise TeacherError(
+            f"advantage.teacher_path {teacher_path}: its tokenizer's vocabulary differs from the policy's "
+            f"({len(theirs)} vs {len(ours)} tokens): the teacher must score the policy's own token ids"
+        )
+
+
+class TeacherError(UserError, ValueError):
+    pass
+
+
 def check_lora(cfg, model_path: str) -> None:
     """lora.target_modules and modules_to_save against the model's own module names."""
     if cfg.lora.enabled:
@@ -85,6 +104,8 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         check_lora(cfg, cfg.model.path)
     if cfg.reward.kind == "model":
         model_fingerprint(cfg.reward.model_path)
+    if flow == "rl" and cfg.advantage.estimator == "distill":
+        check_teacher(cfg.advantage.teacher_path, cfg.model.path)
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None
     if needs_prompts:
         dataset = dataset_task.fn(storage_root, run_id)

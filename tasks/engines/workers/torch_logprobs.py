@@ -1,8 +1,10 @@
-"""Logprobs worker: old (policy before this update) and ref logprobs, and entropy, recomputed by torch.
+"""Logprobs worker: old (policy before this update) and ref logprobs, and entropy, recomputed by torch; a
+distillation teacher's logprobs of the same tokens when the request names one.
 
 Request: schemas.requests.LogprobsRequest; the samples file holds prompt_id, sample_idx, prompt_token_ids, token_ids.
 Run as a one-shot worker, or inside the resident trainer (tasks/engines/workers/trainer_server.py). Writes prompt_id,
-sample_idx, old_logprobs, ref_logprobs, entropy and values (list<float32>; values null without a critic)."""
+sample_idx, old_logprobs, ref_logprobs, entropy and values (list<float32>; values null without a critic), and
+teacher_logprobs with a teacher."""
 
 from __future__ import annotations
 
@@ -96,6 +98,13 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         with scoring(ref_model, off):
             ref, _ = _score(ref_model, prompts, responses, pad_id, micro, False, counts)
         forward += time.time() - t1
+    teacher = None
+    if request.teacher_path:  # frozen, as the reference: loaded once by a resident trainer
+        teacher_model, _ = model_at(None, request.teacher_path, frozen=True)
+        t1 = time.time()
+        with scoring(teacher_model, False):
+            teacher, _ = _score(teacher_model, prompts, responses, pad_id, micro, False, counts)
+        forward += time.time() - t1
     values = None
     if request.critic_path:
         critic_path, fresh = request.critic_path, request.critic_fresh
@@ -119,5 +128,6 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         pl.Series("ref_logprobs", ref, dtype=lst),
         pl.Series("entropy", entropy, dtype=lst),
         pl.Series("values", values if values is not None else [None] * samples.height, dtype=lst),
+        *([pl.Series("teacher_logprobs", teacher, dtype=lst)] if teacher is not None else []),
     ).write_parquet(request.out_path)
     return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0, "peak_rss_gib": peak_rss_gib(), **counts}
