@@ -21,8 +21,10 @@ LORA = ["--set", f"lora.rank={RANK}", "--set", "lora.alpha=8", "--set", "optim.l
 
 def lora_run(workspace, cfg, algo: str) -> RunLayout:
     layout = RunLayout(workspace / "runs", f"lora-{algo}")
+    # A preset that leaves a value to the user: distillation's teacher (here the untrained recipe model).
+    needs = ["--set", f"advantage.teacher_path={workspace / 'models/base'}"] if algo == "distill" else []
     if not layout.summary_path.exists():
-        rlpipe("run", str(cfg), "--algo", algo, "--run-id", layout.run_id, *LORA, cwd=workspace)
+        rlpipe("run", str(cfg), "--algo", algo, "--run-id", layout.run_id, *LORA, *needs, cwd=workspace)
     return layout
 
 
