@@ -32,10 +32,10 @@ def _history(ctx, iteration: int) -> pl.DataFrame:
 
 
 def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggregation: str | None, root: str) -> dict:
-    from tasks.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings, compute_advantages
+    from tasks.algos.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
     from tasks.algos.losses import AGGREGATIONS
     from tasks.analysis.advantage_analysis import estimator_summary
-    from tasks.stages.advantages import advantage_inputs, reward_components
+    from tasks.stages.advantages import advantage_inputs, settings_from
     from tasks.stages.common import load_run
 
     ctx = load_run(root, run_id)  # validates the run id too
@@ -56,10 +56,7 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
     )
     parts = any(e.needs_components for e in entries)
     df = advantage_inputs(ctx, iteration, kept_only=False, components=parts).sort("prompt_id", "sample_idx")
-    a = ctx.cfg.advantage
-    settings = AdvantageSettings(
-        eps=a.eps, pass_k=a.pass_k, correct_at=a.correct_at, components=reward_components(ctx.cfg.reward)
-    )
+    settings = settings_from(ctx.cfg)  # no KL: the estimators themselves are compared
     history = _history(ctx, iteration) if any(e.keeps_prompt_state for e in entries) else None
     reference = compute_advantages(df, "grpo", settings)["advantage"]
     max_len = ctx.cfg.rollout.max_tokens

@@ -137,26 +137,18 @@ def _raylet_descendants() -> list:
     """The processes the embedded instance's raylet started: its agents and every actor's worker."""
     import psutil
 
-    raylets = [p for p in psutil.Process().children() if _name(p) == "raylet"]
-    return [d for raylet in raylets for d in _children(raylet)]
+    raylets = [p for p in psutil.Process().children() if _ask(p, "name", "") == "raylet"]
+    return [d for raylet in raylets for d in _ask(raylet, "children", [], recursive=True)]
 
 
-def _name(process) -> str:
+def _ask(process, method: str, default, **kw):
+    """process.method(**kw), or `default` for a process that has gone (or may not be read)."""
     import psutil
 
     try:
-        return process.name()
+        return getattr(process, method)(**kw)
     except psutil.Error:
-        return ""
-
-
-def _children(process) -> list:
-    import psutil
-
-    try:
-        return process.children(recursive=True)
-    except psutil.Error:
-        return []
+        return default
 
 
 def _wait_until_ended(processes: list, timeout: float = 10.0) -> None:
@@ -193,20 +185,11 @@ def _end_autoscaler_monitor() -> None:
     monitors = [
         child
         for child in psutil.Process().children()
-        if any(arg.endswith(os.path.join("autoscaler", "_private", "monitor.py")) for arg in _cmdline(child))
+        if any(arg.endswith(os.path.join("autoscaler", "_private", "monitor.py")) for arg in _ask(child, "cmdline", []))
     ]
     for monitor in monitors:
         monitor.kill()
     psutil.wait_procs(monitors, timeout=1.0)
-
-
-def _cmdline(process) -> list[str]:
-    import psutil
-
-    try:
-        return process.cmdline()
-    except psutil.Error:
-        return []
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

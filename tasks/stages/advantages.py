@@ -41,8 +41,9 @@ def advantage_inputs(
     """One row per response: prompt_id, sample_idx, reward, length (and a multi-turn rollout's action_mask), the
     reward's components (`components`; by default, when the run's estimator reads them), and the logprobs table's
     lists."""
+    needs = ADVANTAGE_ESTIMATORS.entry(ctx.cfg.advantage.estimator)
     if components is None:
-        components = ADVANTAGE_ESTIMATORS.entry(ctx.cfg.advantage.estimator).needs_components
+        components = needs.needs_components
     parts = [column for column, _ in reward_components(ctx.cfg.reward)] if components else []
     scores = read_stage(ctx.layout, "scores", iteration).select("iteration", *KEYS, "reward", *parts)
     if kept_only:
@@ -53,7 +54,7 @@ def advantage_inputs(
     lengths = rollouts.select(*KEYS, "length", *actions)
     df = scores.join(lengths, on=KEYS, how="inner", validate="1:1", maintain_order="left")
     if kept_only:
-        teacher = ["teacher_logprobs"] if ADVANTAGE_ESTIMATORS.entry(ctx.cfg.advantage.estimator).needs_teacher else []
+        teacher = ["teacher_logprobs"] if needs.needs_teacher else []
         lists = read_stage(ctx.layout, "logprobs", iteration).select(
             *KEYS, "old_logprobs", "ref_logprobs", "values", *teacher
         )
@@ -61,19 +62,25 @@ def advantage_inputs(
     return df
 
 
-def advantage_settings(ctx: RunContext, iteration: int) -> AdvantageSettings:
-    a, kl = ctx.cfg.advantage, ctx.cfg.kl
-    beta = kl_beta(ctx, iteration) if kl.placement == "reward" else 0.0  # a KL in the loss is the trainer's
+def settings_from(cfg, kl_beta: float = 0.0) -> AdvantageSettings:
+    """The estimators' settings from a run's config (its advantage, kl and reward sections) and the iteration's β of a
+    KL in the reward (0: none)."""
+    a = cfg.advantage
     return AdvantageSettings(
         eps=a.eps,
         gamma=a.gamma,
         lam=a.lam,
-        kl_beta=beta,
-        kl_estimator=kl.estimator,
+        kl_beta=kl_beta,
+        kl_estimator=cfg.kl.estimator,
         pass_k=a.pass_k,
         correct_at=a.correct_at,
-        components=reward_components(ctx.cfg.reward),
+        components=reward_components(cfg.reward),
     )
+
+
+def advantage_settings(ctx: RunContext, iteration: int) -> AdvantageSettings:
+    in_reward = ctx.cfg.kl.placement == "reward"  # a KL in the loss is the trainer's
+    return settings_from(ctx.cfg, kl_beta(ctx, iteration) if in_reward else 0.0)
 
 
 def prompt_history(ctx: RunContext, iteration: int) -> tuple[pl.DataFrame, str]:

@@ -177,7 +177,9 @@ def checkpoint_bytes(ctx: RunContext, policy, full: bool) -> int:
     return folder_bytes(Path(policy.path)) - state_bytes(Path(policy.path)) + state
 
 
-def update_request(ctx: RunContext, iteration: int, policy, tmp: Path, beta: float, replay: str = "") -> UpdateRequest:
+def update_request(
+    ctx: RunContext, iteration: int, policy, tmp: Path, beta: float, entropy_coef: float, replay: str = ""
+) -> UpdateRequest:
     """Update `iteration` as the trainer takes it: from `policy` (the checkpoint before it) on the iteration's cached
     training frame, into `tmp`. A `replay` rebuilds a complete update's checkpoint under the id it recorded."""
     o, lc = ctx.cfg.optim, ctx.cfg.loss
@@ -195,7 +197,7 @@ def update_request(ctx: RunContext, iteration: int, policy, tmp: Path, beta: flo
         minibatches=o.minibatches,
         warmup_steps=o.warmup_steps,
         first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
-        loss=LossSettings.for_iteration(ctx.cfg, beta, entropy_coef(ctx, iteration)),
+        loss=LossSettings.for_iteration(ctx.cfg, beta, entropy_coef),
         critic=critic_request(ctx, iteration, tmp),
         ptx=PtxRequest(coef=lc.ptx_coef, batch=lc.ptx_batch, data_path=str(ptx_file(ctx))) if lc.ptx_coef else None,
         crash_point=f"{'replay' if replay else 'optimize'}:{iteration}",
@@ -235,7 +237,8 @@ def restore_state(ctx: RunContext, iteration: int) -> None:
         )
     final = layout.checkpoint_dir(iteration)
     tmp = temp_dir_for(final)
-    request = update_request(ctx, iteration, policy, tmp, kl_beta(ctx, iteration), replay=manifest["extra"]["state_id"])
+    coefficients = kl_beta(ctx, iteration), entropy_coef(ctx, iteration)
+    request = update_request(ctx, iteration, policy, tmp, *coefficients, replay=manifest["extra"]["state_id"])
     t0 = time.time()
     call_trainer(layout, ctx.cfg.engines, request, f"replay-{iteration:05d}")
     Path(request.data_path).unlink()
@@ -268,7 +271,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = temp_dir_for(final)
         shutil.rmtree(state_dir_for(final), ignore_errors=True)  # a stopped command's unpublished optimizer state
-        request = update_request(ctx, iteration, policy, tmp, beta)
+        request = update_request(ctx, iteration, policy, tmp, beta, coef)
         ensure_free(
             final.parent, checkpoint_bytes(ctx, policy, request.save_state), f"the checkpoint of iteration {iteration}"
         )
