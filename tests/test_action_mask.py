@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from schemas.requests import LossSettings, UpdateRequest
 from tasks.data.model_recipe import char_tokenizer
-from tasks.engines.resident import run_worker
+from tasks.engines.resident import ResidentProcess
 from tasks.engines.workers import TRAIN_WORKER
 from tests.conftest import engine_settings
 
@@ -74,7 +74,7 @@ def scrambled_observations(df: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def update(policy, frame: pl.DataFrame, out) -> dict:
+def update(trainer: ResidentProcess, policy, frame: pl.DataFrame, out) -> dict:
     out.mkdir()
     frame.write_parquet(out / "frame.parquet")
     request = UpdateRequest(
@@ -93,18 +93,24 @@ def update(policy, frame: pl.DataFrame, out) -> dict:
         ptx=None,
         crash_point="",
     )
-    run_worker(TRAIN_WORKER, request, out / "train.log")
+    trainer.call(request)
     return load_file(out / "ckpt" / "model.safetensors")
 
 
 def test_observation_tokens_get_no_loss_from_what_the_frame_says_about_them(tiny_policy, tmp_path):
     policy, vocab = tiny_policy
     frame = trajectories(vocab)
-    first = update(policy, frame, tmp_path / "a")
-    scrambled = update(policy, scrambled_observations(frame), tmp_path / "b")
+    # One trainer process answers the three updates, as a run's resident trainer answers its iterations: each
+    # request builds its engine from the request alone.
+    trainer = ResidentProcess(TRAIN_WORKER, tmp_path / "train.log")
+    try:
+        first = update(trainer, policy, frame, tmp_path / "a")
+        scrambled = update(trainer, policy, scrambled_observations(frame), tmp_path / "b")
+        # Without the mask the same scrambled values move the update: the comparison below can fail.
+        unmasked = update(trainer, policy, scrambled_observations(frame).drop("action_mask"), tmp_path / "c")
+    finally:
+        trainer.kill()
     assert all(torch.equal(first[k], scrambled[k]) for k in first)  # the observations' loss terms weigh nothing
-    # Without the mask the same scrambled values move the update: the comparison above can fail.
-    unmasked = update(policy, scrambled_observations(frame).drop("action_mask"), tmp_path / "c")
     assert max(float((first[k] - unmasked[k]).abs().max()) for k in first) > 1e-4
     start = load_file(policy / "model.safetensors")
     assert max(float((first[k] - start[k]).abs().max()) for k in first) > 1e-4  # and it did train

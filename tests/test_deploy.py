@@ -70,6 +70,8 @@ def deployment_run(env, cwd, name: str, cfg, run_id: str, overrides: list[str]) 
             "--param",
             "overrides=" + json.dumps(overrides),
             "--watch",
+            "--watch-interval",
+            "1",
             "--watch-timeout",
             "600",
         ],
@@ -110,7 +112,7 @@ def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
         "PREFECT_API_URL": api,
         "PYTHONPATH": str(ROOT),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
         "PREFECT_LOGGING_LEVEL": "WARNING",
     }
     host, port = api.removeprefix("http://").removesuffix("/api").split(":")
@@ -161,7 +163,7 @@ def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
                 "overrides=" + json.dumps(["sft.steps=6"]),
                 "--watch",
                 "--watch-interval",
-                "2",
+                "1",
                 "--watch-timeout",
                 "600",
             ],

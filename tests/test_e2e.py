@@ -3,10 +3,12 @@ engine's stage and resume, the stateful presets, fork and diff."""
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -39,13 +41,15 @@ def complete_digest(layout: RunLayout) -> dict[str, str]:
     return out
 
 
-# Crash once inside each stage that an engine computes, in order, resuming each time: iteration 1's rollouts (vLLM)
-# and logprobs (the trainer) are each killed after their Parquet part is written and before the manifest; optimize is
-# killed inside the DeepSpeed worker with new weights saved and the optimizer state not; `optimize:2:state` after
-# update 2 is marked complete and before the resident trainer has put its optimizer state in place (at the run's end).
-# The stages computed in this process (scores, batch, advantages) stop at the same crash point of write_stage as
-# rollouts and logprobs; test_tracking kills one of them (scores) and resumes, each command here costs ~25 s.
-CRASHES = [("rollouts", 1), ("logprobs", 1), ("optimize", 1), ("optimize", 2)]
+# Crash once inside stages in order, resuming each time: iteration 1's rollouts (vLLM) and logprobs (the trainer) are
+# each killed after their Parquet part is written and before the manifest; optimize is killed inside the DeepSpeed
+# worker with new weights saved and the optimizer state not; iteration 2's scores (computed in this process, as batch
+# and advantages are: they stop at the same crash point of write_stage) after their part and before their manifest;
+# `optimize:2:state` after update 2 is marked complete and before the resident trainer has put its optimizer state in
+# place (at the run's end), so that the resume redoes update 2 from checkpoint 1's optimizer state. A kill inside a
+# later update, resumed by replay, is test_sparse_checkpoints_resume_by_replay_to_the_same_bytes's. Each command here
+# costs ~25 s.
+CRASHES = [("rollouts", 1), ("logprobs", 1), ("optimize", 1), ("scores", 2)]
 
 
 def test_sigkill_inside_each_stage_then_resume(tiny_sft):
@@ -143,11 +147,15 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
     """checkpoint.every 2 over 4 iterations: full checkpoints 2 and 4, weights only in 1 and 3 (each removed once the
     next is complete). A run killed inside iteration 4's update (iteration 4 > every + 1) resumes by replaying update 3
     from checkpoint 2's optimizer state and iteration 3's cached tables, without generating, and ends with the
-    uninterrupted run's bytes: the final weights, and the eval sampled with them."""
+    uninterrupted run's bytes: the final weights, and the eval sampled with them.
+
+    The killed run is also tracked (TensorBoard and MLflow), the uninterrupted one not: tracking changes no byte, and
+    the resumed run logs each step once, the replayed update's included (check_tracked_once_per_step)."""
     workspace, cfg = tiny_sft
     rlpipe("run", str(cfg), "--run-id", "dense", *SPARSE, cwd=workspace)
-    run_until_killed(workspace, cfg, "sparse", "optimize:4", "run", *SPARSE)
+    run_until_killed(workspace, cfg, "sparse", "optimize:4", "run", *SPARSE, *TRACKING)
     layout = RunLayout(workspace / "runs", "sparse")
+    assert json.loads((layout.run_dir / "tracking.json").read_text())["train"] == 3  # logged before the kill
     assert layout.checkpoint_iterations() == [2, 3]  # weights-only 1 went once 2 was complete
     assert (layout.checkpoint_dir(2) / "ds_state").is_dir() and not (layout.checkpoint_dir(3) / "ds_state").exists()
     sampled = {it: layout.manifest_path("rollouts", it).read_bytes() for it in (1, 2, 3, 4)}
@@ -162,10 +170,53 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
     for f in ("model.safetensors", "sync_probe.json"):
         assert (layout.checkpoint_dir(4) / f).read_bytes() == (dense.checkpoint_dir(4) / f).read_bytes(), f
     assert read_table(layout, "eval", 4).sort("prompt_id").equals(read_table(dense, "eval", 4).sort("prompt_id"))
+    check_tracked_once_per_step(workspace, layout, steps=[1, 2, 3, 4], eval_steps=[0, 4])
     # A removed checkpoint is rebuilt on demand by the same replay (here from the starting model), checked against
     # the sync probe its update recorded
     rlpipe("export", "dense", str(workspace / "dense-1"), "--iteration", "1", cwd=workspace)
     assert (workspace / "dense-1" / "model.safetensors").exists() and dense.checkpoint_iterations() == [1, 2, 4]
+
+
+TRACKING = ("--set", "tracking=[tensorboard, mlflow]")
+
+
+def tensorboard_steps(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def check_tracked_once_per_step(workspace, layout: RunLayout, steps: list[int], eval_steps: list[int]) -> None:
+    """A tracked run, read back with TensorBoard's event reader and MLflow's client: one MLflow run, finished, with the
+    config's params and the summary as an artifact; every train and eval step logged once, with the tables' values."""
+    from mlflow.tracking import MlflowClient
+
+    state = json.loads((layout.run_dir / "tracking.json").read_text())
+    rows = {it: read_table(layout, "train_metrics", it).row(0, named=True) for it in steps}
+    summary = json.loads(layout.summary_path.read_text())
+    board = tensorboard_steps(layout.run_dir)
+    assert [s for s, _ in board["train/loss"]] == steps
+    assert all(math.isclose(v, rows[s]["loss"], rel_tol=1e-6) for s, v in board["train/loss"])
+    assert [s for s, _ in board["eval/accuracy"]] == eval_steps
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{(layout.run_dir / 'mlflow.db').resolve()}")
+    runs = client.search_runs([client.get_experiment_by_name("rlpipe").experiment_id])
+    assert len(runs) == 1 and runs[0].info.run_id == state["mlflow_run_id"] and runs[0].info.run_name == layout.run_id
+    assert runs[0].info.status == "FINISHED" and runs[0].data.params["rollout.group_size"] == "4"
+    downloaded = client.download_artifacts(state["mlflow_run_id"], "summary.json", str(workspace))
+    assert json.loads(Path(downloaded).read_text()) == summary
+    for key in ("train/loss", "train/kl_ref", "train/seconds_rollouts"):
+        history = client.get_metric_history(state["mlflow_run_id"], key)
+        assert sorted(m.step for m in history) == steps, key  # each step once: none logged twice across the resume
+        column = key.split("/", 1)[1]
+        assert all(math.isclose(m.value, rows[m.step][column], rel_tol=1e-6) for m in history)
+    evals = client.get_metric_history(state["mlflow_run_id"], "eval/accuracy")
+    assert sorted((m.step, m.value) for m in evals) == [
+        (eval_steps[0], summary["eval_accuracy_start"]),
+        (eval_steps[-1], summary["eval_accuracy_final"]),
+    ]
 
 
 # ppo and dcpo are the presets with state beyond the policy: a critic trained by its own DeepSpeed engine, and
@@ -476,24 +527,51 @@ def node_of(log) -> str:
     return line.split(" on node ")[1].split()[0]
 
 
-def test_ranks_and_replicas_on_two_nodes_give_the_one_rank_one_replica_run(one_iteration, two_nodes):
+def test_two_nodes_give_the_one_rank_one_replica_run_and_a_node_lost_mid_update_is_resumed(one_iteration, two_nodes):
     """Iteration 1 again on a 2-node Ray cluster, from its prompts: two vLLM replicas (one a node) give the
     one-replica rollouts table exactly (prompt i keeps the seed `job seed + i` whichever replica samples it), and two
-    DeepSpeed ranks (one a node, gloo, ZeRO-1) give the one-rank logprobs and updated weights within 1e-5 (the
-    minibatch's normalizers span both ranks)."""
+    DeepSpeed ranks (one a node, gloo, ZeRO-1) give the one-rank logprobs within 1e-5 (the minibatch's normalizers
+    span both ranks).
+
+    Then both trainer ranks stop inside the update (a crash point), one on each node, and the second node is killed
+    (its raylet and every process on it): the command fails with one line naming the rank that was there, its actor
+    and the node. After a node rejoins, `rlpipe resume` finishes the update with the one-rank weights (within 1e-5).
+    One fork serves both, so the cluster runs three commands, not four."""
+    from storage.crash import HANG_MARK
+
     workspace, base = one_iteration
-    cluster, _, _ = two_nodes
+    cluster, worker, node = two_nodes
     root = str(workspace / "runs")
     rerun = ["rerun", base.run_id, "--iteration", "1", "--stage", "rollouts", "--fork", "two-nodes", "--root", root]
     rlpipe(*rerun, *on_two_nodes(cluster), "--set", "rl.iterations=1", cwd=workspace)
-    rlpipe("resume", "two-nodes", "--root", root, cwd=workspace)  # scores to optimize, and the final eval
     fork = RunLayout(workspace / "runs", "two-nodes")
-    logs = fork.run_dir / "logs"
-    assert node_of(logs / "vllm.log") != node_of(logs / "vllm-engine1.log")
-    assert node_of(logs / "trainer.log") != node_of(logs / "trainer-rank1.log")
     columns = ["prompt_id", "sample_idx", "token_ids", "text", "sampler_logprobs", "finish_reason", "round"]
     one, two = read_table(base, "rollouts", 1).select(columns), read_table(fork, "rollouts", 1).select(columns)
     assert one.height > 0 and one.equals(two)
+    rounds = [
+        v
+        for k, v in json.loads(fork.manifest_path("rollouts", 1).read_text())["extra"].items()
+        if k.startswith("round")
+    ]
+    assert all(len(r["engines"]) == 2 and all(e["tokens_per_second"] > 0 for e in r["engines"]) for r in rounds)
+
+    # scores to the update, which both ranks enter and hold
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "resume", "two-nodes", "--root", root],
+        cwd=workspace,
+        env=cli_env(workspace, **{CRASH_ENV: "optimize:1:rank*:hang"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    logs = fork.run_dir / "logs"
+    trainers = [logs / "trainer.log", logs / "trainer-rank1.log"]
+    deadline = time.time() + 300
+    while not all(log.exists() and HANG_MARK in log.read_text() for log in trainers):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:] if proc.poll() else "late"
+        time.sleep(0.5)
+    assert node_of(logs / "vllm.log") != node_of(logs / "vllm-engine1.log")
+    assert node_of(trainers[0]) != node_of(trainers[1])
     one, two = read_table(base, "logprobs", 1), read_table(fork, "logprobs", 1)
     assert one.select("prompt_id", "sample_idx").equals(two.select("prompt_id", "sample_idx"))
     gaps = [
@@ -502,45 +580,7 @@ def test_ranks_and_replicas_on_two_nodes_give_the_one_rank_one_replica_run(one_i
         for x, y in zip(a, b, strict=True)
     ]
     assert gaps and max(gaps) <= 1e-5
-    gap = max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1))
-    assert gap <= 1e-5, gap
-    assert max_weight_gap(base.checkpoint_dir(1), workspace / "models/sft") > 1e-4  # it did train
-    metrics = read_table(fork, "train_metrics", 1).row(0, named=True)
-    assert len(metrics["rank_seconds_forward"]) == 2 and min(metrics["rank_seconds_backward"]) > 0
-    assert metrics["optimizer_steps"] == read_table(base, "train_metrics", 1)["optimizer_steps"][0]
-    rounds = [
-        v
-        for k, v in json.loads(fork.manifest_path("rollouts", 1).read_text())["extra"].items()
-        if k.startswith("round")
-    ]
-    assert all(len(r["engines"]) == 2 and all(e["tokens_per_second"] > 0 for e in r["engines"]) for r in rounds)
-
-
-def test_a_node_lost_mid_update_fails_the_stage_naming_it_and_resume_gives_the_same_weights(one_iteration, two_nodes):
-    """Both trainer ranks stop inside iteration 1's update (a crash point), one on each node; the second node is then
-    killed (its raylet and every process on it): the command fails with one line naming the rank that was there, its
-    actor and the node, and after a node rejoins, `rlpipe resume` finishes the update with the one-rank weights
-    (within 1e-5)."""
-    from storage.crash import HANG_MARK
-
-    workspace, base = one_iteration
-    cluster, worker, node = two_nodes
-    root = str(workspace / "runs")
-    rerun = ["rerun", base.run_id, "--iteration", "1", "--stage", "optimize", "--fork", "node-lost", "--root", root]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", *rerun, *on_two_nodes(cluster), "--set", "rl.iterations=1"],
-        cwd=workspace,
-        env=cli_env(workspace, **{CRASH_ENV: "optimize:1:rank*:hang"}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    logs = [workspace / "runs/node-lost/logs/trainer.log", workspace / "runs/node-lost/logs/trainer-rank1.log"]
-    deadline = time.time() + 300
-    while not all(log.exists() and HANG_MARK in log.read_text() for log in logs):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:] if proc.poll() else "late"
-        time.sleep(0.5)
-    rank = [node_of(log) for log in logs].index(worker.node_id)  # the rank on the node that is lost
+    rank = [node_of(log) for log in trainers].index(worker.node_id)  # the rank on the node that is lost
     cluster.remove_node(worker, allow_graceful=False)
     _, err = proc.communicate(timeout=300)
     last = err.strip().splitlines()[-1]
@@ -548,9 +588,14 @@ def test_a_node_lost_mid_update_fails_the_stage_naming_it_and_resume_gives_the_s
     assert f"node 127.0.0.1 ({worker.node_id[:12]})): its node died" in last, last
     cluster.add_node(**{k: v for k, v in node.items() if k != "include_dashboard"})
     cluster.wait_for_nodes()
-    rlpipe("resume", "node-lost", "--root", root, cwd=workspace)
-    fork = RunLayout(workspace / "runs", "node-lost")
-    assert max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1)) <= 1e-5
+
+    rlpipe("resume", "two-nodes", "--root", root, cwd=workspace)  # the update again, and the final eval
+    gap = max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1))
+    assert gap <= 1e-5, gap
+    assert max_weight_gap(base.checkpoint_dir(1), workspace / "models/sft") > 1e-4  # it did train
+    metrics = read_table(fork, "train_metrics", 1).row(0, named=True)
+    assert len(metrics["rank_seconds_forward"]) == 2 and min(metrics["rank_seconds_backward"]) > 0
+    assert metrics["optimizer_steps"] == read_table(base, "train_metrics", 1)["optimizer_steps"][0]
 
 
 def test_zero3_over_two_ranks_resumes_after_one_rank_is_killed(one_iteration):
