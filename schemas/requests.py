@@ -203,7 +203,7 @@ class LossSettings:
     }
 
     @classmethod
-    def for_iteration(cls, cfg, kl_beta: float, entropy_coef: float) -> "LossSettings":
+    def for_iteration(cls, cfg, *, kl_beta: float, entropy_coef: float) -> "LossSettings":
         """From a run's config (a stage's view of it, with the loss, kl and rollout sections) and the iteration's β
         and entropy coefficient."""
         return cls(

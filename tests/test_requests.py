@@ -28,12 +28,12 @@ def test_each_loss_setting_comes_from_the_config_key_it_names():
     fields = {f.name for f in dataclasses.fields(LossSettings)}
     assert set(LossSettings.CONFIG_KEYS) == fields == set(CHANGED)
     base = build_config({})
-    before = LossSettings.for_iteration(base, base.kl.beta, base.loss.entropy_coef)
+    before = LossSettings.for_iteration(base, kl_beta=base.kl.beta, entropy_coef=base.loss.entropy_coef)
     for name, (key, value) in CHANGED.items():
         assert LossSettings.CONFIG_KEYS[name].split(",")[0].split(".")[0] == key.split(".")[0]
         cfg = build_config({}, [f"{key}={value}"])
         # β and the entropy coefficient fixed (no kl.target, no loss.entropy_target): their keys' own values
-        after = LossSettings.for_iteration(cfg, cfg.kl.beta, cfg.loss.entropy_coef)
+        after = LossSettings.for_iteration(cfg, kl_beta=cfg.kl.beta, entropy_coef=cfg.loss.entropy_coef)
         moved = {f for f in fields if getattr(after, f) != getattr(before, f)}
         section = key.split(".")[0]  # a section carried whole moves with each of its keys (kl.beta: β's start)
         others = moved - {name} - ({section} if section in fields else set())
@@ -42,7 +42,9 @@ def test_each_loss_setting_comes_from_the_config_key_it_names():
 
 def test_loss_settings_cross_the_wire_whole():
     s = LossSettings.for_iteration(
-        build_config({}, ["loss.objective=gspo", "loss.dual_clip=3", "kl.placement=none"]), 0.1, 0.02
+        build_config({}, ["loss.objective=gspo", "loss.dual_clip=3", "kl.placement=none"]),
+        kl_beta=0.1,
+        entropy_coef=0.02,
     )
     back = from_wire(to_wire(s))
     assert back == s and back.loss.dual_clip == 3.0 and not back.kl_in_loss

@@ -178,10 +178,11 @@ def checkpoint_bytes(ctx: RunContext, policy, full: bool) -> int:
 
 
 def update_request(
-    ctx: RunContext, iteration: int, policy, tmp: Path, beta: float, entropy_coef: float, replay: str = ""
+    ctx: RunContext, iteration: int, policy, tmp: Path, *, beta: float, entropy: float, replay: str = ""
 ) -> UpdateRequest:
     """Update `iteration` as the trainer takes it: from `policy` (the checkpoint before it) on the iteration's cached
-    training frame, into `tmp`. A `replay` rebuilds a complete update's checkpoint under the id it recorded."""
+    training frame, into `tmp`, with the iteration's KL β and entropy coefficient. A `replay` rebuilds a complete
+    update's checkpoint under the id it recorded."""
     o, lc = ctx.cfg.optim, ctx.cfg.loss
     data_path = scratch_file(ctx, "optimize.in.parquet")
     training_frame(ctx, iteration).write_parquet(data_path)
@@ -197,7 +198,7 @@ def update_request(
         minibatches=o.minibatches,
         warmup_steps=o.warmup_steps,
         first_step=(iteration - 1) * o.ppo_epochs * o.minibatches,
-        loss=LossSettings.for_iteration(ctx.cfg, beta, entropy_coef),
+        loss=LossSettings.for_iteration(ctx.cfg, kl_beta=beta, entropy_coef=entropy),
         critic=critic_request(ctx, iteration, tmp),
         ptx=PtxRequest(coef=lc.ptx_coef, batch=lc.ptx_batch, data_path=str(ptx_file(ctx))) if lc.ptx_coef else None,
         crash_point=f"{'replay' if replay else 'optimize'}:{iteration}",
@@ -237,8 +238,15 @@ def restore_state(ctx: RunContext, iteration: int) -> None:
         )
     final = layout.checkpoint_dir(iteration)
     tmp = temp_dir_for(final)
-    coefficients = kl_beta(ctx, iteration), entropy_coef(ctx, iteration)
-    request = update_request(ctx, iteration, policy, tmp, *coefficients, replay=manifest["extra"]["state_id"])
+    request = update_request(
+        ctx,
+        iteration,
+        policy,
+        tmp,
+        beta=kl_beta(ctx, iteration),
+        entropy=entropy_coef(ctx, iteration),
+        replay=manifest["extra"]["state_id"],
+    )
     t0 = time.time()
     call_trainer(layout, ctx.cfg.engines, request, f"replay-{iteration:05d}")
     Path(request.data_path).unlink()
@@ -271,7 +279,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
         final = ctx.layout.checkpoint_dir(iteration)
         tmp = temp_dir_for(final)
         shutil.rmtree(state_dir_for(final), ignore_errors=True)  # a stopped command's unpublished optimizer state
-        request = update_request(ctx, iteration, policy, tmp, beta, coef)
+        request = update_request(ctx, iteration, policy, tmp, beta=beta, entropy=coef)
         ensure_free(
             final.parent, checkpoint_bytes(ctx, policy, request.save_state), f"the checkpoint of iteration {iteration}"
         )
