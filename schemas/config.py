@@ -323,6 +323,8 @@ REWARD_ARGUMENTS = (
     "env_reward",
     "tool_calls",
     "tool_errors",
+    # the response split into steps (reward.steps), for process rewards
+    "steps",
 )
 # verl's and TRL's names for the same values (per sample), and TRL's batched names (tasks/rewards/loader.py).
 ALIAS_ARGUMENTS = ("solution_str", "completion", "completion_ids")
@@ -349,6 +351,15 @@ class RewardFunctionConfig(Section):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for every call (e.g. a format pattern)."
     )
+    per_step: bool = Field(
+        False,
+        description="A process reward: it returns one score per step of `steps` (reward.steps splits the response), "
+        "kept in scores as steps_<name>; score_<name> is their step_aggregate, and advantage.estimator grpo_process "
+        "turns them into token advantages.",
+    )
+    step_aggregate: Literal["mean", "min", "product"] = Field(
+        "mean", description="per_step: how the step scores become the sample's score_<name>."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "RewardFunctionConfig":
@@ -360,6 +371,28 @@ class RewardFunctionConfig(Section):
         if taken:
             raise ValueError(f"kwargs may not set {taken[0]!r}: rlpipe passes it")
         return self
+
+
+class StepSplitConfig(Section):
+    """How a response is split into steps for process rewards (docs/algorithms.md, "Process rewards")."""
+
+    delimiter: str = Field(
+        "\n", min_length=1, description="A step ends after each occurrence of this text (part of the step it ends)."
+    )
+    regex: str | None = Field(
+        None, description="In place of delimiter: a step ends after each match of this regular expression."
+    )
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, regex: str | None) -> str | None:
+        if regex is not None:
+            try:
+                if re.compile(regex).search(""):
+                    raise ValueError(f"reward.steps.regex {regex!r} matches the empty string")
+            except re.error as exc:
+                raise ValueError(f"reward.steps.regex {regex!r} is not a regular expression: {exc}") from None
+        return regex
 
 
 class RewardConfig(Section):
@@ -383,6 +416,9 @@ class RewardConfig(Section):
     )
     workers: int = Field(
         2, ge=0, description="Reward worker processes; 0: in the calling process, without the timeout."
+    )
+    steps: StepSplitConfig = Field(
+        default_factory=StepSplitConfig, description="How responses are split into steps for process rewards."
     )
 
     @field_validator("functions")
@@ -1021,6 +1057,17 @@ class RunConfig(Section):
             and not (self.reward.kind == "model" and self.reward.model_weight)
         ):
             raise ValueError("advantage.estimator gdpo normalises the reward's weighted parts, and every weight is 0")
+        per_step = [name for name, f in self.reward.functions.items() if f.per_step]
+        if a.estimator == "grpo_process" and not any(self.reward.functions[n].weight for n in per_step):
+            raise ValueError(
+                "advantage.estimator grpo_process needs a process reward: a reward function with per_step: true "
+                "and a non-zero weight"
+            )
+        if per_step and self.agent.enabled:
+            raise ValueError(
+                f"reward function {per_step[0]!r} is per_step, and process rewards score single-turn responses "
+                "(this run has an agent section)"
+            )
         return self
 
     @model_validator(mode="after")

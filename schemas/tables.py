@@ -169,8 +169,10 @@ SCORES = _table(
         "reward": F64,
         "error": STR,
     },
-    open=True,  # one `score_<fn>` column per reward function, plus its `error_<fn>`
+    open=True,  # per reward function its `score_<fn>` and `error_<fn>` (and a process reward's `steps_<fn>`)
     unique=("iteration", "prompt_id", "sample_idx"),
+    # Process rewards (reward functions with per_step): the response token on which each step ends (reward.steps)
+    optional={"step_ends": LIST_I32},
 )
 
 BATCH = _table(

@@ -63,3 +63,17 @@ def sees_everything(
 
 def needs_unknown(response, confidence):
     return 1.0
+
+
+def digit_steps(steps):
+    """A process reward: 1 for each step that contains a digit (one score per step)."""
+    return [float(any(c.isdigit() for c in step)) for step in steps]
+
+
+def digit_steps_batched(steps):
+    return [[float(any(c.isdigit() for c in step)) for step in sample] for sample in steps]
+
+
+def one_step_score(steps):
+    """A broken process reward: always one score, whatever the number of steps."""
+    return [1.0]

@@ -116,6 +116,10 @@ REGISTERED = {
 }
 
 
+# What a choice needs elsewhere in the config to be valid.
+NEEDS = {"grpo_process": {"reward": {"functions": {"accuracy": {}, "s": {"path": "r.py", "per_step": True}}}}}
+
+
 @pytest.mark.parametrize("key", sorted(REGISTERED))
 def test_a_registrys_names_are_the_configs_choices_and_the_references(key):
     """The registry is the one list: every name it holds is accepted, anything else is refused naming them all, and the
@@ -127,7 +131,7 @@ def test_a_registrys_names_are_the_configs_choices_and_the_references(key):
     module, attr = REGISTERED[key].split(":")
     names = getattr(importlib.import_module(module), attr).names()
     for name in names:
-        build_config({}, [f"{key}={name}"])
+        build_config(NEEDS.get(name, {}), [f"{key}={name}"])
     with pytest.raises(ConfigError) as err:
         build_config({}, [f"{key}=nope"])
     assert f"{key}:" in str(err.value) and str(err.value).endswith(f"'nope': choose one of {', '.join(names)}")

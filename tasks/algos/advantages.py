@@ -44,6 +44,10 @@ class AdvantageSettings:
     correct_at: float = 1.0  # passk: a response is correct when its reward is at least this
     # gdpo: the reward's components, (column of `scores`, weight), each normalised within its group before the sum
     components: tuple[tuple[str, float], ...] = ()
+    # grpo_process: the process rewards' step-score lists (steps_<name>, weight), and the other parts of the reward
+    # (score_<name> of the outcome functions, score_model), which count on the last step
+    step_parts: tuple[tuple[str, float], ...] = ()
+    outcome_parts: tuple[tuple[str, float], ...] = ()
 
 
 Estimator = Callable[[pl.DataFrame, AdvantageSettings, "pl.DataFrame | None"], pl.DataFrame]
@@ -55,6 +59,7 @@ class EstimatorNeeds:
     keeps_prompt_state: bool = False  # reads and writes the prompt_stats history
     needs_components: bool = False  # reads each reward component's column (AdvantageSettings.components)
     needs_teacher: bool = False  # reads the teacher's logprobs (advantage.teacher_path)
+    needs_steps: bool = False  # reads the process rewards' step scores and step ends (AdvantageSettings.step_parts)
 
 
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", EstimatorNeeds)
@@ -258,6 +263,71 @@ def gdpo(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     total = pl.sum_horizontal(parts)
     batch_std = total.std(ddof=1).fill_null(0.0)
     return to_tokens(df.with_columns(_finite((total - total.mean()) / (batch_std + s.eps)).alias("advantage")), s)
+
+
+# ---- Process rewards: GRPO with process supervision ---------------------------------------------------------
+
+
+def _group_normalised(values: np.ndarray, groups: np.ndarray, n_groups: int, eps: float) -> np.ndarray:
+    """(x − mean_g x)/(std_g x + ε) with every value of its group (unbiased std); exactly 0 in a group whose values
+    are all equal or that has one value, as GRPO's equal-reward groups."""
+    count = np.bincount(groups, minlength=n_groups).astype(np.float64)
+    mean = np.bincount(groups, weights=values, minlength=n_groups) / np.maximum(count, 1)
+    centred = values - mean[groups]
+    var = np.bincount(groups, weights=centred**2, minlength=n_groups) / np.maximum(count - 1, 1)
+    low, high = np.full(n_groups, np.inf), np.full(n_groups, -np.inf)
+    np.minimum.at(low, groups, values)
+    np.maximum.at(high, groups, values)
+    flat = (high == low) | (count < 2)
+    out = centred / (np.sqrt(var)[groups] + eps)
+    out[flat[groups]] = 0.0
+    return out
+
+
+@register("grpo_process", needs_steps=True)
+def grpo_process(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
+    """GRPO with process supervision (Shao et al. 2024, DeepSeekMath, 2402.03300, §4.1.3): step j of response i has
+    the reward r_i^j = Σ_f w_f·s_f,i^j over the process rewards (plus the outcome parts' weighted score on its last
+    step); every step reward of the group is normalised by the mean and std of all of them,
+    r̃ = (r − mean(R))/(std(R) + ε_adv); a token's advantage is the sum of the normalised rewards of the steps that
+    end at or after it, A_i,t = Σ_{end(j) ≥ t} r̃_i^j. `advantage` is the first token's (the whole response's credit).
+    Inputs: `step_ends` (each step's last response token) and the step_parts' lists, one value per step; a sample
+    whose process reward failed (a null list) has step scores 0."""
+    ends, step_offsets = flat_lists(df["step_ends"])
+    n_steps = np.diff(step_offsets)
+    rewards = np.zeros(len(ends))
+    for column, weight in s.step_parts:
+        zeros = pl.col("step_ends").list.eval(pl.element().cast(pl.Float64) * 0.0)
+        filled = df.select(pl.when(pl.col(column).is_null()).then(zeros).otherwise(pl.col(column)).alias(column))
+        values, offsets = flat_lists(filled[column])
+        if not np.array_equal(offsets, step_offsets):
+            raise ValueError(f"grpo_process: {column} and step_ends have different lengths in some response")
+        rewards += weight * values.astype(np.float64)
+    if s.outcome_parts:
+        outcome = sum(weight * df[column].cast(pl.Float64).to_numpy() for column, weight in s.outcome_parts)
+        last = n_steps > 0
+        rewards[step_offsets[1:][last] - 1] += outcome[last]
+    group_of_response = df[KEY].rank("dense").cast(pl.Int64).to_numpy() - 1
+    n_groups = int(group_of_response.max(initial=-1)) + 1
+    normed = _group_normalised(rewards, np.repeat(group_of_response, n_steps), n_groups, s.eps)
+    # Suffix sums within each response: the global reverse cumsum minus what lies past the response's last step.
+    tail = np.append(np.cumsum(normed[::-1])[::-1], 0.0)
+    suffix = tail[:-1] - np.repeat(tail[step_offsets[1:]], n_steps)
+    # Each token takes the suffix sum of the first step that ends at or after it, in its own response (0 past the
+    # last step's end, which the scores stage puts on the last token). Padded with one no-step entry for the search's
+    # past-the-end result.
+    token_offsets = offsets_of(df["length"])
+    rows = np.arange(len(df))
+    global_ends = np.repeat(token_offsets[:-1], n_steps) + ends
+    step = np.searchsorted(global_ends, np.arange(token_offsets[-1]), side="left")
+    step_row = np.append(np.repeat(rows, n_steps), -1)
+    same = step_row[step] == np.repeat(rows, np.diff(token_offsets))
+    token = np.where(same, np.append(suffix, 0.0)[step], 0.0).astype(np.float32)
+    nonempty = token_offsets[1:] > token_offsets[:-1]
+    first = np.zeros(len(df))
+    first[nonempty] = token[token_offsets[:-1][nonempty]]
+    tokens = from_flat("token_advantages", token, token_offsets)
+    return df.with_columns(tokens, tokens.alias("returns"), pl.Series("advantage", first))
 
 
 # ---- On-policy distillation ---------------------------------------------------------------------------------

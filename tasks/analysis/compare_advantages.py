@@ -54,8 +54,13 @@ def compare_advantages(run_id: str, iteration: int, estimators: list[str], aggre
     verified_parts(
         ctx.layout, [(stage, k) for k in range(1, iteration + 1) for stage in ("scores", "rollouts", "prompt_stats")]
     )
-    parts = any(e.needs_components for e in entries)
-    df = advantage_inputs(ctx, iteration, kept_only=False, components=parts).sort("prompt_id", "sample_idx")
+    df = advantage_inputs(
+        ctx,
+        iteration,
+        kept_only=False,
+        components=any(e.needs_components for e in entries),
+        steps=any(e.needs_steps for e in entries),
+    ).sort("prompt_id", "sample_idx")
     settings = settings_from(ctx.cfg)  # no KL: the estimators themselves are compared
     history = _history(ctx, iteration) if any(e.keeps_prompt_state for e in entries) else None
     reference = compute_advantages(df, "grpo", settings)["advantage"]

@@ -14,9 +14,12 @@ The contract (docs/train-your-own-model.md, "Reward functions"). A per-sample fu
     <column>       every other column of the dataset row, untouched (nested values as dicts and lists)
     <kwargs>       the entry's `kwargs` from the config
 
+    steps          the response split into steps (reward.steps): a list of str that joins back to the response
+
 It takes the ones it names, or all of them with **kwargs, and returns a number (bool and int count). A batched
 function (`batched: true`) gets the same names with a list per argument (the config's kwargs stay scalars) and
-returns a list of numbers, one per sample.
+returns a list of numbers, one per sample. A process reward (`per_step: true`) returns a list of numbers, one per
+step of `steps` (batched: a list of such lists).
 
 Functions written for verl or TRL run unchanged, under their own names for the same values:
 
@@ -60,6 +63,7 @@ class FunctionSpec:
     function: str | None = None
     batched: bool = False
     kwargs: dict = field(default_factory=dict)
+    per_step: bool = False  # a process reward: one score per step of `steps`
     kind: str = "reward function"  # what the one-line errors call it: tools and environments load the same way
 
     @property
@@ -73,7 +77,7 @@ class FunctionSpec:
 
 def specs_from_config(reward: RewardConfig) -> dict[str, FunctionSpec]:
     return {
-        name: FunctionSpec(name, f.path, f.module, f.function, f.batched, dict(f.kwargs))
+        name: FunctionSpec(name, f.path, f.module, f.function, f.batched, dict(f.kwargs), f.per_step)
         for name, f in reward.functions.items()
     }
 

@@ -29,7 +29,7 @@ from dataclasses import asdict
 from schemas.errors import UserError
 from tasks.rewards.loader import FunctionSpec, accepted_arguments, is_batched, load_function
 
-Result = tuple[float, "str | None"]  # (score, error)
+Result = tuple["float | list[float]", "str | None"]  # (score, or a process reward's step scores; error)
 _POOL = None
 _POOL_SIZE = 0
 
@@ -52,6 +52,22 @@ def _number(value) -> float:
     raise TypeError(f"returned {type(value).__name__} {str(value)[:40]!r}, not a number")
 
 
+def _step_numbers(value, steps: list) -> list[float]:
+    """A process reward's result: one number per step."""
+    if isinstance(value, (str, bytes, dict, set)) or not hasattr(value, "__len__"):
+        raise TypeError(f"returned {type(value).__name__} {str(value)[:40]!r}, not a list of step scores (per_step)")
+    if len(value) != len(steps):
+        raise ValueError(f"returned {len(value)} step scores for {len(steps)} steps")
+    return [_number(v) for v in value]
+
+
+def _converter(spec: FunctionSpec):
+    """What turns the function's return value for one sample into its score (a list of step scores when per_step)."""
+    if spec.per_step:
+        return lambda value, sample: _step_numbers(value, sample["steps"])
+    return lambda value, sample: _number(value)
+
+
 def _arguments(accepted, sample: dict) -> dict:
     return sample if accepted is None else {k: v for k, v in sample.items() if k in accepted}
 
@@ -72,16 +88,16 @@ def _guarded(call, timeout: float | None):
 
 
 def _score_one_by_one(fn, spec: FunctionSpec, samples: list[dict], timeout: float | None) -> list[Result]:
-    accepted = accepted_arguments(fn)
+    accepted, convert = accepted_arguments(fn), _converter(spec)
     out = []
     for sample in samples:
-        value, error = _guarded(lambda: _number(fn(**_arguments(accepted, sample), **spec.kwargs)), timeout)
+        value, error = _guarded(lambda: convert(fn(**_arguments(accepted, sample), **spec.kwargs), sample), timeout)
         out.append((0.0, error) if error else (value, None))
     return out
 
 
 def _score_batched(fn, spec: FunctionSpec, samples: list[dict], timeout: float | None) -> list[Result]:
-    accepted = accepted_arguments(fn)
+    accepted, convert = accepted_arguments(fn), _converter(spec)
     columns = {k: [s[k] for s in samples] for k in samples[0]} if samples else {}
     if samples:  # TRL's names: chat prompts as their messages, text prompts as the model saw them
         columns["completions"] = columns["completion"]
@@ -91,7 +107,7 @@ def _score_batched(fn, spec: FunctionSpec, samples: list[dict], timeout: float |
         values = list(fn(**_arguments(accepted, columns), **spec.kwargs))
         if len(values) != len(samples):
             raise ValueError(f"returned {len(values)} scores for {len(samples)} samples")
-        return [_number(v) for v in values]
+        return [convert(v, sample) for v, sample in zip(values, samples)]
 
     values, error = _guarded(call, timeout * len(samples) if timeout else None)
     return [(0.0, error)] * len(samples) if error else [(v, None) for v in values]

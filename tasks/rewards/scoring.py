@@ -7,10 +7,11 @@ import math
 
 import polars as pl
 
-from schemas.config import RewardConfig
+from schemas.config import RewardConfig, StepSplitConfig
 from schemas.errors import UserError
 from tasks.rewards.loader import specs_from_config
 from tasks.rewards.pool import score_samples
+from tasks.rewards.steps import aggregate_steps, split_steps
 
 
 class RewardError(UserError, ValueError):
@@ -61,15 +62,19 @@ def sample_arguments(
     token_ids: list | None,
     max_tokens: int,
     agent: dict | None = None,
+    split: StepSplitConfig | None = None,
 ) -> dict:
     """The keyword arguments of one response's call: rlpipe's names, and verl's and TRL's for the same values. A
     multi-turn trajectory (`agent`) brings `messages` (the whole conversation, the prompt's included), `turns` (its
-    rows of the turns table, as dicts), `env_reward`, `tool_calls` and `tool_errors`; `response` is its last turn."""
+    rows of the turns table, as dicts), `env_reward`, `tool_calls` and `tool_errors`; `response` is its last turn.
+    `steps` is the response split by `split` (reward.steps)."""
     args = {k: v for k, v in shared.items() if k != "chat"}
     completion = [{"role": "assistant", "content": text}] if shared["chat"] else text
+    split = split or StepSplitConfig()
     return {
         **args,
         "response": text,
+        "steps": [step for step, _ in split_steps(text, split.delimiter, split.regex)],
         "finish_reason": reason,
         "length": length,
         "max_tokens": max_tokens,
@@ -133,7 +138,12 @@ def score_frame(
     distinct = list(first)
     samples = [
         sample_arguments(
-            shared[key[0]], *key[1:4], first[key], max_tokens, agent[key[4]] if agent is not None else None
+            shared[key[0]],
+            *key[1:4],
+            first[key],
+            max_tokens,
+            agent[key[4]] if agent is not None else None,
+            split=reward.steps,
         )
         for key in distinct
     ]
@@ -141,10 +151,15 @@ def score_frame(
     position = {k: i for i, k in enumerate(distinct)}
     cols: dict[str, pl.Series] = {}
     for name, results in scored.items():
-        for (value, _), (_, text, *_) in zip(results, distinct):
-            if not math.isfinite(value):
+        for (value, error), (_, text, *_) in zip(results, distinct):
+            if not all(math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
                 raise RewardError(f"reward function {name!r} returned {value} for response {text[:80]!r}")
         rows = [results[position[k]] for k in keys]
+        if specs[name].per_step:  # the step scores kept as they came (null on an error), aggregated into the score
+            how = reward.functions[name].step_aggregate
+            steps = [v if e is None else None for v, e in rows]
+            cols[f"steps_{name}"] = pl.Series(f"steps_{name}", steps, dtype=pl.List(pl.Float64))
+            rows = [(0.0, e) if e else (aggregate_steps(v, how), None) for v, e in rows]
         cols[f"score_{name}"] = pl.Series(f"score_{name}", [v for v, _ in rows], dtype=pl.Float64)
         cols[f"error_{name}"] = pl.Series(f"error_{name}", [e for _, e in rows], dtype=pl.Utf8)
     out = rollouts.select("iteration", "round", "prompt_id", "sample_idx").with_columns(list(cols.values()))

@@ -14,6 +14,7 @@ from schemas.errors import NotFound
 from storage import StageOutput, read_manifest, read_stage
 from tasks.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageInputError,
     AdvantageSettings,
     compute_advantages,
     empty_prompt_stats,
@@ -35,16 +36,40 @@ def reward_components(reward) -> tuple[tuple[str, float], ...]:
     return tuple((column, weight) for column, weight in parts if weight)
 
 
+def step_parts(reward) -> tuple[tuple[str, float], ...]:
+    """The process rewards' step-score lists in `scores` (steps_<name>), with their weights (0 left out)."""
+    return tuple((f"steps_{name}", f.weight) for name, f in reward.functions.items() if f.per_step and f.weight)
+
+
+def outcome_parts(reward) -> tuple[tuple[str, float], ...]:
+    """The reward's parts that score a whole response: every component but the process rewards' aggregates."""
+    per_step = {f"score_{name}" for name, f in reward.functions.items() if f.per_step}
+    return tuple((column, weight) for column, weight in reward_components(reward) if column not in per_step)
+
+
 def advantage_inputs(
-    ctx: RunContext, iteration: int, kept_only: bool = True, components: bool | None = None
+    ctx: RunContext,
+    iteration: int,
+    kept_only: bool = True,
+    components: bool | None = None,
+    steps: bool | None = None,
 ) -> pl.DataFrame:
     """One row per response: prompt_id, sample_idx, reward, length (and a multi-turn rollout's action_mask), the
-    reward's components (`components`; by default, when the run's estimator reads them), and the logprobs table's
-    lists."""
+    reward's components (`components`), the process rewards' step ends and scores (`steps`), each by default when the
+    run's estimator reads them, and the logprobs table's lists."""
     needs = ADVANTAGE_ESTIMATORS.entry(ctx.cfg.advantage.estimator)
-    if components is None:
-        components = needs.needs_components
-    parts = [column for column, _ in reward_components(ctx.cfg.reward)] if components else []
+    components = needs.needs_components if components is None else components
+    steps = needs.needs_steps if steps is None else steps
+    reward = ctx.cfg.reward
+    parts = [column for column, _ in reward_components(reward)] if components else []
+    if steps:  # grpo_process: the step ends and scores, and the outcome parts it adds on the last step
+        if not step_parts(reward):
+            raise AdvantageInputError(
+                f"grpo_process needs process rewards (a reward function with per_step: true), and run "
+                f"{ctx.layout.run_id!r} has none"
+            )
+        parts += ["step_ends", *(c for c, _ in step_parts(reward)), *(c for c, _ in outcome_parts(reward))]
+        parts = list(dict.fromkeys(parts))
     scores = read_stage(ctx.layout, "scores", iteration).select("iteration", *KEYS, "reward", *parts)
     if kept_only:
         kept = read_stage(ctx.layout, "batch", iteration).filter("kept").select("prompt_id")
@@ -75,6 +100,8 @@ def settings_from(cfg, kl_beta: float = 0.0) -> AdvantageSettings:
         pass_k=a.pass_k,
         correct_at=a.correct_at,
         components=reward_components(cfg.reward),
+        step_parts=step_parts(cfg.reward),
+        outcome_parts=outcome_parts(cfg.reward),
     )
 
 

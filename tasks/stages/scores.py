@@ -11,8 +11,10 @@ from __future__ import annotations
 import polars as pl
 
 from storage import StageOutput, read_stage
+from tasks.data.formatting import load_tokenizer
 from tasks.rewards.loader import source_hash, specs_from_config
 from tasks.rewards.scoring import RewardError, score_frame
+from tasks.rewards.steps import step_ends_column
 from tasks.stages.common import (
     Computed,
     RunContext,
@@ -40,6 +42,8 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, ups
         scores = score_frame(
             rollouts, prompts, ctx.cfg.reward, ctx.cfg.rollout.max_tokens, ctx.cfg.data.answer_key, turns
         )
+        if any(f.per_step for f in ctx.cfg.reward.functions.values()):
+            scores = scores.with_columns(step_ends(ctx, rollouts))
         if ctx.cfg.reward.kind == "model":
             scores = add_model_score(
                 scores,
@@ -54,6 +58,19 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, ups
     return run_stage(
         ctx, iteration, part=round_, salt=source_hash(specs_from_config(ctx.cfg.reward)), inputs=inputs, compute=compute
     )
+
+
+def step_ends(ctx: RunContext, rollouts: pl.DataFrame) -> pl.Series:
+    """Process rewards: the response token on which each step ends (reward.steps), found with the policy's tokenizer
+    on the tokens sampled."""
+    tokenizer = load_tokenizer(ctx.cfg.model.path)
+    ends = step_ends_column(
+        rollouts["text"].to_list(),
+        rollouts["token_ids"].to_list(),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        ctx.cfg.reward.steps,
+    )
+    return pl.Series("step_ends", ends, dtype=pl.List(pl.Int32))
 
 
 def reward_model_scores(ctx: RunContext, rollouts: pl.DataFrame, name: str) -> pl.Series:
@@ -78,7 +95,7 @@ SPEC = StageSpec(
     "scores",
     reads=("rollouts",),
     also_reads=("prompts", "turns"),  # the rollouts' own prompts and turns
-    sections=("reward", "rollout", "data", "optim"),
+    sections=("reward", "rollout", "data", "optim", "model"),  # model: its tokenizer places process rewards' steps
     scope="round",
     task=scores_task,
     rerunnable=True,  # every round again, from the saved rollouts: a fixed reward function re-scores, no generation
