@@ -15,6 +15,7 @@ import pytest
 from storage import RunLayout, read_manifest, state_dir_for
 from storage.crash import CRASH_ENV
 from tasks.engines.workers.engine_cache import state_pending
+from tasks.rewards.steps import split_steps
 from tasks.stages import graph
 from tests.conftest import cli_env, read_table, rlpipe, run_until_killed, write_rankings
 
@@ -267,6 +268,7 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
         for name in ("grpo", "drgrpo", "lite_ppo", "rloo", "dcpo", "passk", "gdpo"):
             assert name in out.stdout
         check_fork_and_diff(workspace, layout)
+        check_process_rewards_from_saved_rollouts(workspace, layout)
 
 
 def test_on_policy_distillation_scores_the_samples_with_the_teacher_and_trains_on_the_reverse_kl(tiny_sft):
@@ -292,6 +294,34 @@ def test_on_policy_distillation_scores_the_samples_with_the_teacher_and_trains_o
     assert not joined["teacher_logprobs"].equals(joined["ref_logprobs"])  # the teacher, not the reference
     metrics = read_table(layout, "train_metrics", 1).row(0, named=True)
     assert metrics["optimizer_steps"] == 2 and metrics["grad_norm"] > 0
+
+
+def check_process_rewards_from_saved_rollouts(workspace, layout: RunLayout):
+    """Process rewards added to a finished run by re-scoring its saved rollouts in a fork, as docs/algorithms.md
+    describes them: a per_step function from a file, each digit a step (reward.steps.regex). Every step's end lands on
+    its own token (the char tokenizer: one token per character, then EOS on the last step), the step scores and
+    their aggregate are stored, and compare-advantages runs grpo_process on them."""
+    root = str(workspace / "runs")
+    fixtures = Path(__file__).parent / "reward_fixtures.py"
+    functions = f"{{accuracy: {{}}, digits: {{path: {fixtures}, function: digit_steps, per_step: true, weight: 0.5}}}}"
+    rlpipe(
+        "rerun", layout.run_id, "--iteration", "1", "--stage", "scores", "--fork", "prm", "--root", root,
+        "--set", f"reward.functions={functions}", "--set", "reward.steps.regex=\\d", cwd=workspace,
+    )  # fmt: skip
+    fork = RunLayout(workspace / "runs", "prm")
+    scores = read_table(fork, "scores", 1).join(read_table(fork, "rollouts", 1), on=["prompt_id", "sample_idx"])
+    assert scores.height and scores["error_digits"].null_count() == scores.height
+    for text, length, ends, steps, score in scores.select(
+        "text", "length", "step_ends", "steps_digits", "score_digits"
+    ).iter_rows():
+        steps_at = [end for _, end in split_steps(text, regex=r"\d")]  # character offsets just past each step
+        assert ends == [end - 1 for end in steps_at[:-1]] + [length - 1], text
+        assert len(steps) == len(ends) and score == pytest.approx(sum(steps) / len(steps))
+    out = rlpipe(
+        "compare-advantages", "prm", "--iteration", "1", "--estimators", "grpo,grpo_process", "--root", root,
+        cwd=workspace,
+    )  # fmt: skip
+    assert "grpo_process" in out.stdout
 
 
 def check_resident_updates_equal_one_shot(workspace, layout: RunLayout):
