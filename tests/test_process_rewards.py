@@ -76,8 +76,8 @@ def test_step_ends_column_splits_and_places_with_a_decoder():
 
 
 def test_step_ends_with_a_byte_level_bpe_whose_tokens_span_the_delimiter():
-    """A real tokenizer whose merges cross step boundaries (`;2`, `08;`): each step ends on the first token whose decoded
-    prefix covers it, and the last step on the EOS."""
+    """A real tokenizer whose merges cross step boundaries (`;2`, `08;`): each step ends on the first token whose
+    decoded prefix covers it, and the last step on the EOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
