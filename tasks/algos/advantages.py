@@ -268,22 +268,6 @@ def gdpo(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
 # ---- Process rewards: GRPO with process supervision ---------------------------------------------------------
 
 
-def _group_normalised(values: np.ndarray, groups: np.ndarray, n_groups: int, eps: float) -> np.ndarray:
-    """(x − mean_g x)/(std_g x + ε) with every value of its group (unbiased std); exactly 0 in a group whose values
-    are all equal or that has one value, as GRPO's equal-reward groups."""
-    count = np.bincount(groups, minlength=n_groups).astype(np.float64)
-    mean = np.bincount(groups, weights=values, minlength=n_groups) / np.maximum(count, 1)
-    centred = values - mean[groups]
-    var = np.bincount(groups, weights=centred**2, minlength=n_groups) / np.maximum(count - 1, 1)
-    low, high = np.full(n_groups, np.inf), np.full(n_groups, -np.inf)
-    np.minimum.at(low, groups, values)
-    np.maximum.at(high, groups, values)
-    flat = (high == low) | (count < 2)
-    out = centred / (np.sqrt(var)[groups] + eps)
-    out[flat[groups]] = 0.0
-    return out
-
-
 @register("grpo_process", needs_steps=True)
 def grpo_process(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     """GRPO with process supervision (Shao et al. 2024, DeepSeekMath, 2402.03300, §4.1.3): step j of response i has
@@ -307,9 +291,9 @@ def grpo_process(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.Dat
         outcome = sum(weight * df[column].cast(pl.Float64).to_numpy() for column, weight in s.outcome_parts)
         last = n_steps > 0
         rewards[step_offsets[1:][last] - 1] += outcome[last]
-    group_of_response = df[KEY].rank("dense").cast(pl.Int64).to_numpy() - 1
-    n_groups = int(group_of_response.max(initial=-1)) + 1
-    normed = _group_normalised(rewards, np.repeat(group_of_response, n_steps), n_groups, s.eps)
+    # GRPO's normalisation, over the group's step rewards in place of its responses' rewards.
+    step_rows = pl.DataFrame({KEY: df[KEY].gather(np.repeat(np.arange(len(df)), n_steps)), "reward": rewards})
+    normed = with_group_stats(step_rows).select(_finite(centered() / (group_std() + s.eps))).to_series().to_numpy()
     # Suffix sums within each response: the global reverse cumsum minus what lies past the response's last step.
     tail = np.append(np.cumsum(normed[::-1])[::-1], 0.0)
     suffix = tail[:-1] - np.repeat(tail[step_offsets[1:]], n_steps)

@@ -62,7 +62,8 @@ def sample_arguments(
     token_ids: list | None,
     max_tokens: int,
     agent: dict | None = None,
-    split: StepSplitConfig | None = None,
+    *,
+    split: StepSplitConfig,
 ) -> dict:
     """The keyword arguments of one response's call: rlpipe's names, and verl's and TRL's for the same values. A
     multi-turn trajectory (`agent`) brings `messages` (the whole conversation, the prompt's included), `turns` (its
@@ -70,7 +71,6 @@ def sample_arguments(
     `steps` is the response split by `split` (reward.steps)."""
     args = {k: v for k, v in shared.items() if k != "chat"}
     completion = [{"role": "assistant", "content": text}] if shared["chat"] else text
-    split = split or StepSplitConfig()
     return {
         **args,
         "response": text,
@@ -151,7 +151,7 @@ def score_frame(
     position = {k: i for i, k in enumerate(distinct)}
     cols: dict[str, pl.Series] = {}
     for name, results in scored.items():
-        for (value, error), (_, text, *_) in zip(results, distinct):
+        for (value, _), (_, text, *_) in zip(results, distinct):
             if not all(math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
                 raise RewardError(f"reward function {name!r} returned {value} for response {text[:80]!r}")
         rows = [results[position[k]] for k in keys]

@@ -18,20 +18,16 @@ def split_steps(text: str, delimiter: str = "\n", regex: str | None = None) -> l
     pattern = re.compile(regex) if regex is not None else re.compile(re.escape(delimiter))
     cuts = sorted({m.end() for m in pattern.finditer(text) if m.end() > m.start() and m.end() < len(text)})
     steps: list[tuple[str, int]] = []
-    start, pending = 0, ""
-    for cut in [*cuts, len(text)]:
+    pending = ""
+    for start, cut in zip([0, *cuts], [*cuts, len(text)]):
         piece = pending + text[start:cut]
-        start = cut
-        if piece.strip() or cut == len(text):
-            if not piece.strip() and steps:  # trailing whitespace after the last step: it belongs to that step
-                steps[-1] = (steps[-1][0] + piece, cut)
-            else:
-                steps.append((piece, cut))
-            pending = ""
-        elif steps:
+        if not piece.strip() and steps:  # blank between or after steps: it joins the step before
             steps[-1] = (steps[-1][0] + piece, cut)
-        else:
+        elif not piece.strip() and cut < len(text):  # blank before the first step: it joins the step after
             pending = piece
+        else:
+            steps.append((piece, cut))
+            pending = ""
     return steps
 
 
@@ -43,10 +39,7 @@ def step_token_ends(char_ends: Sequence[int], n_tokens: int, decoded_length: Cal
     if n_tokens == 0:
         return [-1] * len(char_ends)
     out, low = [], 1
-    for i, end in enumerate(char_ends):
-        if i == len(char_ends) - 1:
-            out.append(n_tokens - 1)
-            break
+    for end in char_ends[:-1]:
         lo, hi = low, n_tokens
         while lo < hi:
             mid = (lo + hi) // 2
@@ -56,7 +49,7 @@ def step_token_ends(char_ends: Sequence[int], n_tokens: int, decoded_length: Cal
                 lo = mid + 1
         out.append(lo - 1)
         low = lo
-    return out
+    return [*out, n_tokens - 1]
 
 
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {
