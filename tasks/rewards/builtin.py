@@ -6,6 +6,8 @@ length, the generation limit, every other column of the dataset, and the entry's
 takes the ones it names (or all, with **kwargs) and returns a number, so it can be debugged on one sample:
 `accuracy(response="95.0", ground_truth="95")`.
 Imports: math-verify inside `accuracy` (it loads sympy): only runs that score with it pay for it.
+A built-in may carry a `preflight(reward, kwargs, columns)` attribute: the run's preflight calls it, once, before any
+engine starts (code_tests checks that its sandbox runs on this machine).
 """
 
 from __future__ import annotations
@@ -97,3 +99,33 @@ def soft_overlong(length: int, max_tokens: int, max_len: int | None = None, cach
     if length <= max_len:
         return (free - length) / cache
     return -1.0
+
+
+@BUILTIN_REWARDS.register("code_tests")
+def code_tests(response: str, sandbox, column: str = "tests", **row) -> dict:
+    """The fraction of the row's tests that the response's program passes, run in reward.sandbox; the program, and
+    each test's status, detail, stdout and seconds, come back beside the score (scores.info_<name>). The tests are
+    in the dataset column `column` (default `tests`): assert statements, or stdin/stdout pairs
+    (tasks/rewards/program_tests.py has the forms). `code_tests(response="```python\\ndef f(): return 1\\n```",
+    sandbox=SandboxConfig(), tests=["assert f() == 1"])` scores 1.0."""
+    from tasks.rewards.program_tests import TestsFormatError, score_program
+
+    if row.get(column) is None:
+        raise ValueError(f"the row has no tests in column {column!r}")
+    try:
+        return score_program(response, row[column], sandbox)
+    except TestsFormatError as exc:
+        raise ValueError(f"column {column!r}: {exc}") from None
+
+
+def _code_tests_preflight(reward, kwargs: dict, columns: set[str]) -> None:
+    """Before any engine starts: the tests column exists, and the sandbox runs a program on this machine."""
+    from tasks.rewards.sandbox import SandboxError, check_sandbox
+
+    column = kwargs.get("column", "tests")
+    if column not in columns:
+        raise SandboxError(f"reward function code_tests: the dataset has no column {column!r} (its kwargs.column)")
+    check_sandbox(reward.sandbox)
+
+
+code_tests.preflight = _code_tests_preflight

@@ -15,8 +15,10 @@ The contract (docs/train-your-own-model.md, "Reward functions"). A per-sample fu
     <kwargs>       the entry's `kwargs` from the config
 
     steps          the response split into steps (reward.steps): a list of str that joins back to the response
+    sandbox        reward.sandbox, for a function that runs model-written code (tasks.rewards.sandbox.run_python)
 
-It takes the ones it names, or all of them with **kwargs, and returns a number (bool and int count). A batched
+It takes the ones it names, or all of them with **kwargs, and returns a number (bool and int count), or a mapping
+with the number under "score" and whatever else should be kept beside it (scores.info_<name>, as JSON). A batched
 function (`batched: true`) gets the same names with a list per argument (the config's kwargs stay scalars) and
 returns a list of numbers, one per sample. A process reward (`per_step: true`) returns a list of numbers, one per
 step of `steps` (batched: a list of such lists).
@@ -229,6 +231,9 @@ def preflight(reward: RewardConfig, columns: set[str]) -> dict[str, FunctionSpec
     broken reference fails here, with one line, before any engine starts."""
     specs = specs_from_config(reward)
     for spec in specs.values():
-        check_signature(spec, load_function(spec), columns)
+        fn = load_function(spec)
+        check_signature(spec, fn, columns)
+        if not (spec.path or spec.module) and hasattr(fn, "preflight"):  # a built-in's own check (builtin.py)
+            fn.preflight(reward=reward, kwargs=spec.kwargs, columns=columns)
     source_hash(specs)
     return specs

@@ -1,5 +1,7 @@
 """Reward functions run in a pool of worker processes, with a per-sample timeout.
 
+A reward function returns a number, or a mapping with the number under "score" and anything else it wants kept
+(JSON-serialisable: a judge's text, a program's test results), which the scores table stores as `info_<name>`.
 A reward function that raises, hangs or returns something that is not a number gives that sample reward 0 and an
 error string, and the run goes on (the error rate is a metric). The timeout is a SIGALRM timer in the worker's
 main thread, which interrupts a function stuck in Python; a worker stuck inside C code is killed when its whole
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 import types
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
@@ -29,7 +32,8 @@ from dataclasses import asdict
 from schemas.errors import UserError
 from tasks.rewards.loader import FunctionSpec, accepted_arguments, is_batched, load_function
 
-Result = tuple["float | list[float]", "str | None"]  # (score, or a process reward's step scores; error)
+# (score, or a process reward's step scores; error; the function's other keys as JSON, or None)
+Result = tuple["float | list[float]", "str | None", "str | None"]
 _POOL = None
 _POOL_SIZE = 0
 
@@ -62,10 +66,19 @@ def _step_numbers(value, steps: list) -> list[float]:
 
 
 def _converter(spec: FunctionSpec):
-    """What turns the function's return value for one sample into its score (a list of step scores when per_step)."""
-    if spec.per_step:
-        return lambda value, sample: _step_numbers(value, sample["steps"])
-    return lambda value, sample: _number(value)
+    """What turns the function's return value for one sample into (its score, the rest as JSON or None): the score
+    is a list of step scores when per_step."""
+    number = (lambda value, sample: _step_numbers(value, sample["steps"])) if spec.per_step else lambda v, s: _number(v)
+
+    def convert(value, sample):
+        if not isinstance(value, Mapping):
+            return number(value, sample), None
+        if "score" not in value:
+            raise TypeError(f"returned a mapping without 'score' (keys: {', '.join(map(str, value))[:60]})")
+        rest = {k: v for k, v in value.items() if k != "score"}
+        return number(value["score"], sample), (json.dumps(rest, default=str) if rest else None)
+
+    return convert
 
 
 def _arguments(accepted, sample: dict) -> dict:
@@ -92,7 +105,7 @@ def _score_one_by_one(fn, spec: FunctionSpec, samples: list[dict], timeout: floa
     out = []
     for sample in samples:
         value, error = _guarded(lambda: convert(fn(**_arguments(accepted, sample), **spec.kwargs), sample), timeout)
-        out.append((0.0, error) if error else (value, None))
+        out.append((0.0, error, None) if error else (value[0], None, value[1]))
     return out
 
 
@@ -110,7 +123,7 @@ def _score_batched(fn, spec: FunctionSpec, samples: list[dict], timeout: float |
         return [convert(v, sample) for v, sample in zip(values, samples)]
 
     values, error = _guarded(call, timeout * len(samples) if timeout else None)
-    return [(0.0, error)] * len(samples) if error else [(v, None) for v in values]
+    return [(0.0, error, None)] * len(samples) if error else [(v, None, info) for v, info in values]
 
 
 def score_chunk(specs: list[FunctionSpec], samples: list[dict], timeout: float | None) -> dict[str, list[Result]]:
@@ -123,7 +136,7 @@ def score_chunk(specs: list[FunctionSpec], samples: list[dict], timeout: float |
         try:
             fn = load_function(spec)
         except UserError as exc:
-            out[spec.name] = [(0.0, str(exc)[:200])] * len(samples)
+            out[spec.name] = [(0.0, str(exc)[:200], None)] * len(samples)
             continue
         score = _score_batched if is_batched(spec, fn) else _score_one_by_one
         out[spec.name] = score(fn, spec, samples, timeout)
@@ -224,7 +237,7 @@ def why_workers_die(specs: list[FunctionSpec]) -> str:
 def score_samples(
     specs: list[FunctionSpec], samples: list[dict], timeout_s: float, workers: int
 ) -> dict[str, list[Result]]:
-    """{function name: [(score, error) per sample]}, in sample order. `samples` hold the keyword arguments of each
+    """{function name: [(score, error, info) per sample]}, in sample order. `samples` hold the keyword arguments of each
     call (tasks/rewards/scoring.py builds them)."""
     if workers == 0 or not samples:
         return score_chunk(specs, samples, None)
@@ -243,7 +256,9 @@ def score_samples(
                 done[i] = future.result(timeout=budget)
             except TimeoutError:
                 _close()
-                done[i] = {s.name: [(0.0, f"timeout: worker killed after {budget:g}s")] * len(chunks[i]) for s in specs}
+                done[i] = {
+                    s.name: [(0.0, f"timeout: worker killed after {budget:g}s", None)] * len(chunks[i]) for s in specs
+                }
             except BrokenProcessPool:
                 _close()
                 lost.append(i)
@@ -253,5 +268,5 @@ def score_samples(
     if todo and not done:
         raise RewardPoolError(f"reward workers could not start or all died: {why_workers_die(specs)}")
     for i in todo:
-        done[i] = {s.name: [(0.0, "reward worker died")] * len(chunks[i]) for s in specs}
+        done[i] = {s.name: [(0.0, "reward worker died", None)] * len(chunks[i]) for s in specs}
     return {s.name: [r for i in range(len(chunks)) for r in done[i][s.name]] for s in specs}

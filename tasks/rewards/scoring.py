@@ -1,5 +1,5 @@
-"""Score rollouts with the configured reward functions: one `score_<name>` and `error_<name>` column each, the
-weighted `reward`, and a combined `error` (tasks/rewards/loader.py has the calling contract)."""
+"""Score rollouts with the configured reward functions: one `score_<name>`, `error_<name>` and `info_<name>` column
+each, the weighted `reward`, and a combined `error` (tasks/rewards/loader.py has the calling contract)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import polars as pl
 
-from schemas.config import RewardConfig, StepSplitConfig
+from schemas.config import RewardConfig
 from schemas.errors import UserError
 from tasks.rewards.loader import specs_from_config
 from tasks.rewards.pool import score_samples
@@ -63,12 +63,13 @@ def sample_arguments(
     max_tokens: int,
     agent: dict | None = None,
     *,
-    split: StepSplitConfig,
+    reward: RewardConfig,
 ) -> dict:
     """The keyword arguments of one response's call: rlpipe's names, and verl's and TRL's for the same values. A
     multi-turn trajectory (`agent`) brings `messages` (the whole conversation, the prompt's included), `turns` (its
     rows of the turns table, as dicts), `env_reward`, `tool_calls` and `tool_errors`; `response` is its last turn.
-    `steps` is the response split by `split` (reward.steps)."""
+    `steps` is the response split by reward.steps; `sandbox` is reward.sandbox, for functions that run code."""
+    split = reward.steps
     args = {k: v for k, v in shared.items() if k != "chat"}
     completion = [{"role": "assistant", "content": text}] if shared["chat"] else text
     return {
@@ -81,6 +82,7 @@ def sample_arguments(
         "solution_str": text,
         "completion": completion,
         "completion_ids": token_ids,
+        "sandbox": reward.sandbox,
         **(agent or SINGLE_TURN),
     }
 
@@ -115,7 +117,8 @@ def score_frame(
     answer_key: str | None = "answer",
     turns: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """One row per rollout: `score_<fn>` and `error_<fn>` per function, the weighted `reward`, and `error`.
+    """One row per rollout: `score_<fn>`, `error_<fn>` and `info_<fn>` (what a function returned beside its score,
+    as JSON) per function, the weighted `reward`, and `error`.
 
     Functions run in the reward pool (tasks/rewards/pool.py): one that raises or exceeds reward.timeout_s scores 0
     for that sample with the error recorded. A non-finite score is a bug in the function: refused with its name.
@@ -143,7 +146,7 @@ def score_frame(
             first[key],
             max_tokens,
             agent[key[4]] if agent is not None else None,
-            split=reward.steps,
+            reward=reward,
         )
         for key in distinct
     ]
@@ -151,17 +154,18 @@ def score_frame(
     position = {k: i for i, k in enumerate(distinct)}
     cols: dict[str, pl.Series] = {}
     for name, results in scored.items():
-        for (value, _), (_, text, *_) in zip(results, distinct):
+        for (value, *_), (_, text, *_) in zip(results, distinct):
             if not all(math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
                 raise RewardError(f"reward function {name!r} returned {value} for response {text[:80]!r}")
         rows = [results[position[k]] for k in keys]
         if specs[name].per_step:  # the step scores kept as they came (null on an error), aggregated into the score
             how = reward.functions[name].step_aggregate
-            steps = [v if e is None else None for v, e in rows]
+            steps = [v if e is None else None for v, e, _ in rows]
             cols[f"steps_{name}"] = pl.Series(f"steps_{name}", steps, dtype=pl.List(pl.Float64))
-            rows = [(0.0, e) if e else (aggregate_steps(v, how), None) for v, e in rows]
-        cols[f"score_{name}"] = pl.Series(f"score_{name}", [v for v, _ in rows], dtype=pl.Float64)
-        cols[f"error_{name}"] = pl.Series(f"error_{name}", [e for _, e in rows], dtype=pl.Utf8)
+            rows = [(0.0, e, i) if e else (aggregate_steps(v, how), None, i) for v, e, i in rows]
+        cols[f"score_{name}"] = pl.Series(f"score_{name}", [v for v, _, _ in rows], dtype=pl.Float64)
+        cols[f"error_{name}"] = pl.Series(f"error_{name}", [e for _, e, _ in rows], dtype=pl.Utf8)
+        cols[f"info_{name}"] = pl.Series(f"info_{name}", [i for _, _, i in rows], dtype=pl.Utf8)
     out = rollouts.select("iteration", "round", "prompt_id", "sample_idx").with_columns(list(cols.values()))
     weights = {name: spec.weight for name, spec in reward.functions.items()}
     # No functions at all is allowed: with reward.kind=model the reward model is the whole reward.
