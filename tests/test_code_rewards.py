@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -231,3 +232,55 @@ def test_code_tests_config_and_preflight_errors_are_one_line(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SandboxError, match="bubblewrap is not installed"):
         preflight(reward, {"test_list"})
+
+
+@needs_bwrap
+def test_the_documented_example_scores_its_tasks_through_its_config(tmp_path):
+    """examples/code_tests as the docs show it: its data builder's three tasks, its config's reward section through
+    the run's preflight (the dataset's columns, the sandbox) and the scoring path, with a right and a wrong program
+    for each task's first held-out prompt."""
+    from examples.code_tests.make_data import build
+    from schemas.config import load_config
+    from tests.conftest import ROOT
+
+    build(tmp_path, n_train=4, n_eval=4)
+    cfg = load_config(ROOT / "examples" / "code_tests" / "config.yaml")
+    reward = cfg.reward.model_copy(update={"workers": 0})
+    right = {
+        "functions": "```python\ndef {name}(x):\n    return {expr}\n```",
+        "programs": "```python\nx = int(input())\nprint({expr})\n```",
+    }
+    for task in ("functions", "programs"):
+        row = pl.read_parquet(tmp_path / task / "eval.parquet").row(0, named=True)
+        preflight(reward, set(row))
+        statement = row["prompt"][-1]["content"]
+        name = statement.split("`")[1].split("(")[0] if task == "functions" else None
+        expr = _expression(statement)
+        program = right[task].format(name=name, expr=expr)
+        rollouts, prompts = _frame([program, program.replace(expr, "0")], [json.loads(row["tests"])] * 2)
+        scores = score_frame(rollouts, prompts, reward, max_tokens=96)["score_code_tests"].to_list()
+        assert scores[0] == 1.0 and scores[1] < 1.0, (task, statement, scores)
+
+
+def _expression(statement: str) -> str:
+    """The Python for an INT_OPS statement ("returns x times 7." / "prints n plus 3."), with the variable as x."""
+    from examples.code_tests.make_data import INT_OPS
+
+    body = statement.rsplit("returns ", 1)[-1].rsplit("prints ", 1)[-1].rstrip(".")
+    variable = statement.split("reads an integer ")[1].split()[0] if "reads an integer" in statement else "x"
+    python = {
+        "{x} plus {k}": "x + {k}",
+        "{x} minus {k}": "x - {k}",
+        "{x} times {k}": "x * {k}",
+        "the remainder of {x} divided by {k}": "x % {k}",
+        "{x} integer-divided by {k}": "x // {k}",
+        "the larger of {x} and {k}": "max(x, {k})",
+        "the smaller of {x} and {k}": "min(x, {k})",
+        "{x} squared plus {k}": "x * x + {k}",
+    }
+    for template, _ in INT_OPS:
+        pattern = re.escape(template).replace(r"\{x\}", re.escape(variable)).replace(r"\{k\}", r"(\d+)")
+        match = re.fullmatch(pattern, body)
+        if match:
+            return python[template].format(k=match[1])
+    raise AssertionError(f"no INT_OPS statement matches {body!r}")
