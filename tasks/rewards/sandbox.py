@@ -132,26 +132,17 @@ def _bwrap_command(settings: SandboxConfig, src: str, env: dict[str, str], prefi
         *("--ro-bind", src, SRC),
         *("--size", scratch, "--tmpfs", "/work", "--size", scratch, "--tmpfs", "/tmp"),
         *("--proc", "/proc", "--dev", "/dev", "--chdir", "/work"),
-        *(
-            "--unshare-all",
-            "--unshare-user",
-            "--disable-userns",
-            "--uid",
-            "65534",
-            "--gid",
-            "65534",
-            "--hostname",
-            "sandbox",
-        ),
+        *("--unshare-all", "--unshare-user", "--disable-userns", "--hostname", "sandbox"),
+        *("--uid", str(NOBODY), "--gid", str(NOBODY)),
         *("--die-with-parent", "--new-session", "--clearenv"),
         *(arg for name, value in env.items() for arg in ("--setenv", name, value)),
     ]
 
 
 def _limits(settings: SandboxConfig) -> str:
-    """RLIMIT_AS, CPU, FSIZE, NOFILE, CORE and NPROC for the launcher. In a bwrap sandbox
-    the process count is the sandbox's own (its user namespace's); in rlimits mode it counts all the processes of
-    the user it runs as, so the limit is raised by those running now."""
+    """RLIMIT_AS, CPU, FSIZE, NOFILE, CORE and NPROC for the launcher. In a bwrap sandbox the process count is the
+    sandbox's own (its user namespace's); in rlimits mode it counts all the processes of the user it runs as, so the
+    limit is raised by those running now."""
     processes = settings.max_processes
     if settings.mode == "rlimits":
         processes += _processes_of(_user())
@@ -192,8 +183,11 @@ def run_python(
         (src / "solution.py").write_text(program)
         if test is not None:
             (src / "test.py").write_text(test)
-        os.chmod(tmp, 0o711)  # the sandbox's user (nobody, when rlpipe is root) reads the program, in rlimits mode
-        os.chmod(src, 0o755)  # writes in work: and nothing else of the folder
+        # The sandbox's user (nobody, when rlpipe is root) reads the program and, in rlimits mode, writes in work:
+        # and nothing else of the folder.
+        os.chmod(tmp, 0o711)
+        for path in (src, *src.iterdir()):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
         os.chown(work, _user(), -1)
         env = {"RLPIPE_TOKEN": token, "RLPIPE_LIMITS": _limits(settings), "PATH": "/usr/bin:/bin", "HOME": "/work"}
         if settings.mode == "bwrap":
