@@ -399,7 +399,7 @@ class StepSplitConfig(Section):
 
 class SandboxConfig(Section):
     """Where model-written code runs: the built-in code_tests reward, and any reward function that calls
-    tasks.rewards.sandbox.run_python (docs/reward-sources.md, "Code rewards", says what each mode guarantees)."""
+    tasks.rewards.sandbox.run_python (docs/operations.md, "Security", says what each mode guarantees)."""
 
     mode: Literal["bwrap", "rlimits"] = Field(
         "bwrap",

@@ -90,13 +90,12 @@ def score_program(response: str, tests, settings: SandboxConfig) -> dict:
             continue
         if "code" in case:
             outcome = run_python(program, test=case["code"], settings=settings)
-            status, detail = outcome.status, outcome.detail
         else:
             # stdout is read in full up to the expected length (and then some): a longer one does not match anyway
             outcome = run_python(program, stdin=case["input"], settings=settings, keep_chars=len(case["output"]) + 100)
-            status, detail = outcome.status, outcome.detail
-            if status == "passed" and not outputs_match(outcome.stdout, case["output"]):
-                status, detail = "failed", f"expected {case['output'][:100]!r}"
+        status, detail = outcome.status, outcome.detail
+        if "output" in case and status == "passed" and not outputs_match(outcome.stdout, case["output"]):
+            status, detail = "failed", f"expected {case['output'][:100]!r}"
         passed += status == "passed"
         stdout = outcome.stdout[:KEEP_STDOUT]
         results.append({"status": status, "detail": detail, "stdout": stdout, "seconds": round(outcome.seconds, 3)})

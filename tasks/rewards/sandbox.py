@@ -1,6 +1,6 @@
 """Run model-written Python in a sandbox: bubblewrap's namespaces plus resource limits, or the limits alone.
 
-Two modes (reward.sandbox.mode; docs/reward-sources.md, "Code rewards", says what each guarantees):
+Two modes (reward.sandbox.mode; docs/operations.md, "Security", says what each guarantees):
 
 - `bwrap` (the default): bubblewrap (the `bubblewrap` Debian package) starts the program in new user, mount, PID,
   network, IPC and UTS namespaces. It sees a read-only /usr and the Python it runs on, a size-limited tmpfs as its
