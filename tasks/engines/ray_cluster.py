@@ -67,7 +67,12 @@ def _init(address: str | None) -> None:
     if not address:
         pin_to_loopback()
     import ray
+    import ray._private.ray_constants
 
+    # Ray's driver installs Abseil's failure-signal handler over the process's SIGTERM (read here, when the driver
+    # connects): a SIGTERM after that printed a C stack and aborted, so the command's own stop (flows/cli.py::_stop)
+    # never ran until a flow run put its handler back. The actors keep theirs: this is the driver's module state.
+    ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     common = dict(namespace=NAMESPACE, log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
     if address:  # the actors' workers import the actor class's module before its __init__ sets their environment
         ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": engine_env()["PYTHONPATH"]}}, **common)
