@@ -860,6 +860,23 @@ class EnginesConfig(Section):
         "did not answer: a hung rank or a lost node costs minutes, not the 30 minutes to days of the backends' own "
         "defaults.",
     )
+    weight_sync: Literal["collective", "file"] = Field(
+        "collective",
+        description="How the rollout replicas get the policy after an update. collective: trainer rank 0 broadcasts "
+        "its weights (with LoRA the adapter only) over a process group, in buckets, through a vLLM worker extension "
+        "(gloo, tensors in host memory; NCCL between trainer and replicas on separate GPUs), and a weights-only "
+        "checkpoint (checkpoint.every) is written without weight files: a command that needs them on disk (rlpipe "
+        "export, a resumed run) replays the updates since the last full checkpoint. file: every checkpoint holds its "
+        "weights and each replica reloads them from disk (needed without engines.resident_trainer).",
+    )
+    weight_sync_bucket_mb: int = Field(
+        16,
+        ge=1,
+        le=65536,
+        description="The collective sync's bucket size: tensors are sent as flat buckets of at most this many MiB, "
+        "each received while the one before it is loaded (on 2 CPU cores over loopback 16 MiB buckets moved 538 MB in "
+        "0.16-0.21 s, 256 MiB ones in 0.36 s).",
+    )
     keep_optimizer_states: int | None = Field(
         2,
         ge=2,
@@ -874,13 +891,15 @@ class CheckpointConfig(Section):
     weights)."""
 
     every: int = Field(
-        5,
+        10,
         ge=1,
         le=1_000_000,
-        description="Write the optimizer state with the weights every N iterations and at the run's last; the "
-        "iterations between write only the weights the sampler loads, and those of an earlier iteration are removed "
-        "once a later one is written. A resume replays the updates after the last full checkpoint from their cached "
-        "batch, logprobs and advantages (byte-identical weights, no generation). 1: a full checkpoint every iteration.",
+        description="Write the weights and the optimizer state every N iterations and at the run's last; the "
+        "iterations between write a weights-only checkpoint (with engines.weight_sync file its weight files, which the "
+        "sampler loads; with collective none: the trainer holds them), removed once a later one is written. A resume "
+        "replays the updates after the last full checkpoint from their cached batch, logprobs and advantages "
+        "(byte-identical weights, no generation): N trades disk written against replay time. 1: a full checkpoint "
+        "every iteration.",
     )
 
 
@@ -1125,6 +1144,15 @@ class RunConfig(Section):
                 f"engines.rollout_devices names {len(e.rollout_devices)} device(s); rollout.engines × "
                 f"tensor_parallel_size "
                 f"needs {r.engines * r.tensor_parallel_size}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _collective_sync_needs_a_resident_trainer(self) -> "RunConfig":
+        if self.engines.weight_sync == "collective" and not self.engines.resident_trainer:
+            raise ValueError(
+                "engines.weight_sync collective needs engines.resident_trainer: the weights are sent from the trainer "
+                "that holds them (set engines.weight_sync: file)"
             )
         return self
 

@@ -79,6 +79,38 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WeightGroup:
+    """A process group that carries weights from trainer rank 0 (its rank 0) to the rollout replicas' vLLM workers
+    (ranks 1 to world_size − 1), built by its members (tasks/engines/workers/weight_group.py)."""
+
+    key: str  # a member keeps its group while requests name the same key
+    init_method: str  # file://PATH (every member on one machine) or tcp://HOST:PORT (trainer rank 0's node)
+    world_size: int
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float  # a member that waits longer in a broadcast fails
+    bucket_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SendWeightsRequest:
+    """To every trainer rank: send the policy weights of `checkpoint`, which the resident trainer holds, over `group`
+    (rank 0 sends; under ZeRO-3 every rank takes part in gathering them). LoRA sends the adapter only."""
+
+    checkpoint: str
+    group: WeightGroup
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiveWeightsRequest:
+    """To a vLLM replica: load the weights of `model_path` from `group`, its workers at ranks first_rank, first_rank
+    + 1, … (one per tensor-parallel rank)."""
+
+    model_path: str
+    group: WeightGroup
+    first_rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoraSettings:
     """The policy's adapter (peft LoRA), created from the seed when training starts from a plain model folder."""
 
@@ -259,6 +291,9 @@ class UpdateRequest:
     save_state: bool = True
     # The id the checkpoint's trainer_state.json gets (a replay gives the update its recorded id); "": a new one.
     state_id: str = ""
+    # False: a weights-only checkpoint without its weight files (engines.weight_sync collective): the resident trainer
+    # holds the weights and sends them to the sampler over a process group; a trainer that lost them replays.
+    save_weights: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,6 +355,9 @@ KINDS = {
         VLLMSettings,
         GenerationJob,
         GenerateRequest,
+        WeightGroup,
+        SendWeightsRequest,
+        ReceiveWeightsRequest,
         EngineSettings,
         Schedule,
         SFTRequest,

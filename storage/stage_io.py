@@ -130,6 +130,13 @@ def state_bytes(checkpoint: Path) -> int:
     return sum(folder_bytes(d) for d in checkpoint.rglob("ds_state") if d.is_dir())
 
 
+def has_weight_files(path) -> bool:
+    """Whether a model folder (or checkpoint) holds its weights: safetensors files (a model's, or an adapter's). A
+    weights-only checkpoint under engines.weight_sync collective holds none: its trainer keeps them."""
+    path = Path(path)
+    return path.is_dir() and any(f.suffix == ".safetensors" for f in path.iterdir())
+
+
 def ensure_free(folder: Path, needed: int, what: str) -> None:
     """Refuse, with one line naming the path and the bytes, to start writing `needed` bytes where fewer are free:
     a checkpoint found the full disk only after minutes of training."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import RunLayout, read_manifest, state_dir_for
+from storage import RunLayout, has_weight_files, read_manifest, state_dir_for
 from storage.crash import CRASH_ENV
 from tasks.engines.workers.engine_cache import state_pending
 from tasks.rewards.steps import split_steps
@@ -150,15 +150,20 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
     from checkpoint 2's optimizer state and iteration 3's cached tables, without generating, and ends with the
     uninterrupted run's bytes: the final weights, and the eval sampled with them.
 
+    The uninterrupted run syncs the sampler from the checkpoints' files (engines.weight_sync file), the killed one over
+    the trainer's process group (the default, collective), whose weights-only checkpoints hold no weight files: every
+    rollout, and the probe gap after every sync, are the same.
+
     The killed run is also tracked (TensorBoard and MLflow), the uninterrupted one not: tracking changes no byte, and
     the resumed run logs each step once, the replayed update's included (check_tracked_once_per_step)."""
     workspace, cfg = tiny_sft
-    rlpipe("run", str(cfg), "--run-id", "dense", *SPARSE, cwd=workspace)
+    rlpipe("run", str(cfg), "--run-id", "dense", *SPARSE, "--set", "engines.weight_sync=file", cwd=workspace)
     run_until_killed(workspace, cfg, "sparse", "optimize:4", "run", *SPARSE, *TRACKING)
     layout = RunLayout(workspace / "runs", "sparse")
     assert json.loads((layout.run_dir / "tracking.json").read_text())["train"] == 3  # logged before the kill
     assert layout.checkpoint_iterations() == [2, 3]  # weights-only 1 went once 2 was complete
     assert (layout.checkpoint_dir(2) / "ds_state").is_dir() and not (layout.checkpoint_dir(3) / "ds_state").exists()
+    assert not has_weight_files(layout.checkpoint_dir(3))  # the killed trainer held them
     sampled = {it: layout.manifest_path("rollouts", it).read_bytes() for it in (1, 2, 3, 4)}
     rlpipe("resume", "sparse", "--root", str(workspace / "runs"), cwd=workspace)
     assert "UpdateRequest replay-00003" in layout.log_path("trainer").read_text()  # the state after 3 was rebuilt
@@ -172,10 +177,15 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
         assert (layout.checkpoint_dir(4) / f).read_bytes() == (dense.checkpoint_dir(4) / f).read_bytes(), f
     assert read_table(layout, "eval", 4).sort("prompt_id").equals(read_table(dense, "eval", 4).sort("prompt_id"))
     check_tracked_once_per_step(workspace, layout, steps=[1, 2, 3, 4], eval_steps=[0, 4])
+    for it in (2, 3, 4):  # sampled after a sync: over the process group in one run, from files in the other
+        assert read_table(layout, "rollouts", it).equals(read_table(dense, "rollouts", it))
+        synced = [read_manifest(run, "rollouts", it)["extra"]["round0"] for run in (layout, dense)]
+        assert synced[0]["sync_bytes"] > 0 and synced[1]["sync_bytes"] == 0
+        assert synced[0]["sync_logprob_gap"] == synced[1]["sync_logprob_gap"] < 1e-3
     # A removed checkpoint is rebuilt on demand by the same replay (here from the starting model), checked against
-    # the sync probe its update recorded
-    rlpipe("export", "dense", str(workspace / "dense-1"), "--iteration", "1", cwd=workspace)
-    assert (workspace / "dense-1" / "model.safetensors").exists() and dense.checkpoint_iterations() == [1, 2, 4]
+    # the sync probe its update recorded, with its weight files though its update wrote none
+    rlpipe("export", "sparse", str(workspace / "sparse-1"), "--iteration", "1", cwd=workspace)
+    assert (workspace / "sparse-1" / "model.safetensors").exists() and layout.checkpoint_iterations() == [1, 2, 4]
 
 
 TRACKING = ("--set", "tracking=[tensorboard, mlflow]")
@@ -340,6 +350,8 @@ def check_resident_updates_equal_one_shot(workspace, layout: RunLayout):
             "optimize",
             "--set",
             "engines.resident_trainer=false",
+            "--set",
+            "engines.weight_sync=file",
             "--fork",
             f"one-shot-{it}",
             "--root",

@@ -338,7 +338,10 @@ def test_show_reports_disk_use_per_part_and_per_iteration(tmp_path):
     (layout.run_dir / "logs").mkdir(exist_ok=True)
     (layout.run_dir / "logs" / "engine.log").write_bytes(b"z" * 77)
     use = disk_use(layout)
-    assert use["checkpoints"] == {2: {"weights": 1100, "state": 0}, 3: {"weights": 1100, "state": 10000}}
+    assert use["checkpoints"] == {
+        2: {"weights": 1100, "state": 0, "files": True},
+        3: {"weights": 1100, "state": 10000, "files": True},
+    }
     everything = sum(f.stat().st_size for f in layout.run_dir.rglob("*") if f.is_file())
     parts = sum(f.stat().st_size for f in layout.run_dir.rglob("iter=*/*") if "checkpoints" not in f.parts)
     assert use["total"] == everything and sum(use["tables"].values()) == parts and use["iterations"] == 3

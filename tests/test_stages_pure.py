@@ -193,9 +193,22 @@ def test_a_full_checkpoint_after_weights_only_ones_is_estimated_with_the_newest_
         if state:
             (folder / "ds_state").mkdir()
             (folder / "ds_state" / "optim.pt").write_bytes(b"s" * state)
-    ctx = SimpleNamespace(layout=layout, cfg=SimpleNamespace(lora=SimpleNamespace(enabled=False)))
+    start = tmp_path / "start"
+    start.mkdir()
+    (start / "model.safetensors").write_bytes(b"w" * 900)
+    ctx = SimpleNamespace(
+        layout=layout, cfg=SimpleNamespace(lora=SimpleNamespace(enabled=False), model=SimpleNamespace(path=str(start)))
+    )
+
+    def update(full: bool, weights: bool = True):
+        return SimpleNamespace(save_state=full, save_weights=weights)
+
     policy = SimpleNamespace(path=str(layout.checkpoint_dir(7)), version=7)
-    assert checkpoint_bytes(ctx, policy, full=False) == 1000  # the weights alone
-    assert checkpoint_bytes(ctx, policy, full=True) == 1000 + 3000  # and checkpoint 5's state
+    assert checkpoint_bytes(ctx, policy, update(full=False)) == 1000  # the weights alone
+    assert checkpoint_bytes(ctx, policy, update(full=True)) == 1000 + 3000  # and checkpoint 5's state
+    assert checkpoint_bytes(ctx, policy, update(full=False, weights=False)) == 0  # the trainer keeps the weights
     policy = SimpleNamespace(path=str(layout.checkpoint_dir(5)), version=5)
-    assert checkpoint_bytes(ctx, policy, full=False) == 1000  # a full checkpoint's weights, without its state
+    assert checkpoint_bytes(ctx, policy, update(full=False)) == 1000  # a full checkpoint's weights, without its state
+    (layout.checkpoint_dir(7) / "model.safetensors").unlink()  # one its trainer held (engines.weight_sync collective)
+    policy = SimpleNamespace(path=str(layout.checkpoint_dir(7)), version=7)
+    assert checkpoint_bytes(ctx, policy, update(full=True)) == 900 + 3000  # sized by the starting model's weights

@@ -45,7 +45,9 @@ def test_probe_logprobs_differ_between_the_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_sync_in_place_matches_the_trainer(tmp_path, tied):
+def test_sync_in_place_matches_the_trainer_from_files_and_over_a_process_group(tmp_path, tied):
+    """The file sync, then the same weights over a process group from a sender that holds them (as trainer rank 0
+    does, in 3 buckets): the same probe gap, and the same samples."""
     before, after = _policy_pair(tmp_path, tied)
     prompts = tmp_path / "prompts.parquet"
     pl.DataFrame(
@@ -59,8 +61,49 @@ def test_sync_in_place_matches_the_trainer(tmp_path, tied):
         first = engine.generate(GenerateRequest(model_path=str(before), jobs=(job,)), settings)
         assert first["engine_start_seconds"] > 0 and first["sync_logprob_gap"] < 1e-3
         synced = engine.generate(GenerateRequest(model_path=str(after), jobs=(job,)), settings)
+        from_files = pl.read_parquet(job.out_path)
+        engine.generate(GenerateRequest(model_path=str(before), jobs=(job,)), settings)  # back, from files
+        received = receive_from_a_sender(engine, after, tmp_path, settings)
+        again = engine.generate(GenerateRequest(model_path=str(after), jobs=(job,)), settings)
+        over_group = pl.read_parquet(job.out_path)
     finally:
         engine.close()
     assert synced["engine_start_seconds"] == 0  # the same engine: synced, not restarted
     assert 0 < synced["sync_seconds"] < 5
     assert synced["sync_logprob_gap"] < 1e-3
+    assert received["sync_logprob_gap"] == synced["sync_logprob_gap"]  # bit-identical weights
+    params = AutoModelForCausalLM.from_pretrained(after).parameters()
+    assert received["sync_bytes"] == sum(p.numel() * 4 for p in params)  # each weight once (a tied one too), fp32
+    assert again["sync_seconds"] == 0 and over_group.equals(from_files)
+
+
+def receive_from_a_sender(engine, model_dir, tmp_path, settings) -> dict:
+    """The engine receives `model_dir`'s weights over a 2-member gloo group whose rank 0 is this process, sending as
+    the trainer does (weight_group.policy_tensors of an engine holding the model)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from schemas.requests import ReceiveWeightsRequest, WeightGroup
+    from tasks.engines.workers import weight_group
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    size = sum(p.numel() * 4 for p in model.parameters())
+    group = WeightGroup(
+        key=f"test-{tmp_path.name}",
+        init_method=f"file://{tmp_path / 'store'}",
+        world_size=2,
+        backend="gloo",
+        timeout_s=60,
+        bucket_bytes=size // 3 + 1,
+    )
+    request = ReceiveWeightsRequest(model_path=str(model_dir), group=group, first_rank=1)
+    with ThreadPoolExecutor(1) as pool:
+        receiving = pool.submit(engine.call, request, settings)
+        named, header = weight_group.policy_tensors(SimpleNamespace(zero_optimization_stage=lambda: 0, module=model))
+        try:
+            sent = weight_group.send(weight_group.join(group, 0), named, group.bucket_bytes, header)
+        finally:
+            weight_group.leave()
+        answer = receiving.result(timeout=120)
+    assert sent == answer["sync_bytes"] and len(weight_group.buckets(named, group.bucket_bytes)) >= 3
+    return answer

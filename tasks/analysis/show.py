@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas.errors import NotFound
-from storage import RunLayout, folder_bytes, read_manifest, scan, state_bytes, verified_parts
+from storage import RunLayout, folder_bytes, has_weight_files, read_manifest, scan, state_bytes, verified_parts
 from tasks.analysis.agent_stats import per_iteration
 from tasks.analysis.query import warn_strays
 
@@ -185,7 +185,7 @@ def disk_use(layout: RunLayout) -> dict:
     for k in layout.checkpoint_iterations():
         folder = layout.checkpoint_dir(k)
         state = state_bytes(folder)
-        checkpoints[k] = {"weights": folder_bytes(folder) - state, "state": state}
+        checkpoints[k] = {"weights": folder_bytes(folder) - state, "state": state, "files": has_weight_files(folder)}
     total = folder_bytes(layout.run_dir)  # a second walk of a few hundred files: simpler than excluding folders
     iterations = max((max(layout.iterations(stage), default=0) for stage in tables), default=0)
     held = sum(tables.values()) + sum(c["weights"] + c["state"] for c in checkpoints.values())
@@ -194,16 +194,25 @@ def disk_use(layout: RunLayout) -> dict:
 
 
 def checkpoint_bytes_written(layout: RunLayout, checkpoints: dict) -> float:
-    """What an update writes on average: a kept checkpoint's weights, plus its optimizer state in the share of updates
-    that wrote one (checkpoint.every; an update recorded before sparse checkpoints wrote it every time)."""
+    """What an update writes on average: a kept checkpoint's weights in the share of updates that wrote weight files
+    (under engines.weight_sync collective the weights-only ones write only the model's config, tokenizer and probe),
+    plus an optimizer state in the share of updates that wrote one (checkpoint.every). An update recorded before
+    either was optional wrote both."""
     if not checkpoints:
         return 0.0
     updates = [read_manifest(layout, "train_metrics", k, verify=False) for k in layout.iterations("train_metrics")]
-    flags = [m["extra"].get("full_checkpoint", True) for m in updates if m]
-    states = [c["state"] for c in checkpoints.values() if c["state"]]
-    weights = sum(c["weights"] for c in checkpoints.values()) / len(checkpoints)
-    share = sum(flags) / len(flags) if flags else 1.0
-    return weights + (sum(states) / len(states) if states else 0.0) * share
+    extras = [m["extra"] for m in updates if m]
+
+    def share(key: str) -> float:
+        return sum(e.get(key, True) for e in extras) / len(extras) if extras else 1.0
+
+    def mean(values: list) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    weights = mean([c["weights"] for c in checkpoints.values() if c["files"]])
+    bare = mean([c["weights"] for c in checkpoints.values() if not c["files"]])
+    state = mean([c["state"] for c in checkpoints.values() if c["state"]])
+    return weights * share("weight_files") + bare * (1 - share("weight_files")) + state * share("full_checkpoint")
 
 
 def human_bytes(n: float) -> str:

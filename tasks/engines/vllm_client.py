@@ -14,15 +14,29 @@ from schemas.requests import GenerateRequest, VLLMSettings
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.resident import ResidentProcess, resident
 from tasks.engines.workers import VLLM_SERVER
+from tasks.engines.workers.lora import is_adapter
 
 
 class ResidentEngine(ResidentProcess):
     def __init__(self, log: Path, devices: list[int] | None = None, placement: Placement = Placement()):
         super().__init__(VLLM_SERVER, log, devices=devices, placement=placement)
+        # The weights the engine holds, as this client last saw them: what it started from, was synced to or generated
+        # with (None: unknown, e.g. an adapter to load). tasks/engines/weight_sync.py reads and sets it.
+        self.weights: str | None = None
 
     def generate(self, request: GenerateRequest, settings: VLLMSettings) -> dict:
         """Run the request's jobs with its weights; `settings` start the engine when none is running."""
-        return self.call(request, settings)
+        resp = self.call(request, settings)
+        self.weights = request.model_path
+        return resp
+
+    def _release(self, settings) -> None:
+        super()._release(settings)
+        self.weights = settings.model_path if settings is not None and not is_adapter(settings.model_path) else None
+
+    def kill(self) -> None:
+        super().kill()
+        self.weights = None
 
 
 def resident_engine(

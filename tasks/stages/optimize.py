@@ -27,6 +27,7 @@ from storage import (
     commit_dir,
     ensure_free,
     folder_bytes,
+    has_weight_files,
     read_manifest,
     read_stage,
     state_bytes,
@@ -129,6 +130,8 @@ def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
     return {
         "seconds_generate": float(sum(r.get("generate_seconds", 0.0) for r in rounds)),
         "weight_sync_seconds": float(sum(r.get("sync_seconds", 0.0) for r in rounds)),
+        # bytes sent over the trainer's process group (0: synced from the checkpoint's files, or no sync)
+        "weight_sync_bytes": float(sum(r.get("sync_bytes", 0) for r in rounds)),
         "weight_sync_logprob_gap": float(max(gaps)) if gaps else float("nan"),
         "sampler_peak_rss_gib": float(
             max((r.get("sampler_peak_rss_gib", float("nan")) for r in rounds), default=float("nan"))
@@ -164,17 +167,19 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
     return out
 
 
-def checkpoint_bytes(ctx: RunContext, policy, full: bool) -> int:
-    """About what this update's checkpoint will take: the checkpoint before it (weights, critic), with the optimizer
-    state of the newest full checkpoint kept when this one is full; for the first, the starting weights (a lower
-    bound; a first adapter checkpoint is small, and not estimated)."""
-    if policy.version == 0 and ctx.cfg.lora.enabled:
+def checkpoint_bytes(ctx: RunContext, policy, request: UpdateRequest) -> int:
+    """About what this update's checkpoint will take: the checkpoint before it (weights, critic; the starting model's
+    when that one holds no weight files), with the optimizer state of the newest full checkpoint kept when this one is
+    full; for the first, the starting weights (a lower bound; a first adapter checkpoint is small, and not estimated).
+    Nothing much for an update that writes no weights (engines.weight_sync collective)."""
+    if (policy.version == 0 and ctx.cfg.lora.enabled) or not request.save_weights:
         return 0
     layout = ctx.layout
     kept = [layout.checkpoint_dir(k) for k in layout.checkpoint_iterations()]
     with_state = [folder for folder in kept if (folder / "ds_state").is_dir()]
-    state = state_bytes(with_state[-1]) if full and with_state else 0
-    return folder_bytes(Path(policy.path)) - state_bytes(Path(policy.path)) + state
+    state = state_bytes(with_state[-1]) if request.save_state and with_state else 0
+    before = Path(policy.path) if has_weight_files(policy.path) else Path(ctx.cfg.model.path)
+    return folder_bytes(before) - state_bytes(before) + state
 
 
 def update_request(
@@ -207,20 +212,23 @@ def update_request(
         else str(ctx.layout.checkpoint_dir(iteration)),
         save_state=ctx.cfg.keeps_optimizer_state(iteration),
         state_id=replay,
+        # Under the collective sync a weights-only update writes no weight files (its trainer sends them); a replay
+        # writes them, for whatever needed the checkpoint on disk.
+        save_weights=bool(replay) or ctx.cfg.keeps_optimizer_state(iteration) or ctx.cfg.engines.weight_sync == "file",
     )
 
 
-def restore_state(ctx: RunContext, iteration: int) -> None:
+def restore_state(ctx: RunContext, iteration: int, files: bool = False) -> None:
     """Make the optimizer state after update `iteration` available to the next update: on disk (a full checkpoint),
     being written by this run's trainer (pending: it finishes it before it takes another request), or held by it.
     Otherwise (a weights-only checkpoint, or a state removed by engines.keep_optimizer_states, and a trainer started
     since) replay the updates after the last checkpoint with a state from their cached tables, each checked to give
-    the weights it recorded."""
+    the weights it recorded. With `files` the checkpoint's weight files are wanted too: a replay writes them."""
     layout = ctx.layout
     ckpt = str(layout.checkpoint_dir(iteration))
     if iteration == 0 or Path(ckpt, "ds_state").exists() or state_pending(ckpt):
         return
-    if trainer_holds(layout, ctx.cfg.engines, ckpt):
+    if not files and trainer_holds(layout, ctx.cfg.engines, ckpt):
         return
     restore_state(ctx, iteration - 1)
     manifest = read_manifest(layout, SPEC.name, iteration, verify=False)
@@ -280,9 +288,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
         tmp = temp_dir_for(final)
         shutil.rmtree(state_dir_for(final), ignore_errors=True)  # a stopped command's unpublished optimizer state
         request = update_request(ctx, iteration, policy, tmp, beta=beta, entropy=coef)
-        ensure_free(
-            final.parent, checkpoint_bytes(ctx, policy, request.save_state), f"the checkpoint of iteration {iteration}"
-        )
+        ensure_free(final.parent, checkpoint_bytes(ctx, policy, request), f"the checkpoint of iteration {iteration}")
         resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"optimize-{iteration:05d}")
         digest = probe_digest(tmp)
         commit_dir(tmp, final)
@@ -325,6 +331,7 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
                 "state_id": resp["state_id"],
                 "probe_sha256": digest,
                 "full_checkpoint": request.save_state,
+                "weight_files": request.save_weights,
                 **({"adapter": describe(str(final))} if is_adapter(final) else {}),
             },
         )

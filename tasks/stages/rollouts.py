@@ -14,11 +14,12 @@ import polars as pl
 
 from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from schemas.tables import TURNS
-from storage import StageOutput, read_stage
+from storage import StageOutput, has_weight_files, read_stage
 from tasks.engines.launch import WorkerError
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
+from tasks.engines.weight_sync import sync_replicas
 from tasks.stages import agent_rollouts
 from tasks.stages.common import (
     Computed,
@@ -69,8 +70,9 @@ def generate(
     With `rollout.engines` replicas the prompts are cut into contiguous shards, one per replica, generated
     concurrently; prompt i of the whole file keeps the per-request seed `job seed + i` whichever replica samples
     it, so the table does not depend on the number of replicas."""
-    settings = VLLMSettings.from_config(model_path, ctx.cfg.model, ctx.cfg.rollout, ctx.cfg.seed, ctx.cfg.lora)
+    settings = sampler_settings(ctx, model_path)
     engines = start_rollout_engines(ctx, model_path)
+    sync = sync_replicas(ctx.layout, ctx.cfg.engines, engines, model_path, settings)
     calls = []
     for k, (start, end) in enumerate(shard_bounds(prompts.height, len(engines))):
         inp = scratch_file(ctx, f"{log_name}.prompts{k}.parquet")
@@ -86,6 +88,8 @@ def generate(
         calls.append((engines[k], request, inp, outs))
     with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own actor: they generate at the same time
         resp = merge_engine_responses(list(pool.map(lambda c: c[0].generate(c[1], settings), calls)))
+    if sync is not None:  # the weights came over the trainer's process group before the generation
+        resp = {**resp, "sync_seconds": resp["sync_seconds"] + sync["sync_seconds"], "sync_bytes": sync["sync_bytes"]}
     gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
     if gap is not None and not gap <= limit:
         raise WorkerError(
@@ -116,9 +120,7 @@ def start_rollout_engines(ctx: RunContext, model_path: str | None) -> list:
     long as they should (see ResidentProcess.spawn): the replicas then start at once. With `engines.rollout_bundle`
     the replicas share one placement group, so `engines.placement_strategy` SPREAD puts them on different nodes."""
     r = ctx.cfg.rollout
-    settings = (
-        VLLMSettings.from_config(model_path, ctx.cfg.model, r, ctx.cfg.seed, ctx.cfg.lora) if model_path else None
-    )
+    settings = sampler_settings(ctx, model_path) if model_path else None
     e = ctx.cfg.engines
     devices, tp = e.rollout_devices, r.tensor_parallel_size
     placement = Placement.from_config(e, e.rollout_bundle)
@@ -131,6 +133,14 @@ def start_rollout_engines(ctx: RunContext, model_path: str | None) -> list:
             engine.spawn(settings, held=settings is None)
         engines.append(engine)
     return engines
+
+
+def sampler_settings(ctx: RunContext, model_path: str) -> VLLMSettings:
+    """How a replica starts for `model_path`: from its files, or, for a checkpoint written without them (the trainer
+    sends its weights, engines.weight_sync collective), from the run's starting model (the same architecture), to be
+    synced before it generates."""
+    start = model_path if has_weight_files(model_path) else ctx.cfg.model.path
+    return VLLMSettings.from_config(start, ctx.cfg.model, ctx.cfg.rollout, ctx.cfg.seed, ctx.cfg.lora)
 
 
 def merge_engine_responses(resps: list[dict]) -> dict:
@@ -220,6 +230,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
                 f"round{round_}": {
                     "engine_start_seconds": resp["engine_start_seconds"],
                     "sync_seconds": resp["sync_seconds"],
+                    "sync_bytes": resp.get("sync_bytes", 0),
                     "sync_logprob_gap": resp["sync_logprob_gap"],
                     "sampler_peak_rss_gib": resp["peak_rss_gib"],
                     "sampler_kv_cache_gib": resp["kv_cache_gib"],

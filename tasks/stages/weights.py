@@ -52,22 +52,36 @@ def starting_weights(ctx: RunContext) -> Weights:
     return Weights(ctx.cfg.model.path, model_fingerprint(ctx.cfg.model.path), 0)
 
 
-def weights_after(ctx: RunContext, iteration: int, stage: str = "train_metrics") -> Weights:
+def weights_after(ctx: RunContext, iteration: int, stage: str = "train_metrics", files: bool = False) -> Weights:
     """The weights after `iteration` updates (0 = the starting model). `stage` is the table whose manifest
-    marks that update's checkpoint complete (`dpo_metrics` for a DPO run)."""
+    marks that update's checkpoint complete (`dpo_metrics` for a DPO run). With `files` the checkpoint holds them on
+    disk; without, it may be one whose weights only this process's resident trainer holds (engines.weight_sync
+    collective), which the trainer uses and sends to the sampler."""
     if iteration == 0:
         return starting_weights(ctx)
     fp = weights_fingerprint(ctx, iteration, stage)
     ckpt = ctx.layout.checkpoint_dir(iteration)
-    if not (ckpt / "config.json").exists() and stage == "train_metrics":
-        # A weights-only checkpoint removed since (checkpoint.every): rebuilt by replaying the updates before it.
+    if stage == "train_metrics" and not _usable(ctx, ckpt, files):
+        # A weights-only checkpoint removed since (checkpoint.every), or written without its weight files and held by
+        # no trainer of this process: rebuilt by replaying the updates before it.
         from tasks.stages import optimize
         from tasks.stages.common import load_run
 
-        optimize.restore_state(load_run(str(ctx.layout.root), ctx.layout.run_id, optimize.SPEC), iteration)
+        run = load_run(str(ctx.layout.root), ctx.layout.run_id, optimize.SPEC)
+        optimize.restore_state(run, iteration, files=files)
     if not (ckpt / "config.json").exists():
         raise ModelPathError(f"run {ctx.layout.run_id!r} has no checkpoint for iteration {iteration}")
     return Weights(str(ckpt), fp, iteration)
+
+
+def _usable(ctx: RunContext, ckpt: Path, files: bool) -> bool:
+    from storage import has_weight_files
+    from tasks.engines.trainer_client import trainer_holds
+
+    if has_weight_files(ckpt):
+        return True
+    held = (ckpt / "config.json").exists() and trainer_holds(ctx.layout, ctx.cfg.engines, str(ckpt))
+    return held and not files
 
 
 def weights_fingerprint(ctx: RunContext, iteration: int, stage: str = "train_metrics") -> str:
@@ -110,7 +124,7 @@ def export_run(run_id: str, storage_root: str, out: str, iteration: int | None =
         if not done:
             raise ModelPathError(f"run {run_id!r} has no complete checkpoint to export")
         iteration = done[-1]
-    weights = weights_after(ctx, iteration)
+    weights = weights_after(ctx, iteration, files=True)
     export_checkpoint(Path(weights.path), out, merge=merge)
     return {
         "iteration": iteration,

@@ -43,7 +43,14 @@ def iteration_profile(resident: bool) -> pl.DataFrame:
 
     run_id = "resident" if resident else "one-shot"
     layout, ends = run_iterations(
-        TINY_CONFIG, [f"storage_root={ROOT}", f"engines.resident_trainer={str(resident).lower()}"], run_id, ITERATIONS
+        TINY_CONFIG,
+        [
+            f"storage_root={ROOT}",
+            f"engines.resident_trainer={str(resident).lower()}",
+            f"engines.weight_sync={'collective' if resident else 'file'}",
+        ],
+        run_id,
+        ITERATIONS,
     )
     rows = []
     for k in range(2, ITERATIONS + 1):

@@ -354,6 +354,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
             defer,
             save_state=request.save_state,
             state_id=request.state_id,
+            save_weights=request.save_weights,
         )
         critic_id = (
             save_checkpoint(  # named after the policy's, so a replay gives both their recorded ids
@@ -363,6 +364,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
                 defer_state=defer,
                 save_state=request.save_state,
                 state_id=f"{state_id}-critic",
+                save_weights=request.save_weights,
             )
             if critic is not None
             else None

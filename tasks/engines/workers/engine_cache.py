@@ -113,14 +113,25 @@ class EngineCache:
         """An engine built from the model in `folder` with a fresh optimizer, before any request asked for it."""
         self._slots[role] = _Slot(None, _key(settings), engine, optimizer, loaded_from=(folder, _identity(folder)))
 
-    def engine_module(self, role: str, checkpoint: str):
-        """The module of the kept engine whose state `checkpoint` holds (for a forward pass), or None. Not an engine
-        built ahead: the model it starts from is read as a frozen model, as without one."""
+    def held_engine(self, role: str, checkpoint: str):
+        """The kept engine whose state `checkpoint` holds, or None. Not an engine built ahead: the model it starts from
+        is read as a frozen model, as without one."""
         slot = self._slots.get(role)
         if slot is None or slot.loaded_from is not None or slot.state_id != read_state_id(checkpoint):
             return None
+        return slot.engine
+
+    def partitioned(self) -> bool:
+        """Whether a kept engine partitions its weights over the ranks (ZeRO-3): reading them is then a collective."""
+        return any(slot.engine.zero_optimization_stage() == 3 for slot in self._slots.values())
+
+    def engine_module(self, role: str, checkpoint: str):
+        """The module of the kept engine whose state `checkpoint` holds (for a forward pass), or None."""
+        engine = self.held_engine(role, checkpoint)
+        if engine is None:
+            return None
         self.hits["engine"] += 1
-        return slot.engine.module
+        return engine.module
 
     def adapter_host(self, base_path: str):
         """A kept engine's peft model whose base model is `base_path` (the base weights never train: with its adapter

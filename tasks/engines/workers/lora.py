@@ -100,6 +100,20 @@ def save_adapter(model, out_dir: str, state_dict=None) -> None:
     shutil.copy(os.path.join(base_path_of(model), "config.json"), os.path.join(out_dir, "config.json"))
 
 
+def save_model_config(model, out_dir: str) -> None:
+    """What a checkpoint holds of its model without the weights: the config (and generation config) of a plain model;
+    the adapter's config and the base model's config.json for an adapter. The folder still reads as a model of its
+    kind (is_adapter, its architecture); `has_weight_files` tells it has no weights."""
+    os.makedirs(out_dir, exist_ok=True)
+    if is_peft(model):
+        model.peft_config["default"].save_pretrained(out_dir)
+        shutil.copy(os.path.join(base_path_of(model), "config.json"), os.path.join(out_dir, "config.json"))
+        return
+    model.config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out_dir)
+
+
 def adapter_stats(model) -> dict[str, float]:
     """The number of trainable parameters and their L2 norm (the adapter's, and modules_to_save')."""
     import torch
@@ -113,14 +127,15 @@ def describe(path: str) -> dict:
     """What the optimize manifest records of an adapter checkpoint: rank, alpha, targets, saved modules, its bytes."""
     with open(os.path.join(path, ADAPTER_CONFIG)) as f:
         cfg = json.load(f)
-    targets = cfg.get("target_modules")
+    targets, weights = cfg.get("target_modules"), os.path.join(path, ADAPTER_WEIGHTS)
     return {
         "rank": cfg["r"],
         "alpha": cfg["lora_alpha"],
         "target_modules": sorted(targets) if isinstance(targets, list) else targets,
         "modules_to_save": cfg.get("modules_to_save") or [],
         "base_model": cfg["base_model_name_or_path"],
-        "adapter_bytes": os.path.getsize(os.path.join(path, ADAPTER_WEIGHTS)),
+        # None for a checkpoint written without its weight files (engines.weight_sync collective)
+        "adapter_bytes": os.path.getsize(weights) if os.path.exists(weights) else None,
     }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from schemas.requests import LogprobsRequest, UpdateRequest, from_wire
+from schemas.requests import LogprobsRequest, SendWeightsRequest, UpdateRequest, from_wire
 
 
 def make_answer(warm_start):
@@ -21,7 +21,7 @@ def make_answer(warm_start):
     import deepspeed  # noqa: F401  (the imports are paid once, here)
     import torch  # noqa: F401
 
-    from tasks.engines.workers import data_parallel, deepspeed_train, torch_logprobs
+    from tasks.engines.workers import data_parallel, deepspeed_train, torch_logprobs, weight_group
     from tasks.engines.workers.engine_cache import EngineCache
 
     data_parallel.init_process_group()  # every rank joins before the first request
@@ -32,7 +32,11 @@ def make_answer(warm_start):
         cache.deferred = DeferredState()
     if warm_start is not None:
         load_ahead(warm_start, cache)
-    handlers = {LogprobsRequest: torch_logprobs.handle, UpdateRequest: deepspeed_train.handle}
+    handlers = {
+        LogprobsRequest: torch_logprobs.handle,
+        UpdateRequest: deepspeed_train.handle,
+        SendWeightsRequest: weight_group.send_held,
+    }
 
     def answer(msg: dict) -> dict:
         request = from_wire(msg["request"])
@@ -40,7 +44,10 @@ def make_answer(warm_start):
             raise ValueError(f"the trainer does not take a {type(request).__name__}")
         hits = dict(cache.hits)
         t0 = time.time()
-        finish_deferred()  # the last update's optimizer state, before anything touches its engine
+        # The last update's optimizer state, before anything changes its engine. Sending the weights only reads them,
+        # beside the writer (which reads the optimizer's moments), except ZeRO-3's gather, a collective of its own.
+        if not isinstance(request, SendWeightsRequest) or cache.partitioned():
+            finish_deferred()
         print(
             f"[trainer rank {data_parallel.rank()}/{data_parallel.world()}] {type(request).__name__} "
             f"{msg.get('label', '')}",

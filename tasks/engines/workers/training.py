@@ -13,7 +13,7 @@ from schemas.requests import EngineSettings, Schedule
 from storage.crash import crash_point
 from tasks.engines.launch import PROGRESS_PREFIX  # clients show these lines of a worker's log in the terminal
 from tasks.engines.workers import data_parallel
-from tasks.engines.workers.lora import is_peft, save_adapter
+from tasks.engines.workers.lora import is_peft, save_adapter, save_model_config
 
 
 def adamw(model, lr: float, weight_decay: float):
@@ -125,20 +125,25 @@ def save_checkpoint(
     defer_state: bool = False,
     save_state: bool = True,
     state_id: str = "",
+    save_weights: bool = True,
 ) -> str:
     """HF weights + tokenizer (what vLLM loads), the sync probe, then the DeepSpeed state; returns the state id, written
     last (a checkpoint without one is never reused by a resident trainer; `state_id` gives it that id, else a new one).
     With `defer_state` the id is marked pending and the state is left to the caller's
     tasks/engines/workers/deferred_state.py; without `save_state` there is none (checkpoint.every: the caller keeps the
-    engine). Every rank calls it: ZeRO-3's weights are gathered from all ranks, rank 0 writes the consolidated HF
-    folder, each rank saves its optimizer partition."""
+    engine). Without `save_weights` the folder is the model's configuration without its weight files (the trainer keeps
+    the engine and sends its weights to the sampler over a process group). Every rank calls it: ZeRO-3's weights are
+    gathered from all ranks, rank 0 writes the consolidated HF folder, each rank saves its optimizer partition."""
     from tasks.engines.workers.engine_cache import write_state_id
     from tasks.engines.workers.sync_probe import write_probe
 
-    consolidated = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_stage() == 3 else None
+    zero3 = engine.zero_optimization_stage() == 3 and save_weights
+    consolidated = engine._zero3_consolidated_16bit_state_dict() if zero3 else None
     adapter = is_peft(engine.module)
     if data_parallel.rank() == 0:
-        if adapter:  # a PEFT folder: the adapter's weights only (tasks/engines/workers/lora.py)
+        if not save_weights:
+            save_model_config(engine.module, out_dir)
+        elif adapter:  # a PEFT folder: the adapter's weights only (tasks/engines/workers/lora.py)
             save_adapter(engine.module, out_dir, state_dict=consolidated)
         else:
             engine.module.save_pretrained(out_dir, safe_serialization=True, state_dict=consolidated)

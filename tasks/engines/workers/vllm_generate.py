@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 
-from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings, from_wire
+from schemas.requests import GenerationJob, ReceiveWeightsRequest, VLLMSettings, from_wire, to_wire
 
 
 def _rows(outputs, prompt_ids):
@@ -80,6 +81,8 @@ def _start_engine(settings: VLLMSettings):
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=True,
         enable_prefix_caching=settings.prefix_caching,
+        # Weights over a process group from the trainer (engines.weight_sync collective)
+        worker_extension_cls="tasks.engines.workers.vllm_receiver.WeightReceiver",
         **extra,
     )
 
@@ -150,10 +153,32 @@ def _refresh_lm_head(worker) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
+def require_weight_files(model_path: str) -> None:
+    from storage import has_weight_files
+
+    if not has_weight_files(model_path):
+        raise ValueError(
+            f"{model_path} holds no weight files (a checkpoint the trainer sends over a process group, "
+            "engines.weight_sync: collective): the sampler cannot load it from disk"
+        )
+
+
 def sync_weights(llm, model_path: str) -> None:
+    """The weights of a checkpoint's files, reloaded in place."""
+    require_weight_files(model_path)
     llm.collective_rpc("reload_weights", kwargs={"weights_path": model_path})
     llm.collective_rpc(_refresh_lm_head)
     llm.reset_prefix_cache()
+
+
+def receive_weights(llm, request: ReceiveWeightsRequest, adapters) -> tuple[object, int]:
+    """The weights `request` names, from the trainer over its process group (tasks/engines/workers/vllm_receiver.py):
+    loaded in place, or as the adapter to sample with (returned, with the bytes received)."""
+    out = llm.collective_rpc("rlpipe_receive_weights", args=(to_wire(request),))[0]
+    if "adapter_dir" in out:
+        return adapters.received(out["adapter_dir"], request.model_path), out["bytes"]
+    llm.reset_prefix_cache()
+    return None, out["bytes"]
 
 
 class Adapters:
@@ -165,22 +190,40 @@ class Adapters:
 
     def request_for(self, model_path: str):
         """The LoRARequest for an adapter checkpoint (loaded now), or None for the base model itself."""
-        from vllm.lora.request import LoRARequest
-
-        from tasks.engines.workers.lora import adapter_base, is_adapter
+        from tasks.engines.workers.lora import is_adapter
 
         if not is_adapter(model_path):
             if os.path.abspath(model_path) != self.base:
                 raise ValueError(f"{model_path} is neither this engine's base model ({self.base}) nor an adapter on it")
             return None
+        self._check_base(model_path)
+        require_weight_files(model_path)
+        return self._load(os.path.abspath(model_path))
+
+    def received(self, folder: str, model_path: str):
+        """The LoRARequest for an adapter received over the process group into `folder` (removed once loaded)."""
+        self._check_base(model_path)
+        try:
+            return self._load(folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _check_base(self, model_path: str) -> None:
+        from tasks.engines.workers.lora import adapter_base
+
         if os.path.abspath(adapter_base(model_path)) != self.base:
             raise ValueError(
                 f"the adapter in {model_path} is on {adapter_base(model_path)}, and this engine runs {self.base}"
             )
+
+    def _load(self, folder: str):
+        """Load the adapter in `folder` now (vLLM reads its files at once), in place of the current one."""
+        from vllm.lora.request import LoRARequest
+
         if self.current is not None:
             self.llm.llm_engine.remove_lora(self.current.lora_int_id)
         self.current = None  # a load that fails halfway leaves no adapter named
-        request = LoRARequest(f"adapter{self.next_id}", self.next_id, os.path.abspath(model_path))
+        request = LoRARequest(f"adapter{self.next_id}", self.next_id, folder)
         self.next_id += 1
         self.llm.llm_engine.add_lora(request)
         self.current = request
@@ -234,11 +277,12 @@ def _forced_logprobs(llm, sequences: list[list[int]], lora) -> list[list[float]]
 
 
 def make_answer(settings: VLLMSettings):
-    """Resident mode: start one engine, then answer `generate` messages.
+    """Resident mode: start one engine, then answer its messages: a GenerateRequest, or a ReceiveWeightsRequest (the
+    weights from the trainer over a process group, engines.weight_sync collective).
 
-    A `generate` for other weights first syncs them in place (tied embeddings included). After the start and
-    after every sync the answer carries `sync_logprob_gap`, the sampler's gap to the trainer's probe logprobs,
-    which the caller checks against its threshold.
+    A `generate` for other weights than the engine holds first syncs them in place from the checkpoint's files (tied
+    embeddings included). After the start and after every sync the answer carries `sync_logprob_gap`, the sampler's gap
+    to the trainer's probe logprobs, which the caller checks against its threshold.
     """
     import vllm
 
@@ -258,8 +302,18 @@ def make_answer(settings: VLLMSettings):
     state = {"current": base, "start_seconds": time.time() - t0, "lora": None}
     state["gap"] = sampler_probe_gap(llm, state["current"])
 
+    def receive(request: ReceiveWeightsRequest) -> dict:
+        state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
+        t1 = time.time()
+        state["lora"], received = receive_weights(llm, request, adapters)
+        state["current"], seconds = request.model_path, time.time() - t1
+        state["gap"] = sampler_probe_gap(llm, state["current"], state["lora"])
+        return {"sync_seconds": seconds, "sync_bytes": received, "sync_logprob_gap": state["gap"]}
+
     def answer(msg: dict) -> dict:
-        request: GenerateRequest = from_wire(msg["request"])
+        request = from_wire(msg["request"])
+        if isinstance(request, ReceiveWeightsRequest):
+            return receive(request)
         sync_seconds = 0.0
         if request.model_path != state["current"]:
             state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
