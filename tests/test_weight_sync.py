@@ -47,7 +47,8 @@ def test_probe_logprobs_differ_between_the_checkpoints(tmp_path):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_sync_in_place_matches_the_trainer_from_files_and_over_a_process_group(tmp_path, tied):
     """The file sync, then the same weights over a process group from a sender that holds them (as trainer rank 0
-    does, in 3 buckets): the same probe gap, and the same samples."""
+    does, in 3 buckets): the same probe gap, and the same samples; and back to the first weights over the group, into
+    the bucket buffers the first sync left."""
     before, after = _policy_pair(tmp_path, tied)
     prompts = tmp_path / "prompts.parquet"
     pl.DataFrame(
@@ -66,6 +67,7 @@ def test_sync_in_place_matches_the_trainer_from_files_and_over_a_process_group(t
         received = receive_from_a_sender(engine, after, tmp_path, settings)
         again = engine.generate(GenerateRequest(model_path=str(after), jobs=(job,)), settings)
         over_group = pl.read_parquet(job.out_path)
+        back = receive_from_a_sender(engine, before, tmp_path, settings)  # into the buffers the first one left
     finally:
         engine.close()
     assert synced["engine_start_seconds"] == 0  # the same engine: synced, not restarted
@@ -75,6 +77,7 @@ def test_sync_in_place_matches_the_trainer_from_files_and_over_a_process_group(t
     params = AutoModelForCausalLM.from_pretrained(after).parameters()
     assert received["sync_bytes"] == sum(p.numel() * 4 for p in params)  # each weight once (a tied one too), fp32
     assert again["sync_seconds"] == 0 and over_group.equals(from_files)
+    assert back["sync_logprob_gap"] == first["sync_logprob_gap"]
 
 
 def receive_from_a_sender(engine, model_dir, tmp_path, settings) -> dict:
@@ -88,9 +91,10 @@ def receive_from_a_sender(engine, model_dir, tmp_path, settings) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     size = sum(p.numel() * 4 for p in model.parameters())
+    key = f"{tmp_path.name}-{model_dir.name}"
     group = WeightGroup(
-        key=f"test-{tmp_path.name}",
-        init_method=f"file://{tmp_path / 'store'}",
+        key=key,
+        init_method=f"file://{tmp_path / key}",
         world_size=2,
         backend="gloo",
         timeout_s=60,

@@ -27,6 +27,7 @@ from tests.benchmarks import (
     bench_real,
     bench_real_trl,
     bench_rollout,
+    bench_sync,
     bench_trl,
 )
 
@@ -40,6 +41,7 @@ SUITES = {
     "e2e_real": bench_real_trl.run,
     "real": bench_real.run,
     "lora": bench_lora.run,
+    "sync": bench_sync.run,
     "multiturn": bench_multiturn.run,
 }
 

@@ -346,6 +346,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
         metrics["trainer_peak_rss_gib"] = peak_rss_gib()  # rank 0's: each rank holds as much
         train_seconds = time.time() - t0
         defer = cache is not None and cache.deferred is not None and bool(request.final_dir) and request.save_state
+        timings = {"seconds_save_weights": 0.0}  # rank 0's
         state_id = save_checkpoint(
             engine,
             tokenizer,
@@ -355,6 +356,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
             save_state=request.save_state,
             state_id=request.state_id,
             save_weights=request.save_weights,
+            timings=timings,
         )
         critic_id = (
             save_checkpoint(  # named after the policy's, so a replay gives both their recorded ids
@@ -377,6 +379,7 @@ def handle(request: SFTRequest | UpdateRequest, cache=None) -> dict:
             )
             cache.deferred.start([*engines, ("", engine, state_id)], request.final_dir, f"{request.crash_point}:state")
         metrics["seconds_save_checkpoint"] = time.time() - t0 - train_seconds
+        metrics.update(timings)
         if cache is not None:
             cache.keep_engine("policy", state_id, engine, optimizer, request.engine)
             if critic is not None:

@@ -126,6 +126,7 @@ def save_checkpoint(
     save_state: bool = True,
     state_id: str = "",
     save_weights: bool = True,
+    timings: dict | None = None,
 ) -> str:
     """HF weights + tokenizer (what vLLM loads), the sync probe, then the DeepSpeed state; returns the state id, written
     last (a checkpoint without one is never reused by a resident trainer; `state_id` gives it that id, else a new one).
@@ -133,10 +134,12 @@ def save_checkpoint(
     tasks/engines/workers/deferred_state.py; without `save_state` there is none (checkpoint.every: the caller keeps the
     engine). Without `save_weights` the folder is the model's configuration without its weight files (the trainer keeps
     the engine and sends its weights to the sampler over a process group). Every rank calls it: ZeRO-3's weights are
-    gathered from all ranks, rank 0 writes the consolidated HF folder, each rank saves its optimizer partition."""
+    gathered from all ranks, rank 0 writes the consolidated HF folder, each rank saves its optimizer partition.
+    `timings` gets `seconds_save_weights`: writing the weights (or the config in their place)."""
     from tasks.engines.workers.engine_cache import write_state_id
     from tasks.engines.workers.sync_probe import write_probe
 
+    t0 = time.time()
     zero3 = engine.zero_optimization_stage() == 3 and save_weights
     consolidated = engine._zero3_consolidated_16bit_state_dict() if zero3 else None
     adapter = is_peft(engine.module)
@@ -147,6 +150,8 @@ def save_checkpoint(
             save_adapter(engine.module, out_dir, state_dict=consolidated)
         else:
             engine.module.save_pretrained(out_dir, safe_serialization=True, state_dict=consolidated)
+        if timings is not None:
+            timings["seconds_save_weights"] = time.time() - t0
         tokenizer.save_pretrained(out_dir)
     # The sampler checks its weight sync against these logprobs; under ZeRO-3 a forward needs every rank.
     write_probe(engine.module, tokenizer, out_dir, write=data_parallel.rank() == 0)
