@@ -7,15 +7,16 @@ of the same run skips what is complete and recomputes the rest.
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 
 from storage import StageOutput
 from tasks.stages.artifacts import artifacts_task
 from tasks.stages.common import plan_task
 from tasks.stages.dataset import dataset_task
 from tasks.stages.evaluate import eval_task
-from tasks.stages.graph import ITERATION_TASKS, task_arguments
-from tasks.stages.rollouts import release_engines_task
+from tasks.stages.graph import GENERATION_TASKS, ITERATION_TASKS, task_arguments
+from tasks.stages.rollouts import release_engines_task, sample_ahead_task
 from tasks.stages.sft import sft_data_task
 from tasks.stages.spec import AnotherRound
 from tasks.stages.start_engines import start_engines
@@ -58,6 +59,30 @@ def rl_iteration(run_id: str, iteration: int, storage_root: str = "runs") -> dic
     return {"iteration": iteration, "rounds": outputs["rounds"], "checkpoint": checkpoint}
 
 
+@task(name="generation-ahead", cache_policy=NO_CACHE)
+def generation_ahead(storage_root: str, run_id: str, iteration: int) -> int:
+    """An iteration's generation (its rounds' prompts, rollouts and scores, and the batch: each its own task run), one
+    step off-policy, beside the iteration before it; that iteration's flow run then finds these stages complete. A
+    task submitted to the flow's task runner: a second flow run in a thread of its own waited for the iteration's."""
+    return run_iteration_stages(storage_root, run_id, iteration, GENERATION_TASKS)["rounds"]
+
+
+def iterations(run_id: str, storage_root: str, plan: dict):
+    """Run every iteration, each with its eval when one is due (every N and the last), yielding k after iteration k. One
+    step off-policy (rl.max_staleness 1), iteration k + 1's generation runs while iteration k trains, once the sampler
+    holds the weights it samples with (sample_ahead_task)."""
+    n, every = plan["iterations"], plan["eval_every"]
+    for k in range(1, n + 1):
+        ahead = plan["max_staleness"] and k < n and sample_ahead_task(storage_root, run_id, k + 1)
+        running = generation_ahead.submit(storage_root, run_id, k + 1) if ahead else None
+        rl_iteration(run_id, k, storage_root)
+        if running is not None:
+            running.result()  # before the eval syncs the sampler to update k
+        if k % every == 0 or k == n:
+            eval_task(storage_root, run_id, k, interim=k != n)  # the last eval sees every held-out prompt
+        yield k
+
+
 @flow(name="rl", flow_run_name="{run_id}")
 def rl_run(run_id: str, storage_root: str = "runs") -> dict:
     """Eval the starting model, run every iteration (eval every N and at the end), write summary.json."""
@@ -65,16 +90,12 @@ def rl_run(run_id: str, storage_root: str = "runs") -> dict:
         storage_root, run_id
     )  # the engines load while the first stages run (a no-op if the command started them)
     plan = plan_task(storage_root, run_id)
-    n, every = plan["iterations"], plan["eval_every"]
     dataset_task(storage_root, run_id)
     if plan["ptx"]:  # PPO-ptx: the sft section's demonstrations, formatted with the policy's tokenizer
         sft_data_task(storage_root, run_id, plan["model_path"])
     try:
         eval_task(storage_root, run_id, 0)
-        for k in range(1, n + 1):
-            rl_iteration(run_id, k, storage_root)
-            if k % every == 0 or k == n:
-                eval_task(storage_root, run_id, k, interim=k != n)  # the last eval sees every held-out prompt
+        for _ in iterations(run_id, storage_root, plan):
             if plan["tracking"]:
                 track_task(storage_root, run_id)  # iteration k's figures, with its eval
     finally:

@@ -913,6 +913,17 @@ class RLConfig(Section):
     eval_every: int = Field(
         5, ge=1, le=1_000_000, description="Evaluate after every N iterations (and always after the last)."
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="0: on-policy, iteration k samples with the weights after update k−1. 1: one-step off-policy (as "
+        "verl's and prime-rl's async trainers): iteration k samples with the weights after update k−2, and its "
+        "generation (rollouts, scores, batch) runs while update k−1 trains; the schedule is fixed by this number, not "
+        "by timing, so a run is reproducible and resumes exactly. Pair it with a rollout correction (loss.rollout_is, "
+        "e.g. --algo grpo,token_is): π_old is still the weights before the update, and the sampler's logprobs are the "
+        "behaviour policy's. Deeper staleness would need the trainer to keep older weights than its last update's.",
+    )
 
 
 class EvalConfig(Section):

@@ -188,6 +188,35 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
     assert (workspace / "sparse-1" / "model.safetensors").exists() and layout.checkpoint_iterations() == [1, 2, 4]
 
 
+STALE = ("--set", "rl.max_staleness=1", "--set", "rl.iterations=3", "--set", "rl.eval_every=3")
+
+
+def test_one_step_off_policy_is_reproducible_and_resumes_a_kill_mid_overlap(tiny_sft):
+    """rl.max_staleness 1 over 3 iterations (checkpoint.every 3: updates 1 and 2 write no weight files): iteration k
+    samples with the weights after update k − 2 (its rollouts' policy_version), and iteration 3's generation runs
+    while iteration 2 trains. A second run, SIGKILLed inside iteration 3's rollouts (in that overlap), resumes (the
+    weights it samples with, lost with the trainer, are rebuilt by replay) to the same tables and final weights."""
+    workspace, cfg = tiny_sft
+    every = ("--set", "checkpoint.every=3")
+    rlpipe("run", str(cfg), "--run-id", "ahead", *STALE, *every, cwd=workspace)
+    run_until_killed(workspace, cfg, "ahead-killed", "rollouts:3", "run", *STALE, *every)
+    layout, first = RunLayout(workspace / "runs", "ahead-killed"), RunLayout(workspace / "runs", "ahead")
+    assert not layout.manifest_path("rollouts", 3).exists() and not layout.manifest_path("train_metrics", 3).exists()
+    rlpipe("resume", "ahead-killed", "--root", str(workspace / "runs"), cwd=workspace)
+    for stage in ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages"):
+        for it in (1, 2, 3):
+            assert read_table(layout, stage, it).equals(read_table(first, stage, it)), (stage, it)
+    final = [(run.checkpoint_dir(3) / "model.safetensors").read_bytes() for run in (first, layout)]
+    assert final[0] == final[1]
+    assert {it: read_table(first, "rollouts", it)["policy_version"].unique().to_list() for it in (1, 2, 3)} == {
+        1: [0],
+        2: [0],
+        3: [1],
+    }
+    sampled, updated = read_manifest(first, "rollouts", 3), read_manifest(first, "train_metrics", 2)
+    assert sampled["started_at"] <= updated["ended_at"]  # iteration 3 sampled while update 2 trained
+
+
 TRACKING = ("--set", "tracking=[tensorboard, mlflow]")
 
 

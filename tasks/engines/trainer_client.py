@@ -57,8 +57,9 @@ def trainer_holds(layout: RunLayout, engines: EnginesConfig, checkpoint: str) ->
 
     if not engines.resident_trainer:
         return False
-    held = _HELD.get(resident_trainer(layout, engines))
-    return held is not None and held == read_state_id(checkpoint)
+    trainer = resident_trainer(layout, engines)
+    held = _HELD.get(trainer)
+    return trainer.running and held is not None and held == read_state_id(checkpoint)
 
 
 def resident_trainer(layout: RunLayout, engines: EnginesConfig) -> ResidentProcess:

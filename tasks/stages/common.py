@@ -207,6 +207,7 @@ def plan_task(storage_root: str, run_id: str) -> dict:
     return {
         "iterations": cfg.rl.iterations,
         "eval_every": cfg.rl.eval_every,
+        "max_staleness": cfg.rl.max_staleness,
         "ptx": cfg.loss.ptx_coef > 0,
         "model_path": cfg.model.path,
         "tracking": bool(cfg.tracking),

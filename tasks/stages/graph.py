@@ -171,3 +171,16 @@ def checked(specs: tuple[StageSpec, ...]) -> tuple[StageSpec, ...]:
 
 # The stages an RL iteration's flow run calls, in data order: every round's, then the iteration's.
 ITERATION_TASKS = checked(tuple(s for s in RL_ITERATION if s.task is not None))
+
+
+def generation(specs: tuple[StageSpec, ...]) -> tuple[StageSpec, ...]:
+    """The stages that sample and gather an iteration's rounds, without the policy being trained: the per-round ones,
+    and the per-iteration ones that read nothing but per-round tables (the batch). One step off-policy, these run for
+    iteration k + 1 while the rest of iteration k (logprobs, advantages, the update) trains."""
+    per_round = {s.name for s in specs if s.scope == "round" and not s.reads_previous}
+    return tuple(
+        s for s in specs if s.name in per_round or (s.reads and set(s.reads) <= per_round and not s.reads_previous)
+    )
+
+
+GENERATION_TASKS = generation(ITERATION_TASKS)

@@ -30,7 +30,7 @@ from tasks.stages.common import (
     stage_task,
 )
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import weights_after, weights_fingerprint
+from tasks.stages.weights import Weights, sampling_version, weights_after, weights_fingerprint
 
 
 def sampling_job(ctx: RunContext, n: int, temperature: float, seed: int, top_p: float = 1.0) -> dict:
@@ -119,20 +119,39 @@ def start_rollout_engines(ctx: RunContext, model_path: str | None) -> list:
     vLLM until a later call gives them their weights: ResidentProcess.spawn). Call it from the thread that lives as
     long as they should (see ResidentProcess.spawn): the replicas then start at once. With `engines.rollout_bundle`
     the replicas share one placement group, so `engines.placement_strategy` SPREAD puts them on different nodes."""
-    r = ctx.cfg.rollout
     settings = sampler_settings(ctx, model_path) if model_path else None
-    e = ctx.cfg.engines
+    engines = rollout_engines(ctx)
+    for engine in engines:
+        if not engine.running:
+            engine.spawn(settings, held=settings is None)
+    return engines
+
+
+def rollout_engines(ctx: RunContext) -> list:
+    """This process's `rollout.engines` vLLM replicas of the run (made, not started)."""
+    r, e = ctx.cfg.rollout, ctx.cfg.engines
     devices, tp = e.rollout_devices, r.tensor_parallel_size
     placement = Placement.from_config(e, e.rollout_bundle)
     engines = []
     for k in range(r.engines):
         log = ctx.layout.log_path("vllm" if k == 0 else f"vllm-engine{k}")
         where = dataclasses.replace(placement, share=f"{ctx.layout.run_id}/vllm", replicas=r.engines, index=k)
-        engine = resident_engine(ctx.layout.run_id, log, where, k, devices[k * tp : (k + 1) * tp] if devices else None)
-        if not engine.running:
-            engine.spawn(settings, held=settings is None)
-        engines.append(engine)
+        engines.append(
+            resident_engine(ctx.layout.run_id, log, where, k, devices[k * tp : (k + 1) * tp] if devices else None)
+        )
     return engines
+
+
+def sampling_weights(ctx: RunContext, version: int, fingerprint: str) -> Weights:
+    """The weights after update `version`, to sample with: when every replica holds them already (one step
+    off-policy, the generation runs beside the update that changes the trainer's copy: sample_ahead_task synced them
+    before it began), nothing else is asked of the trainer or of disk."""
+    if version:
+        path = str(ctx.layout.checkpoint_dir(version))
+        replicas = rollout_engines(ctx)
+        if replicas and all(r.running and r.weights == path for r in replicas):
+            return Weights(path, fingerprint, version)
+    return weights_after(ctx, version)
 
 
 def sampler_settings(ctx: RunContext, model_path: str) -> VLLMSettings:
@@ -203,11 +222,12 @@ def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: in
 @stage_task("rollouts")
 def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
-    policy_fp = weights_fingerprint(ctx, iteration - 1)  # a kept checkpoint's files are needed only to compute
+    version = sampling_version(ctx.cfg, iteration)
+    policy_fp = weights_fingerprint(ctx, version)  # a kept checkpoint's files are needed only to compute
     r = ctx.cfg.rollout
 
     def compute():
-        policy = weights_after(ctx, iteration - 1)
+        policy = sampling_weights(ctx, version, policy_fp)
         prompts = read_stage(ctx.layout, "prompts", iteration).filter(pl.col("round") == round_)
         seed, name = ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101, f"rollouts-{iteration:05d}-{round_}"
         stamp = (
@@ -241,6 +261,22 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
         )
 
     return run_stage(ctx, iteration, part=round_, inputs={**upstream, "policy": policy_fp}, compute=compute)
+
+
+@stage_task("sample_ahead")
+def sample_ahead_task(storage_root: str, run_id: str, iteration: int) -> bool:
+    """Before iteration `iteration`'s generation runs beside the update before it (rl.max_staleness 1): whether it
+    still has to run (its batch is not complete), and if so the rollout replicas brought to the weights it samples
+    with now, while the trainer holds them (the update it runs beside changes them)."""
+    from storage import read_manifest
+
+    ctx = load_run(storage_root, run_id, SPEC)
+    if read_manifest(ctx.layout, "batch", iteration, verify=False) is not None:
+        return False  # complete (its flow run checks its fingerprints as for any stage)
+    policy = weights_after(ctx, sampling_version(ctx.cfg, iteration))
+    engines = start_rollout_engines(ctx, policy.path)
+    sync_replicas(ctx.layout, ctx.cfg.engines, engines, policy.path, sampler_settings(ctx, policy.path))
+    return True
 
 
 @stage_task("release_engines")

@@ -15,8 +15,9 @@ from schemas.config import RunConfig
 
 # What every stage may read: the seed (in every fingerprint), where runs live, how engines live (resident or one
 # process per call) and which checkpoints keep their optimizer state, which change no data, so no fingerprint covers
-# them.
-GLOBAL_FIELDS = ("seed", "storage_root", "engines", "checkpoint")
+# them; and the RL loop's schedule (iterations, evals, rl.max_staleness), whose one effect on a stage's data, the
+# weights it samples with, is an input of that stage's fingerprint.
+GLOBAL_FIELDS = ("seed", "storage_root", "engines", "checkpoint", "rl")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,12 @@ def starting_weights(ctx: RunContext) -> Weights:
     return Weights(ctx.cfg.model.path, model_fingerprint(ctx.cfg.model.path), 0)
 
 
+def sampling_version(cfg, iteration: int) -> int:
+    """The update whose weights iteration `iteration` samples with: k − 1, or k − 2 one step off-policy
+    (rl.max_staleness 1), never before the starting model. Fixed by the config, never by timing."""
+    return max(0, iteration - 1 - cfg.rl.max_staleness)
+
+
 def weights_after(ctx: RunContext, iteration: int, stage: str = "train_metrics", files: bool = False) -> Weights:
     """The weights after `iteration` updates (0 = the starting model). `stage` is the table whose manifest
     marks that update's checkpoint complete (`dpo_metrics` for a DPO run). With `files` the checkpoint holds them on

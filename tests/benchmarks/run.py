@@ -20,6 +20,7 @@ from schemas.tables import BENCH_RESULTS
 from storage.stage_io import write_bytes_atomic
 from tests.benchmarks import (
     bench_advantages,
+    bench_async,
     bench_iteration,
     bench_long,
     bench_lora,
@@ -42,6 +43,7 @@ SUITES = {
     "real": bench_real.run,
     "lora": bench_lora.run,
     "sync": bench_sync.run,
+    "async": bench_async.run,
     "multiturn": bench_multiturn.run,
 }
 
