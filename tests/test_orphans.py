@@ -84,12 +84,13 @@ def assert_nothing_left(pid: int, children: list[psutil.Process], seconds: float
 
 
 def _files(pid: int) -> list[str]:
-    """The command's temporary files: actors' held output, the embedded Ray instance's folder (its session and the
-    engines' own temporary files), sockets."""
+    """The command's temporary files: actors' held output, the embedded Ray instance's folder (its session, the
+    engines' own temporary files, the process groups' meeting files), sockets."""
     temp = tempfile.gettempdir()
     return (
         glob.glob(os.path.join(temp, f"*-{pid}-*.sock"))
         + glob.glob(os.path.join(temp, f"*-{pid}-*.out"))
+        + glob.glob(os.path.join(temp, f"*-{pid}-*.store"))
         + ([temp_dir_for(pid)] if os.path.exists(temp_dir_for(pid)) else [])
     )
 

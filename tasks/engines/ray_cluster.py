@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from schemas.errors import UserError
 from tasks.engines.launch import engine_env
@@ -49,6 +50,13 @@ class RayStartError(UserError, RuntimeError):
 
 def temp_dir_for(owner: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"{TEMP_PREFIX}-{owner}")
+
+
+def meeting_file(address: str | None, what: str) -> Path:
+    """A file a process group's members on this machine meet through: in the embedded instance's folder, or on a
+    joined cluster in the temporary folder, named so that the reaper of a killed command removes it too."""
+    folder = tempfile.gettempdir() if address else temp_dir_for(os.getpid())
+    return Path(folder) / f"rlpipe-{what}-{os.getpid()}-{os.urandom(4).hex()}.store"
 
 
 def pin_to_loopback() -> None:

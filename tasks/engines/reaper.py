@@ -43,11 +43,13 @@ def api_database_path(owner: int, token: str) -> str:
 
 def owned_files(owner: int) -> list[str]:
     """The files a command leaves while it runs: its servers' Unix sockets and held servers' outputs
-    (tasks/engines/resident.py), its API database copy (with SQLite's -wal and -shm)."""
+    (tasks/engines/resident.py), the files its process groups meet through on a joined cluster (`.store`: the trainer
+    ranks', the weight sync's), its API database copy (with SQLite's -wal and -shm)."""
     temp = tempfile.gettempdir()
     return (
         glob.glob(os.path.join(temp, f"*-{owner}-*.sock"))
         + glob.glob(os.path.join(temp, f"*-{owner}-*.out"))
+        + glob.glob(os.path.join(temp, f"*-{owner}-*.store"))
         + glob.glob(api_database_path(owner, "*") + "*")
     )
 

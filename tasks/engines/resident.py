@@ -191,8 +191,7 @@ class ResidentProcess:
         gloo connecting over `lo` (not the interface the host name resolves to)."""
         if self.ranks == 1 or self.nodes[0]["ip"] != ray_cluster.LOOPBACK:
             return {}
-        folder = tempfile.gettempdir() if self.placement.ray_address else ray_cluster.temp_dir_for(os.getpid())
-        self.rendezvous = Path(folder) / f"rlpipe-rendezvous-{self.name}-{os.urandom(4).hex()}"
+        self.rendezvous = ray_cluster.meeting_file(self.placement.ray_address, f"rendezvous-{self.name}")
         self.rendezvous.parent.mkdir(parents=True, exist_ok=True)
         return {data_parallel.RENDEZVOUS_ENV: f"file://{self.rendezvous}", "GLOO_SOCKET_IFNAME": "lo"}
 

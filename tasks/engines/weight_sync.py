@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import os
-import tempfile
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -102,8 +101,7 @@ def _group_for(trainer, replicas: list, engines: EnginesConfig, tp: int) -> Weig
     key = hashlib.sha256(f"{os.getpid()}:{_GROUP['made']}:{members}".encode()).hexdigest()[:16]
     head = trainer.nodes[0]  # where trainer rank 0 runs
     if head["ip"] == ray_cluster.LOOPBACK:
-        folder = tempfile.gettempdir() if engines.ray_address else ray_cluster.temp_dir_for(os.getpid())
-        _GROUP["file"] = Path(folder) / f"rlpipe-weights-{key}"
+        _GROUP["file"] = ray_cluster.meeting_file(engines.ray_address, "weights")
         _GROUP["file"].parent.mkdir(parents=True, exist_ok=True)
         init_method = f"file://{_GROUP['file']}"
     else:
