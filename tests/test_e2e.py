@@ -48,8 +48,8 @@ def complete_digest(layout: RunLayout) -> dict[str, str]:
 # and advantages are: they stop at the same crash point of write_stage) after their part and before their manifest;
 # `optimize:2:state` after update 2 is marked complete and before the resident trainer has put its optimizer state in
 # place (at the run's end), so that the resume redoes update 2 from checkpoint 1's optimizer state. A kill inside a
-# later update, resumed by replay, is test_sparse_checkpoints_resume_by_replay_to_the_same_bytes's. Each command here
-# costs ~25 s.
+# later update, resumed by replay, is test_sparse_checkpoints_and_one_step_off_policy_resume_to_the_same_bytes's. Each
+# command here costs ~25 s.
 CRASHES = [("rollouts", 1), ("logprobs", 1), ("optimize", 1), ("scores", 2)]
 
 
@@ -142,9 +142,10 @@ def test_sft_interrupted_and_resumed_gives_bit_identical_weights(tiny_sft):
 
 
 SPARSE = ("--set", "rl.iterations=4", "--set", "rl.eval_every=4", "--set", "checkpoint.every=2")
+AHEAD = ("--set", "rl.max_staleness=1")
 
 
-def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
+def test_sparse_checkpoints_and_one_step_off_policy_resume_to_the_same_bytes(tiny_sft):
     """checkpoint.every 2 over 4 iterations: full checkpoints 2 and 4, weights only in 1 and 3 (each removed once the
     next is complete). A run killed inside iteration 4's update (iteration 4 > every + 1) resumes by replaying update 3
     from checkpoint 2's optimizer state and iteration 3's cached tables, without generating, and ends with the
@@ -154,12 +155,19 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
     the trainer's process group (the default, collective), whose weights-only checkpoints hold no weight files: every
     rollout, and the probe gap after every sync, are the same.
 
+    Both run one step off-policy (rl.max_staleness 1): iteration k samples with the weights after update k − 2 (its
+    rollouts' policy_version), and its generation runs while iteration k − 1 trains. The killed run is first killed in
+    that overlap, inside iteration 3's rollouts (the weights they sample with, lost with the trainer, are rebuilt by
+    replay), then inside update 4: the tables, not only the final bytes, are the uninterrupted run's.
+
     The killed run is also tracked (TensorBoard and MLflow), the uninterrupted one not: tracking changes no byte, and
     the resumed run logs each step once, the replayed update's included (check_tracked_once_per_step)."""
     workspace, cfg = tiny_sft
-    rlpipe("run", str(cfg), "--run-id", "dense", *SPARSE, "--set", "engines.weight_sync=file", cwd=workspace)
-    run_until_killed(workspace, cfg, "sparse", "optimize:4", "run", *SPARSE, *TRACKING)
-    layout = RunLayout(workspace / "runs", "sparse")
+    rlpipe("run", str(cfg), "--run-id", "dense", *SPARSE, *AHEAD, "--set", "engines.weight_sync=file", cwd=workspace)
+    layout, dense = RunLayout(workspace / "runs", "sparse"), RunLayout(workspace / "runs", "dense")
+    run_until_killed(workspace, cfg, "sparse", "rollouts:3", "run", *SPARSE, *AHEAD, *TRACKING)
+    assert not layout.manifest_path("rollouts", 3).exists() and not layout.manifest_path("train_metrics", 3).exists()
+    run_until_killed(workspace, cfg, "sparse", "optimize:4", "run", *SPARSE, *AHEAD, *TRACKING)
     assert json.loads((layout.run_dir / "tracking.json").read_text())["train"] == 3  # logged before the kill
     assert layout.checkpoint_iterations() == [2, 3]  # weights-only 1 went once 2 was complete
     assert (layout.checkpoint_dir(2) / "ds_state").is_dir() and not (layout.checkpoint_dir(3) / "ds_state").exists()
@@ -168,7 +176,6 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
     rlpipe("resume", "sparse", "--root", str(workspace / "runs"), cwd=workspace)
     assert "UpdateRequest replay-00003" in layout.log_path("trainer").read_text()  # the state after 3 was rebuilt
     assert {it: layout.manifest_path("rollouts", it).read_bytes() for it in sampled} == sampled  # nothing resampled
-    dense = RunLayout(workspace / "runs", "dense")
     for run in (layout, dense):
         assert run.checkpoint_iterations() == [2, 4] and (run.checkpoint_dir(4) / "ds_state").is_dir()
         kinds = [read_manifest(run, "train_metrics", it)["extra"]["full_checkpoint"] for it in (1, 2, 3, 4)]
@@ -177,8 +184,14 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
         assert (layout.checkpoint_dir(4) / f).read_bytes() == (dense.checkpoint_dir(4) / f).read_bytes(), f
     assert read_table(layout, "eval", 4).sort("prompt_id").equals(read_table(dense, "eval", 4).sort("prompt_id"))
     check_tracked_once_per_step(workspace, layout, steps=[1, 2, 3, 4], eval_steps=[0, 4])
-    for it in (2, 3, 4):  # sampled after a sync: over the process group in one run, from files in the other
-        assert read_table(layout, "rollouts", it).equals(read_table(dense, "rollouts", it))
+    for stage in ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages"):
+        for it in (1, 2, 3, 4):
+            assert read_table(layout, stage, it).equals(read_table(dense, stage, it)), (stage, it)
+    versions = {it: read_table(dense, "rollouts", it)["policy_version"].unique().to_list() for it in (1, 2, 3, 4)}
+    assert versions == {1: [0], 2: [0], 3: [1], 4: [2]}
+    sampled, updated = read_manifest(dense, "rollouts", 4), read_manifest(dense, "train_metrics", 3)
+    assert sampled["started_at"] <= updated["ended_at"]  # iteration 4 sampled while update 3 trained
+    for it in (3, 4):  # sampled after a sync: over the process group in one run, from files in the other
         synced = [read_manifest(run, "rollouts", it)["extra"]["round0"] for run in (layout, dense)]
         assert synced[0]["sync_bytes"] > 0 and synced[1]["sync_bytes"] == 0
         assert synced[0]["sync_logprob_gap"] == synced[1]["sync_logprob_gap"] < 1e-3
@@ -186,35 +199,6 @@ def test_sparse_checkpoints_resume_by_replay_to_the_same_bytes(tiny_sft):
     # the sync probe its update recorded, with its weight files though its update wrote none
     rlpipe("export", "sparse", str(workspace / "sparse-1"), "--iteration", "1", cwd=workspace)
     assert (workspace / "sparse-1" / "model.safetensors").exists() and layout.checkpoint_iterations() == [1, 2, 4]
-
-
-STALE = ("--set", "rl.max_staleness=1", "--set", "rl.iterations=3", "--set", "rl.eval_every=3")
-
-
-def test_one_step_off_policy_is_reproducible_and_resumes_a_kill_mid_overlap(tiny_sft):
-    """rl.max_staleness 1 over 3 iterations (checkpoint.every 3: updates 1 and 2 write no weight files): iteration k
-    samples with the weights after update k − 2 (its rollouts' policy_version), and iteration 3's generation runs
-    while iteration 2 trains. A second run, SIGKILLed inside iteration 3's rollouts (in that overlap), resumes (the
-    weights it samples with, lost with the trainer, are rebuilt by replay) to the same tables and final weights."""
-    workspace, cfg = tiny_sft
-    every = ("--set", "checkpoint.every=3")
-    rlpipe("run", str(cfg), "--run-id", "ahead", *STALE, *every, cwd=workspace)
-    run_until_killed(workspace, cfg, "ahead-killed", "rollouts:3", "run", *STALE, *every)
-    layout, first = RunLayout(workspace / "runs", "ahead-killed"), RunLayout(workspace / "runs", "ahead")
-    assert not layout.manifest_path("rollouts", 3).exists() and not layout.manifest_path("train_metrics", 3).exists()
-    rlpipe("resume", "ahead-killed", "--root", str(workspace / "runs"), cwd=workspace)
-    for stage in ("prompts", "rollouts", "scores", "batch", "logprobs", "advantages"):
-        for it in (1, 2, 3):
-            assert read_table(layout, stage, it).equals(read_table(first, stage, it)), (stage, it)
-    final = [(run.checkpoint_dir(3) / "model.safetensors").read_bytes() for run in (first, layout)]
-    assert final[0] == final[1]
-    assert {it: read_table(first, "rollouts", it)["policy_version"].unique().to_list() for it in (1, 2, 3)} == {
-        1: [0],
-        2: [0],
-        3: [1],
-    }
-    sampled, updated = read_manifest(first, "rollouts", 3), read_manifest(first, "train_metrics", 2)
-    assert sampled["started_at"] <= updated["ended_at"]  # iteration 3 sampled while update 2 trained
 
 
 TRACKING = ("--set", "tracking=[tensorboard, mlflow]")

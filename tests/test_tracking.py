@@ -1,6 +1,6 @@
 """Experiment tracking's pure parts. End to end, a tracked run killed inside an update and resumed (replaying the update
 before it) is read back with TensorBoard's event reader and MLflow's client: test_e2e.py,
-test_sparse_checkpoints_resume_by_replay_to_the_same_bytes."""
+test_sparse_checkpoints_and_one_step_off_policy_resume_to_the_same_bytes."""
 
 from tasks.stages.tracking import flat_params, scalars
 

@@ -64,7 +64,7 @@ def sync_replicas(
     for replica in stale:
         replica.weights = checkpoint
     gaps = [a["sync_logprob_gap"] for a in answers[1:] if a["sync_logprob_gap"] is not None]
-    return {
+    _UNREPORTED[checkpoint] = result = {
         # Each replica's receive and load, as the file path's reload is counted (the probe check apart); the trainer's
         # gather and broadcast run meanwhile.
         "sync_seconds": max(a["sync_seconds"] for a in answers[1:]),
@@ -72,6 +72,17 @@ def sync_replicas(
         "sync_bytes": answers[0]["sync_bytes"],
         "sync_logprob_gap": max(gaps) if gaps else None,
     }
+    return result
+
+
+# The last sync of each checkpoint's weights, until the first generation with them reports it (a sync made before the
+# generation began: one step off-policy, tasks/stages/rollouts.py::sample_ahead_task).
+_UNREPORTED: dict[str, dict] = {}
+
+
+def unreported_sync(checkpoint: str) -> dict | None:
+    """The sync that brought the replicas to `checkpoint`'s weights, once: None after it was taken, or when none did."""
+    return _UNREPORTED.pop(checkpoint, None)
 
 
 def _all_or_end(futures: list, parties: list) -> list:

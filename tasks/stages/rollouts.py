@@ -19,7 +19,7 @@ from tasks.engines.launch import WorkerError
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
-from tasks.engines.weight_sync import sync_replicas
+from tasks.engines.weight_sync import sync_replicas, unreported_sync
 from tasks.stages import agent_rollouts
 from tasks.stages.common import (
     Computed,
@@ -72,7 +72,8 @@ def generate(
     it, so the table does not depend on the number of replicas."""
     settings = sampler_settings(ctx, model_path)
     engines = start_rollout_engines(ctx, model_path)
-    sync = sync_replicas(ctx.layout, ctx.cfg.engines, engines, model_path, settings)
+    sync_replicas(ctx.layout, ctx.cfg.engines, engines, model_path, settings)
+    sync = unreported_sync(model_path)  # that one, or one made before (sample_ahead_task): reported once
     calls = []
     for k, (start, end) in enumerate(shard_bounds(prompts.height, len(engines))):
         inp = scratch_file(ctx, f"{log_name}.prompts{k}.parquet")
