@@ -61,6 +61,24 @@ def test_a_released_server_starts_with_its_settings_and_moves_its_held_output_in
     assert gone(answer["pid"]) and "interpreter teardown" not in log.read_text()
 
 
+def test_two_stages_asking_a_held_server_at_once_start_it_once(tmp_path):
+    """One-step off-policy training generates iteration k + 1 in a thread beside iteration k: both stages' first
+    requests reach the held engine together. It starts once (both releasing it started every actor twice)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    log = tmp_path / "logs" / "held.log"
+    server = ResidentProcess("tests.held_server", log)
+    server.spawn(None, held=True)
+    try:
+        wait_until_warm(server)
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda _: server.call(REQUEST, SETTINGS), range(2)))
+        assert answers[0]["pid"] == answers[1]["pid"]
+        assert log.read_text().count("engine started") == 1 and log.read_text().count("answered") == 2
+    finally:
+        server.close()
+
+
 def test_an_unreleased_server_is_ended_and_leaves_no_log_and_no_file(tmp_path):
     log = tmp_path / "logs" / "held.log"
     server = resident("tests.held_server", "held-test", lambda: ResidentProcess("tests.held_server", log))

@@ -26,6 +26,7 @@ import getpass
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -78,6 +79,10 @@ class ResidentProcess:
         self.nodes: list[dict] = []
         self.rendezvous: Path | None = None  # the ranks' meeting file, removed with them
         self.noted = 0.0  # when the last "starting" progress line was shown
+        # One start at a time: with one-step off-policy training two stages (iteration k's rollouts and k + 1's,
+        # generated ahead in a thread) can ask a held engine for its first request at once; both releasing it started
+        # every actor twice (the second start closed the log the first was writing).
+        self.starting_lock = threading.RLock()
 
     @property
     def running(self) -> bool:
@@ -93,6 +98,10 @@ class ResidentProcess:
         request) hands them over, and only then do they open their log and start the engine. A command spawns them
         held before it checks its input, so those seconds overlap the checks; on bad input `kill` ends them, and no
         engine ever started, no log or file was written."""
+        with self.starting_lock:
+            self._spawn(settings, held)
+
+    def _spawn(self, settings, held: bool) -> None:
         if self.actors:
             if self.waiting_for_release and not held:
                 self._release(settings)
@@ -198,14 +207,15 @@ class ResidentProcess:
     def call(self, request, settings=None, label: str = "") -> dict:
         """Send one typed request (schemas.requests) to every rank, starting the engine first if needed, with
         `settings` (a typed start-up request, or None); rank 0's answer."""
-        self.spawn(settings)
-        if self.starting is not None:
-            errors = self._wait(self.starting, "failed to start", deadline=self.spawned + START_DEADLINE_S)
-            self.starting = None
-            if any(errors):
-                raise self._ended("failed to start", next(e for e in errors if e), rank=_first(errors))
-            if time.time() - self.spawned >= 10:
-                self._progress(f"{self.name} started in {time.time() - self.spawned:.0f}s")
+        with self.starting_lock:
+            self.spawn(settings)
+            if self.starting is not None:
+                errors = self._wait(self.starting, "failed to start", deadline=self.spawned + START_DEADLINE_S)
+                self.starting = None
+                if any(errors):
+                    raise self._ended("failed to start", next(e for e in errors if e), rank=_first(errors))
+                if time.time() - self.spawned >= 10:
+                    self._progress(f"{self.name} started in {time.time() - self.spawned:.0f}s")
         msg = {"request": to_wire(request), "label": label}
         answers = self._wait([a.call.remote(msg) for a in self.actors], "died", deadline=None)
         failed = [r for r, a in enumerate(answers) if "error" in a]
