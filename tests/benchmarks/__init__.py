@@ -11,3 +11,41 @@ def result_row(benchmark: str, baseline: str, baseline_value: float, rlpipe_valu
         "unit": unit,
         "ratio": rlpipe_value / baseline_value,
     }
+
+
+def run_with_evals(config: str, overrides: list[str], run_id: str, iterations: int, algo: str):
+    """(layout, start, ends): a fresh run of `config` iterated as `rlpipe run` iterates it (flows.rl.iterations: the
+    generation one step ahead when the config says so, the evals it asks for, the final one on every held-out prompt),
+    without the start eval (the same for every run of one model), time.time() before the first iteration and at the end
+    of each. The bench's overrides should set rl.eval_every past `iterations`, so that only the final eval is timed."""
+    import shutil
+    import time
+    from pathlib import Path
+
+    from prefect import flow
+
+    from flows.deployments import prepare_checked_run
+    from flows.local_prefect import local_flow_settings
+    from flows.rl import iterations as iterate
+    from schemas.config import load_config
+    from storage import RunLayout
+    from tasks.engines.resident import close_all
+    from tasks.stages.common import plan_task
+    from tasks.stages.dataset import dataset_task
+
+    @flow(name="bench-rl", flow_run_name="{run_id}")
+    def loop(run_id: str, root: str) -> None:  # a flow, as rl_run: the generation ahead is a task submitted in it
+        dataset_task(root, run_id)
+        ends.append(time.time())
+        for _ in iterate(run_id, root, plan_task(root, run_id)):
+            ends.append(time.time())
+
+    shutil.rmtree(Path(load_config(config, overrides, algo).storage_root) / run_id, ignore_errors=True)
+    ends = []
+    try:
+        root = prepare_checked_run(config, [*overrides, f"rl.iterations={iterations}"], run_id, algo)
+        with local_flow_settings():
+            loop(run_id, root)
+    finally:
+        close_all()
+    return RunLayout(Path(root), run_id), ends[0], ends[1:]

@@ -21,6 +21,7 @@ from storage.stage_io import write_bytes_atomic
 from tests.benchmarks import (
     bench_advantages,
     bench_async,
+    bench_frontier,
     bench_iteration,
     bench_long,
     bench_lora,
@@ -44,6 +45,7 @@ SUITES = {
     "lora": bench_lora.run,
     "sync": bench_sync.run,
     "async": bench_async.run,
+    "frontier": bench_frontier.run,
     "multiturn": bench_multiturn.run,
 }
 

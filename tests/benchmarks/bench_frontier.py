@@ -1,0 +1,137 @@
+"""The objective frontier side by side on the real model (`make bench ARGS=frontier`): the demo config (SmolLM2-135M-
+Instruct, 16 prompts × 8 samples an iteration, 10 iterations, seed 0) under every preset of docs/algorithms.md's 2026
+rows, against GRPO and DAPO at the same settings, then the final eval on the 256 held-out prompts.
+
+Each row is a run of its own under runs/bench/frontier/<row>; a row whose run is complete (its final eval and
+result.json written) is read back, not rerun, so the table is built over several sessions of `make bench` (about 11
+minutes a row on 2 cores; RLPIPE_FRONTIER_ROWS=grpo,cispo picks rows). Every row starts from the same model, whose
+greedy accuracy is 0.375 and pass@4 0.449 (the demo's start eval, not repeated here).
+
+On-policy distillation (`distill`) takes the GRPO row's final model as its teacher (exported to
+runs/bench/frontier/teacher), and distils it into the untouched SmolLM2 with the same number of samples as GRPO.
+
+Printed: the table (Markdown, also written to runs/bench/frontier/table.md for docs/frontier.md); rows of
+results.parquet: each row's held-out greedy accuracy against GRPO's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import polars as pl
+
+from tests.benchmarks import result_row, run_with_evals
+
+CONFIG = "infra/configs/demo.yaml"
+ROOT = Path("runs/bench/frontier")
+ITERATIONS = 10
+TEACHER = ROOT / "teacher"
+# row: (--algo, overrides). The baselines first: distill needs GRPO's model.
+ROWS: dict[str, tuple[str, list[str]]] = {
+    "grpo": ("grpo", []),
+    "dapo": ("dapo", []),
+    "cispo": ("cispo", []),
+    "sapo": ("sapo", []),
+    "gmpo": ("gmpo", []),
+    "clip_cov": ("clip_cov", []),
+    "kl_cov": ("kl_cov", []),
+    "gdpo": ("gdpo", []),
+    "passk": ("passk", []),
+    # TRL's top_entropy_quantile at the paper's 20%
+    "top_entropy": ("grpo", ["loss.top_entropy_quantile=0.2"]),
+    # the demo's entropy falls from about 2.1 nats as its responses shorten: hold it at about half of that
+    "entropy_adaptive": ("grpo", ["loss.entropy_target=1.0", "loss.entropy_coef=0.0", "loss.entropy_coef_max=0.05"]),
+    "token_is": ("grpo,token_is", []),
+    "seq_is": ("grpo,seq_is", []),
+    "seq_is_rs": ("grpo,seq_is_rs", []),
+    "geo_rs": ("grpo,geo_rs", []),
+    "geo_rs_seq_tis": ("grpo,geo_rs_seq_tis", []),
+    "distill": ("distill", [f"advantage.teacher_path={TEACHER}"]),
+}
+SHARES = {  # train_metrics columns, the mean over iterations
+    "clip": ["clip_frac_low", "clip_frac_high"],
+    "masked": ["entropy_masked_fraction", "rollout_rejected_fraction", "rollout_vetoed_fraction"],
+    "is_capped": ["rollout_is_capped_fraction"],
+}
+
+
+def measure(row: str) -> dict:
+    """The row's result: read back from a complete run, else run it (fresh) and write result.json last."""
+    done = ROOT / row / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    algo, extra = ROWS[row]
+    if row == "distill" and not (TEACHER / "config.json").exists():
+        from tasks.stages.weights import export_run
+
+        measure("grpo")
+        export_run("grpo", str(ROOT), str(TEACHER))
+    overrides = [f"storage_root={ROOT}", "seed=0", "rl.eval_every=1000", *extra]
+    layout, start, ends = run_with_evals(CONFIG, overrides, row, ITERATIONS, algo)
+    m = pl.concat(
+        [pl.read_parquet(layout.stage_dir("train_metrics", k) / "*.parquet") for k in range(1, ITERATIONS + 1)],
+        how="diagonal",
+    )
+    ev = pl.read_parquet(layout.stage_dir("eval", ITERATIONS) / "*.parquet")
+
+    def share(columns):
+        present = [c for c in columns if c in m.columns]
+        return float(m.select(sum(pl.col(c) for c in present)).mean().item()) if present else None
+
+    walls = [b - a for a, b in zip(ends, ends[1:])]
+    result = {
+        "row": row,
+        "algo": " ".join([f"--algo {algo}", *extra]),
+        "accuracy": float(ev["greedy_correct"].mean()),
+        "pass_at_k": float(ev["pass_at_k"].mean()),
+        "k": int(ev["n_samples"].max()),
+        "entropy_first": float(m["entropy"][0]),
+        "entropy_last": float(m["entropy"][-1]),
+        **{name: share(columns) for name, columns in SHARES.items()},
+        "response_tokens": float(m["response_length_mean"][-1]),
+        "seconds_iteration": sum(walls) / len(walls),  # iterations 2..N: the first also starts the engines
+        "seconds_total": ends[-1] - start,  # the 10 iterations and the final eval
+    }
+    done.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def table(results: list[dict]) -> str:
+    def pct(x):
+        return "–" if x is None else f"{100 * x:.2f}%"
+
+    lines = [
+        "| row | how | greedy accuracy | pass@k | entropy, iteration 1 → 10 | clipped | masked | IS-capped "
+        "| response tokens | s an iteration | wall, with the final eval |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['row']} | `{r['algo']}` | {r['accuracy']:.3f} | {r['pass_at_k']:.3f} (k={r['k']}) "
+            f"| {r['entropy_first']:.2f} → {r['entropy_last']:.2f} | {pct(r['clip'])} | {pct(r['masked'])} "
+            f"| {pct(r['is_capped'])} | {r['response_tokens']:.1f} | {r['seconds_iteration']:.0f} "
+            f"| {r['seconds_total']:.0f} s |"
+        )
+    return "\n".join(lines)
+
+
+def run() -> list[dict]:
+    chosen = os.environ.get("RLPIPE_FRONTIER_ROWS")
+    rows = [r for r in ROWS if not chosen or r in chosen.split(",")]
+    unknown = set(chosen.split(",")) - set(ROWS) if chosen else set()
+    if unknown:
+        raise SystemExit(f"RLPIPE_FRONTIER_ROWS: unknown rows {sorted(unknown)}; rows: {', '.join(ROWS)}")
+    ROOT.mkdir(parents=True, exist_ok=True)
+    results = [measure(r) for r in rows]
+    done = [json.loads((ROOT / r / "result.json").read_text()) for r in ROWS if (ROOT / r / "result.json").exists()]
+    text = table(done)
+    (ROOT / "table.md").write_text(text + "\n")
+    print(text)
+    grpo = next((r for r in done if r["row"] == "grpo"), None)
+    return [
+        result_row(f"frontier_accuracy_{r['row']}", "grpo", grpo["accuracy"], r["accuracy"], "held-out greedy accuracy")
+        for r in results
+        if grpo and r["row"] != "grpo"
+    ]
