@@ -82,7 +82,7 @@ class ResidentProcess:
         # One start at a time: with one-step off-policy training two stages (iteration k's rollouts and k + 1's,
         # generated ahead in a thread) can ask a held engine for its first request at once; both releasing it started
         # every actor twice (the second start closed the log the first was writing).
-        self.starting_lock = threading.RLock()
+        self.starting_lock = threading.Lock()
 
     @property
     def running(self) -> bool:
@@ -208,7 +208,7 @@ class ResidentProcess:
         """Send one typed request (schemas.requests) to every rank, starting the engine first if needed, with
         `settings` (a typed start-up request, or None); rank 0's answer."""
         with self.starting_lock:
-            self.spawn(settings)
+            self._spawn(settings, held=False)
             if self.starting is not None:
                 errors = self._wait(self.starting, "failed to start", deadline=self.spawned + START_DEADLINE_S)
                 self.starting = None

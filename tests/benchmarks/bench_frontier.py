@@ -68,7 +68,7 @@ def measure(row: str) -> dict:
 
         measure("grpo")
         export_run("grpo", str(ROOT), str(TEACHER))
-    overrides = [f"storage_root={ROOT}", "seed=0", "rl.eval_every=1000", *extra]
+    overrides = [f"storage_root={ROOT}", "rl.eval_every=1000", *extra]  # the config's seed, 0
     layout, start, ends = run_with_evals(CONFIG, overrides, row, ITERATIONS, algo)
     m = pl.concat(
         [pl.read_parquet(layout.stage_dir("train_metrics", k) / "*.parquet") for k in range(1, ITERATIONS + 1)],
