@@ -418,7 +418,115 @@ class SandboxConfig(Section):
     )
 
 
+JUDGE_POINTWISE_TEMPLATE = (
+    "You are grading a response to a task.\n\nTask:\n{prompt}\n\nResponse:\n{response}\n\n"
+    "Rate the response from 0 (wrong or useless) to 10 (fully correct and clear). "
+    "Reply with the integer alone."
+)
+JUDGE_GROUP_TEMPLATE = (
+    "You are comparing {n} responses to the same task.\n\nTask:\n{prompt}\n\n{responses}\n\n"
+    "Score every response from 0 (wrong or useless) to 10 (fully correct and clear), relative to the others. "
+    'Reply with one line per response, "Response i: score", and nothing else.'
+)
+# The fields a judge's template may name besides the dataset's own columns (tasks/rewards/judge.py fills them).
+JUDGE_FIELDS = {"pointwise": {"prompt", "response", "ground_truth"}, "group": {"prompt", "responses", "n"}}
+
+
+class JudgeConfig(Section):
+    """An LLM judge (RLAIF): a model folder served by rlpipe's own vLLM engine, or an OpenAI-compatible endpoint, that
+    scores each response (pointwise) or a whole group in one call (group, as ART's RULER); its score, normalised by
+    `scale` to [0, 1], is score_<name>, and its prompt and text are judge_prompt_<name> and judge_text_<name>."""
+
+    weight: float = Field(1.0, description="Its weight in the total reward.")
+    model_path: str | None = Field(
+        None,
+        description="A local model folder, served by an engine of its own (not the policy's; its weights never "
+        "change). Give this or base_url.",
+    )
+    base_url: str | None = Field(
+        None, description="An OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (`vllm serve`)."
+    )
+    model: str | None = Field(None, description="base_url: the model name the endpoint serves.")
+    api_key_env: str | None = Field(
+        None, description="base_url: the environment variable holding its API key (none: no key is sent)."
+    )
+    chat: bool = Field(
+        True,
+        description="Send the rendered template as a user message through the judge's chat template (the chat "
+        "completions API); false: as plain text (the completions API), for a base model.",
+    )
+    system: str | None = Field(None, description="chat: a system message before the template's.")
+    mode: Literal["pointwise", "group"] = Field(
+        "pointwise",
+        description="pointwise: a call per response; group: a call per prompt, ranking its group's responses "
+        "together (with rollout.group_size 2, a pairwise comparison).",
+    )
+    template: str | None = Field(
+        None,
+        description="A format string (double {{ and }} for literal braces). pointwise: {prompt}, {response}, "
+        "{ground_truth} and any dataset column; group: {prompt}, {responses} (numbered 'Response i:' blocks), {n} "
+        "and any dataset column. Default: a 0-10 rubric (docs/train-your-own-model.md, 'LLM judges').",
+    )
+    score: Literal["text", "logprobs"] = Field(
+        "text",
+        description="text: the first match of score_pattern in the judge's reply; logprobs (pointwise): the "
+        "expected value over the integer tokens of `scale` in the first reply token's top_logprobs.",
+    )
+    score_pattern: str | None = Field(
+        None,
+        description="A regular expression. pointwise: group 1 is the score (default: the first number); group: "
+        "group 1 is the response's number and group 2 its score (default: 'Response i: score').",
+    )
+    scale: tuple[float, float] = Field(
+        (0.0, 10.0), description="The judge's [lowest, highest] score, mapped to [0, 1]; outside it is an error."
+    )
+    top_logprobs: int = Field(20, ge=1, le=100, description="score=logprobs: how many first-token candidates.")
+    max_tokens: int = Field(64, ge=1, description="The judge's reply limit (tokens).")
+    temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature (0: greedy).")
+    timeout_s: float = Field(
+        120.0, gt=0, description="base_url: seconds per call; past it that call's samples get an error."
+    )
+    concurrency: int = Field(8, ge=1, description="base_url: calls in flight at once (the server batches them).")
+    kv_cache_gib: float = Field(1.0, gt=0, description="model_path: the engine's KV cache on CPU, GiB.")
+    gpu_memory_utilization: float = Field(
+        0.2, gt=0, lt=1, description="model_path, on a GPU: the engine's share of the GPU's memory."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="model_path: the engine's dtype.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JudgeConfig":
+        if bool(self.model_path) == bool(self.base_url):
+            raise ValueError("give model_path (a local judge) or base_url (an endpoint), one of them")
+        if self.base_url and not self.model:
+            raise ValueError("base_url needs model (the name the endpoint serves)")
+        if self.scale[0] >= self.scale[1]:
+            raise ValueError(f"scale {list(self.scale)} must be [lowest, highest]")
+        if self.score == "logprobs":
+            if self.mode != "pointwise":
+                raise ValueError("score=logprobs reads one score per reply: mode pointwise only")
+            if not all(float(v).is_integer() for v in self.scale) or self.scale[1] - self.scale[0] > 100:
+                raise ValueError("score=logprobs needs an integer scale of at most 101 values, e.g. [0, 10]")
+        if self.template is not None:
+            fields = {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
+            needs = "response" if self.mode == "pointwise" else "responses"
+            if needs not in fields:
+                raise ValueError(f"a {self.mode} judge's template must contain {{{needs}}}")
+            other = "responses" if self.mode == "pointwise" else "response"
+            if other in fields:
+                raise ValueError(f"a {self.mode} judge's template cannot contain {{{other}}}")
+        if self.score_pattern is not None:
+            try:
+                groups = re.compile(self.score_pattern).groups
+            except re.error as exc:
+                raise ValueError(f"score_pattern {self.score_pattern!r} is not a regular expression: {exc}") from None
+            if groups < (1 if self.mode == "pointwise" else 2):
+                raise ValueError(f"score_pattern {self.score_pattern!r} needs a group for the score (group mode: two)")
+        return self
+
+
 class RewardConfig(Section):
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"judges"})  # added after runs existed
+
     kind: Literal["rule", "model"] = Field(
         "rule",
         description="rule: the weighted reward functions; model: plus a trained reward model at model_path, scored "
@@ -447,6 +555,11 @@ class RewardConfig(Section):
     sandbox: SandboxConfig = Field(
         default_factory=SandboxConfig, description="Where model-written code runs (the code_tests reward)."
     )
+    judges: dict[str, JudgeConfig] = Field(
+        default_factory=dict,
+        description="name → an LLM judge (RLAIF): score_<name>, error_<name>, judge_prompt_<name> and "
+        "judge_text_<name> in scores, weighted into the reward like a function.",
+    )
 
     @field_validator("functions")
     @classmethod
@@ -463,8 +576,19 @@ class RewardConfig(Section):
                 )
         return functions
 
+    @field_validator("judges")
+    @classmethod
+    def _judge_names(cls, judges: dict) -> dict:
+        for name in judges:
+            if not REWARD_NAME.match(name) or name == "model":
+                raise ValueError(f"{name!r} is not a usable judge name (letters, digits and _, not 'model')")
+        return judges
+
     @model_validator(mode="after")
     def _model_needs_a_path(self) -> "RewardConfig":
+        shared = sorted(set(self.judges) & set(self.functions))
+        if shared:
+            raise ValueError(f"{shared[0]!r} names both a reward function and a judge: their score columns would clash")
         if self.kind == "model" and not self.model_path:
             raise ValueError("reward.kind=model needs reward.model_path (a model trained by `rlpipe rm-train`)")
         runs_code = any(n == "code_tests" and not (f.path or f.module) for n, f in self.functions.items())

@@ -40,6 +40,7 @@ class VLLMSettings:
     tensor_parallel_size: int = 1
     max_lora_rank: int | None = None  # LoRA enabled (the policy's adapters are loaded per request), or None
     prefix_caching: bool = True  # vLLM's automatic prefix caching: a multi-turn turn re-reads its whole trajectory
+    max_logprobs: int = 20  # the most candidates a request may ask for (vLLM's default; an LLM judge may ask more)
 
     @classmethod
     def from_config(
@@ -70,6 +71,9 @@ class GenerationJob:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     min_tokens: int = 0
+    # > 0: each row also gets `first_top`, the first generated token's top candidates (token text, logprob), as an LLM
+    # judge's score=logprobs reads them
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

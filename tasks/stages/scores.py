@@ -1,19 +1,27 @@
-"""Stage `scores`: rule rewards (and, with reward.kind=model, a trained reward model) for every rollout of
-one round.
+"""Stage `scores`: rule rewards (and, with reward.kind=model, a trained reward model; with reward.judges, LLM judges)
+for every rollout of one round.
 
 Reads `rollouts` and `prompts` (the prompt, ground truth and dataset columns the functions receive) of the round; writes
-`scores`: `score_<fn>` and `error_<fn>` per reward function, `score_model` for the reward model, the weighted `reward`
-and a combined `error`. The fingerprint includes a hash of the reward functions' source (and the reward model's
-identity), so fixing a reward function and rerunning re-scores."""
+`scores`: `score_<fn>` and `error_<fn>` per reward function, `score_model` for the reward model, `score_<judge>`,
+`error_<judge>`, `judge_prompt_<judge>` and `judge_text_<judge>` per judge, the weighted `reward` and a combined
+`error`. The fingerprint includes a hash of the reward functions' source (and the reward model's and local judges'
+identities), so fixing a reward function and rerunning re-scores."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import polars as pl
 
+from schemas.config import JudgeConfig
+from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from storage import StageOutput, read_stage
 from tasks.data.formatting import load_tokenizer
+from tasks.engines.ray_cluster import Placement
+from tasks.engines.vllm_client import resident_engine
+from tasks.rewards.judge import JudgeError, Reply, ask_endpoint, judge_columns
 from tasks.rewards.loader import source_hash, specs_from_config
-from tasks.rewards.scoring import RewardError, score_frame
+from tasks.rewards.scoring import RewardError, prompt_arguments, score_frame
 from tasks.rewards.steps import step_ends_column
 from tasks.stages.common import (
     Computed,
@@ -21,6 +29,7 @@ from tasks.stages.common import (
     load_run,
     run_stage,
     score_frame_worker,
+    scratch_file,
     stage_task,
 )
 from tasks.stages.spec import StageSpec
@@ -44,20 +53,115 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, ups
         )
         if any(f.per_step for f in ctx.cfg.reward.functions.values()):
             scores = scores.with_columns(step_ends(ctx, rollouts))
-        if ctx.cfg.reward.kind == "model":
-            scores = add_model_score(
-                scores,
-                reward_model_scores(ctx, rollouts, f"rm-score-{iteration:05d}-{round_}"),
-                ctx.cfg.reward.model_weight,
-            )
-        return Computed(scores)
+        return Computed(model_and_judges(ctx, scores, rollouts, prompts, f"{iteration:05d}-{round_}"))
 
-    inputs = dict(upstream)
-    if ctx.cfg.reward.kind == "model":
-        inputs["reward_model"] = model_fingerprint(ctx.cfg.reward.model_path)
     return run_stage(
-        ctx, iteration, part=round_, salt=source_hash(specs_from_config(ctx.cfg.reward)), inputs=inputs, compute=compute
+        ctx,
+        iteration,
+        part=round_,
+        salt=source_hash(specs_from_config(ctx.cfg.reward)),
+        inputs={**upstream, **reward_models(ctx.cfg.reward)},
+        compute=compute,
     )
+
+
+def reward_models(reward) -> dict[str, str]:
+    """The identities of the models the reward reads (the reward model's, each local judge's), for a fingerprint."""
+    models = {"reward_model": reward.model_path} if reward.kind == "model" else {}
+    models.update({f"judge_{n}": j.model_path for n, j in reward.judges.items() if j.model_path})
+    return {key: model_fingerprint(path) for key, path in models.items()}
+
+
+def model_and_judges(
+    ctx: RunContext, scores: pl.DataFrame, rollouts: pl.DataFrame, prompts: pl.DataFrame, name: str
+) -> pl.DataFrame:
+    """The rule scores with the reward model's column (reward.kind=model) and each judge's columns added, weighted
+    into `reward` (a judge's errors join `error`)."""
+    reward = ctx.cfg.reward
+    if reward.kind == "model":
+        scores = add_model_score(scores, reward_model_scores(ctx, rollouts, f"rm-score-{name}"), reward.model_weight)
+    if not reward.judges:
+        return scores
+    shared = prompt_arguments(prompts, ctx.cfg.data.answer_key)
+    samples = [
+        {**shared[pid], "prompt_id": pid, "sample_idx": k, "response": text}
+        for pid, k, text in rollouts.select("prompt_id", "sample_idx", "text").iter_rows()
+    ]
+    for judge_name, judge in reward.judges.items():
+        ask = partial(ask_local_judge, ctx, judge_name, judge, f"judge-{judge_name}-{name}")
+        cols = judge_columns(judge, judge_name, samples, ask if judge.model_path else partial(ask_endpoint, judge))
+        scores = scores.with_columns(
+            pl.Series(k, v, dtype=pl.Float64 if k.startswith("score_") else pl.Utf8) for k, v in cols.items()
+        )
+        errors = pl.concat_str(["error", f"error_{judge_name}"], separator="; ", ignore_nulls=True)
+        scores = scores.with_columns(
+            (pl.col("reward") + judge.weight * pl.col(f"score_{judge_name}")).alias("reward"),
+            pl.when(errors == "").then(None).otherwise(errors).alias("error"),
+        )
+    return scores
+
+
+def ask_local_judge(ctx: RunContext, name: str, judge: JudgeConfig, log_name: str, prompts: list[str]) -> list[Reply]:
+    """The judge's prompts answered by its own resident vLLM engine (one per judge and run, started at the first
+    call, its weights never synced), as one batch: the prompts through the judge's chat template (judge.chat), or as
+    plain text with the tokenizer's special tokens."""
+    if not prompts:
+        return []
+    tokenizer = load_tokenizer(judge.model_path)
+    if judge.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise JudgeError(f"reward.judges.{name}: {judge.model_path} has no chat template (set chat: false)")
+        system = [{"role": "system", "content": judge.system}] if judge.system else []
+        ids = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(
+                    [*system, {"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                ),
+                add_special_tokens=False,
+            )
+            for p in prompts
+        ]
+    else:
+        ids = [tokenizer.encode(p) for p in prompts]
+    frame = pl.DataFrame(
+        {"prompt_id": [f"j{i}" for i in range(len(ids))], "prompt_token_ids": ids},
+        schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
+    )
+    inp, out = scratch_file(ctx, f"{log_name}.prompts.parquet"), scratch_file(ctx, f"{log_name}.out.parquet")
+    frame.write_parquet(inp)
+    e = ctx.cfg.engines
+    engine = resident_engine(
+        f"{ctx.layout.run_id}-judge-{name}",
+        ctx.layout.log_path(f"judge-{name}"),
+        Placement.from_config(e, e.rollout_bundle),
+    )
+    settings = VLLMSettings(
+        model_path=judge.model_path,
+        dtype=judge.dtype,
+        seed=ctx.cfg.seed,
+        kv_cache_gib=judge.kv_cache_gib,
+        gpu_memory_utilization=judge.gpu_memory_utilization,
+        max_logprobs=max(20, judge.top_logprobs),
+    )
+    job = GenerationJob(
+        prompts_path=str(inp),
+        out_path=str(out),
+        n=1,
+        temperature=judge.temperature,
+        top_p=1.0,
+        max_tokens=judge.max_tokens,
+        seed=ctx.cfg.seed,
+        stop=(),
+        stop_token_ids=(),
+        # vLLM's engine dies asking for more candidates than the vocabulary holds
+        top_logprobs=min(judge.top_logprobs, len(tokenizer)) if judge.score == "logprobs" else 0,
+    )
+    engine.generate(GenerateRequest(model_path=judge.model_path, jobs=(job,)), settings)
+    answers = pl.read_parquet(out).sort(pl.col("prompt_id").str.slice(1).cast(pl.Int64))
+    inp.unlink()
+    out.unlink()
+    tops = answers["first_top"].to_list() if "first_top" in answers.columns else [[]] * answers.height
+    return [Reply(text, tuple((c["token"], c["logprob"]) for c in top)) for text, top in zip(answers["text"], tops)]
 
 
 def step_ends(ctx: RunContext, rollouts: pl.DataFrame) -> pl.Series:

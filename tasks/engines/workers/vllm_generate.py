@@ -21,15 +21,20 @@ import time
 from schemas.requests import GenerationJob, ReceiveWeightsRequest, VLLMSettings, from_wire, to_wire
 
 
-def _rows(outputs, prompt_ids):
+def _rows(outputs, prompt_ids, top: bool = False):
     rows = []
     for pid, out in zip(prompt_ids, outputs):
         for k, o in enumerate(out.outputs):
             token_ids = list(o.token_ids)
-            # logprobs=0 returns the sampled token's own logprob at each step.
+            # logprobs=0 returns the sampled token's own logprob at each step (logprobs=k: and the top k).
             lps = [float(step[tid].logprob) for tid, step in zip(token_ids, o.logprobs or [])]
+            extra = {}
+            if top:
+                first = o.logprobs[0].values() if o.logprobs else ()
+                extra["first_top"] = [{"token": c.decoded_token or "", "logprob": float(c.logprob)} for c in first]
             rows.append(
                 {
+                    **extra,
                     "prompt_id": pid,
                     "sample_idx": k,
                     "token_ids": token_ids,
@@ -81,6 +86,7 @@ def _start_engine(settings: VLLMSettings):
         tensor_parallel_size=settings.tensor_parallel_size,
         enforce_eager=True,
         enable_prefix_caching=settings.prefix_caching,
+        max_logprobs=settings.max_logprobs,
         # Weights over a process group from the trainer (engines.weight_sync collective)
         worker_extension_cls="tasks.engines.workers.vllm_receiver.WeightReceiver",
         **extra,
@@ -123,7 +129,7 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
                 top_p=job.top_p,
                 max_tokens=job.max_tokens,
                 min_tokens=job.min_tokens,
-                logprobs=0,
+                logprobs=job.top_logprobs,
                 seed=job.seed + i,
                 stop=list(job.stop) or None,
                 stop_token_ids=list(job.stop_token_ids) or None,
@@ -134,7 +140,8 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
         t1 = time.time()
         outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
         gen_seconds = time.time() - t1
-        df = pl.DataFrame(_rows(outputs, prompts["prompt_id"].to_list()), schema=schema)
+        top = {"first_top": pl.List(pl.Struct({"token": pl.Utf8, "logprob": pl.Float64}))} if job.top_logprobs else {}
+        df = pl.DataFrame(_rows(outputs, prompts["prompt_id"].to_list(), bool(top)), schema={**top, **schema})
         df.write_parquet(job.out_path)
         timings.append({"generate_seconds": gen_seconds, "tokens": int(df["length"].sum())})
     return timings
