@@ -428,6 +428,7 @@ JUDGE_GROUP_TEMPLATE = (
     "Score every response from 0 (wrong or useless) to 10 (fully correct and clear), relative to the others. "
     'Reply with one line per response, "Response i: score", and nothing else.'
 )
+MAX_JUDGE_LOGPROBS = 100  # a local judge's engine starts allowing this many candidates, whatever its judges ask
 # The fields a judge's template may name besides the dataset's own columns (tasks/rewards/judge.py fills them).
 JUDGE_FIELDS = {"pointwise": {"prompt", "response", "ground_truth"}, "group": {"prompt", "responses", "n"}}
 
@@ -480,7 +481,9 @@ class JudgeConfig(Section):
     scale: tuple[float, float] = Field(
         (0.0, 10.0), description="The judge's [lowest, highest] score, mapped to [0, 1]; outside it is an error."
     )
-    top_logprobs: int = Field(20, ge=1, le=100, description="score=logprobs: how many first-token candidates.")
+    top_logprobs: int = Field(
+        20, ge=1, le=MAX_JUDGE_LOGPROBS, description="score=logprobs: how many first-token candidates."
+    )
     max_tokens: int = Field(64, ge=1, description="The judge's reply limit (tokens).")
     temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature (0: greedy).")
     timeout_s: float = Field(

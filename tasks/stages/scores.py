@@ -9,11 +9,12 @@ identities), so fixing a reward function and rerunning re-scores."""
 
 from __future__ import annotations
 
+import hashlib
 from functools import partial
 
 import polars as pl
 
-from schemas.config import JudgeConfig
+from schemas.config import MAX_JUDGE_LOGPROBS, JudgeConfig
 from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from storage import StageOutput, read_stage
 from tasks.data.formatting import load_tokenizer
@@ -83,6 +84,9 @@ def model_and_judges(
     if not reward.judges:
         return scores
     shared = prompt_arguments(prompts, ctx.cfg.data.answer_key)
+    for fields in shared.values():  # a judge reads the question, not the policy's chat markup around it
+        users = [m["content"] for m in fields["messages"] if m["role"] == "user"]
+        fields["prompt"] = users[-1] if fields["chat"] and users else fields["prompt"]
     samples = [
         {**shared[pid], "prompt_id": pid, "sample_idx": k, "response": text}
         for pid, k, text in rollouts.select("prompt_id", "sample_idx", "text").iter_rows()
@@ -129,19 +133,20 @@ def ask_local_judge(ctx: RunContext, name: str, judge: JudgeConfig, log_name: st
     )
     inp, out = scratch_file(ctx, f"{log_name}.prompts.parquet"), scratch_file(ctx, f"{log_name}.out.parquet")
     frame.write_parquet(inp)
-    e = ctx.cfg.engines
-    engine = resident_engine(
-        f"{ctx.layout.run_id}-judge-{name}",
-        ctx.layout.log_path(f"judge-{name}"),
-        Placement.from_config(e, e.rollout_bundle),
-    )
     settings = VLLMSettings(
         model_path=judge.model_path,
         dtype=judge.dtype,
         seed=ctx.cfg.seed,
         kv_cache_gib=judge.kv_cache_gib,
         gpu_memory_utilization=judge.gpu_memory_utilization,
-        max_logprobs=max(20, judge.top_logprobs),
+        max_logprobs=MAX_JUDGE_LOGPROBS,
+    )
+    # Judges that run the same model with the same settings share one engine (named, and logged, by the first).
+    e = ctx.cfg.engines
+    engine = resident_engine(
+        f"{ctx.layout.run_id}-judge-{hashlib.sha256(repr(settings).encode()).hexdigest()[:12]}",
+        ctx.layout.log_path(f"judge-{name}"),
+        Placement.from_config(e, e.rollout_bundle),
     )
     job = GenerationJob(
         prompts_path=str(inp),
