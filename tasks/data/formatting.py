@@ -37,6 +37,14 @@ def load_tokenizer(path: str | Path):
         ) from None
 
 
+def model_context(path: str | Path) -> int | None:
+    """The context window of a model folder (its config's max_position_embeddings, GPT-2's n_positions), or None."""
+    import json
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return config.get("max_position_embeddings") or config.get("n_positions")
+
+
 def pad_id(tokenizer) -> int:
     """The id that fills padding: the pad token, else EOS (stock GPT-2 and many Llama tokenizers have no pad token;
     padded positions are masked out, so any id works), else 0."""

@@ -7,14 +7,12 @@ that use them."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Literal
 
 from schemas.errors import UserError
 from storage import read_stage
 from tasks.data.example_tasks import ensure_task_files
-from tasks.data.formatting import load_tokenizer
+from tasks.data.formatting import load_tokenizer, model_context
 from tasks.rewards.judge import JudgeError, check_endpoint, check_template
 from tasks.rewards.loader import preflight as reward_preflight
 from tasks.stages.common import load_run
@@ -29,8 +27,7 @@ class ContextLengthError(UserError, ValueError):
 
 def check_context(model_path: str, longest_prompt: int, max_tokens: int, what: str = "rollout.max_tokens") -> None:
     """Refuse a generation limit that cannot fit the model's context after the longest prompt."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    context = config.get("max_position_embeddings") or config.get("n_positions")
+    context = model_context(model_path)
     if context and longest_prompt + max_tokens > context:
         raise ContextLengthError(
             f"{what}={max_tokens} plus the longest prompt ({longest_prompt} tokens) exceeds "

@@ -17,7 +17,7 @@ import polars as pl
 from schemas.config import MAX_JUDGE_LOGPROBS, JudgeConfig
 from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from storage import StageOutput, read_stage
-from tasks.data.formatting import load_tokenizer
+from tasks.data.formatting import load_tokenizer, model_context
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.vllm_client import resident_engine
 from tasks.rewards.judge import JudgeError, Reply, ask_endpoint, judge_columns
@@ -106,11 +106,10 @@ def model_and_judges(
 
 
 def ask_local_judge(ctx: RunContext, name: str, judge: JudgeConfig, log_name: str, prompts: list[str]) -> list[Reply]:
-    """The judge's prompts answered by its own resident vLLM engine (one per judge and run, started at the first
-    call, its weights never synced), as one batch: the prompts through the judge's chat template (judge.chat), or as
-    plain text with the tokenizer's special tokens."""
-    if not prompts:
-        return []
+    """The judge's prompts answered by a resident vLLM engine of the judge's model (started at the first call, its
+    weights never synced), as one batch: the prompts through the judge's chat template (judge.chat), or as plain text
+    with the tokenizer's special tokens. A prompt too long for the judge's context with its reply is that sample's
+    error, unasked."""
     tokenizer = load_tokenizer(judge.model_path)
     if judge.chat:
         if not getattr(tokenizer, "chat_template", None):
@@ -127,8 +126,18 @@ def ask_local_judge(ctx: RunContext, name: str, judge: JudgeConfig, log_name: st
         ]
     else:
         ids = [tokenizer.encode(p) for p in prompts]
+    context = model_context(judge.model_path)
+    fits = [i for i, x in enumerate(ids) if not context or len(x) + judge.max_tokens <= context]
+    replies = [
+        Reply(
+            error=f"the judge prompt's {len(x)} tokens and max_tokens {judge.max_tokens} exceed its context {context}"
+        )
+        for x in ids
+    ]
+    if not fits:
+        return replies
     frame = pl.DataFrame(
-        {"prompt_id": [f"j{i}" for i in range(len(ids))], "prompt_token_ids": ids},
+        {"prompt_id": [f"j{i}" for i in fits], "prompt_token_ids": [ids[i] for i in fits]},
         schema={"prompt_id": pl.Utf8, "prompt_token_ids": pl.List(pl.Int32)},
     )
     inp, out = scratch_file(ctx, f"{log_name}.prompts.parquet"), scratch_file(ctx, f"{log_name}.out.parquet")
@@ -162,11 +171,13 @@ def ask_local_judge(ctx: RunContext, name: str, judge: JudgeConfig, log_name: st
         top_logprobs=min(judge.top_logprobs, len(tokenizer)) if judge.score == "logprobs" else 0,
     )
     engine.generate(GenerateRequest(model_path=judge.model_path, jobs=(job,)), settings)
-    answers = pl.read_parquet(out).sort(pl.col("prompt_id").str.slice(1).cast(pl.Int64))
+    answers = pl.read_parquet(out)
     inp.unlink()
     out.unlink()
     tops = answers["first_top"].to_list() if "first_top" in answers.columns else [[]] * answers.height
-    return [Reply(text, tuple((c["token"], c["logprob"]) for c in top)) for text, top in zip(answers["text"], tops)]
+    for pid, text, top in zip(answers["prompt_id"], answers["text"], tops):
+        replies[int(pid[1:])] = Reply(text, tuple((c["token"], c["logprob"]) for c in top))
+    return replies
 
 
 def step_ends(ctx: RunContext, rollouts: pl.DataFrame) -> pl.Series:
