@@ -357,7 +357,7 @@ def check_judges_from_saved_rollouts(workspace, layout: RunLayout):
     text judge's score is its reply's first number, and a reply without one is that sample's error, never the run's;
     the judge's prompt and text are stored, and each judge is weighted into the reward."""
     model, root = workspace / "models/sft", str(workspace / "runs")
-    common = {"chat": False, "template": "{prompt}{response}", "dtype": "float32"}
+    common = {"chat": False, "template": "{prompt}{response}", "dtype": "float32", "max_tokens": 8}  # context: 64
     logprobs = {"score": "logprobs", "scale": [0, 9], "top_logprobs": 16}
     with vllm_serve(model, "tiny", workspace / "serve.log", max_logprobs=16) as url:
         remote = {"base_url": url, "model": "tiny", **common}

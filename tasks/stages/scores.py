@@ -34,7 +34,7 @@ from tasks.stages.common import (
     stage_task,
 )
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import model_fingerprint
+from tasks.stages.weights import model_fingerprint, tokenizer_fingerprint
 
 
 @stage_task("scores")
@@ -67,10 +67,13 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, ups
 
 
 def reward_models(reward) -> dict[str, str]:
-    """The identities of the models the reward reads (the reward model's, each local judge's), for a fingerprint."""
-    models = {"reward_model": reward.model_path} if reward.kind == "model" else {}
-    models.update({f"judge_{n}": j.model_path for n, j in reward.judges.items() if j.model_path})
-    return {key: model_fingerprint(path) for key, path in models.items()}
+    """The identities of the models the reward reads (the reward model's; each local judge's, with its tokenizer, whose
+    chat template writes the judge's prompts), for a fingerprint."""
+    out = {"reward_model": model_fingerprint(reward.model_path)} if reward.kind == "model" else {}
+    for name, judge in reward.judges.items():
+        if judge.model_path:
+            out[f"judge_{name}"] = model_fingerprint(judge.model_path) + tokenizer_fingerprint(judge.model_path)
+    return out
 
 
 def model_and_judges(
