@@ -331,6 +331,21 @@ def compare_advantages_cmd(
     _guard(compare_advantages, run_id, iteration, names, aggregation, root)
 
 
+@app.command("judge-agreement")
+def judge_agreement_cmd(
+    run_id: str,
+    label: Optional[str] = typer.Option(
+        None, "--label", help="The reward function whose score labels a response right (default: eval.judge)."
+    ),
+    iteration: Optional[int] = typer.Option(None, "--iteration", help="One iteration (default: every one scored)."),
+    root: str = typer.Option("runs", "--root"),
+) -> None:
+    """Each LLM judge of a run against a rule reward on its scored samples: AUC, agreement, mean scores, errors."""
+    from tasks.analysis.judge_agreement import judge_agreement
+
+    _guard(judge_agreement, run_id, label, iteration, root)
+
+
 @app.command()
 def rerun(
     run_id: str,

@@ -389,6 +389,8 @@ def check_judges_from_saved_rollouts(workspace, layout: RunLayout):
     )
     assert expected.to_series().abs().max() < 1e-9
     assert scores.filter(pl.col("error_remote_text").is_not_null())["error"].str.contains("no score").all()
+    out = rlpipe("judge-agreement", "judged", "--iteration", "1", "--root", root, cwd=workspace).stdout
+    assert all(name in out for name in judges) and "against accuracy" in out
 
 
 def check_resident_updates_equal_one_shot(workspace, layout: RunLayout):

@@ -3,10 +3,13 @@ a judge writes (a stand-in `ask` in place of the model; the real engine and `vll
 check_judges_from_saved_rollouts)."""
 
 import math
+import random
 
+import polars as pl
 import pytest
 
 from schemas.config import ConfigError, JudgeConfig, load_config
+from tasks.analysis.judge_agreement import agreement_table, auc
 from tasks.rewards.judge import (
     JudgeError,
     Reply,
@@ -140,3 +143,35 @@ def test_a_judge_is_a_weighted_reward_component_and_cannot_share_a_functions_nam
     assert ("score_helpful", 0.5) in reward_components(cfg.reward)
     with pytest.raises(ConfigError, match="names both a reward function and a judge"):
         load_config(path, [f"reward.judges={{accuracy: {{base_url: '{URL['base_url']}', model: j}}}}"])
+
+
+def test_auc_matches_the_pairwise_definition_with_ties_counting_half():
+    rng = random.Random(0)
+    for _ in range(20):
+        n = rng.randint(2, 30)
+        scores = [rng.choice([0.0, 0.25, 0.5, 0.75, 1.0]) for _ in range(n)]  # many ties
+        labels = [rng.random() < 0.4 for _ in range(n)]
+        pos = [s for s, y in zip(scores, labels) if y]
+        neg = [s for s, y in zip(scores, labels) if not y]
+        got = auc(pl.Series(scores), pl.Series(labels))
+        if not pos or not neg:
+            assert got is None
+            continue
+        pairs = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
+        assert got == pytest.approx(pairs / (len(pos) * len(neg)))
+
+
+def test_agreement_table_by_hand_and_only_over_the_samples_a_judge_scored():
+    scores = pl.DataFrame(
+        {
+            "score_correct": [1.0, 1.0, 0.0, 0.0, 0.0, 1.0],
+            "score_j": [0.9, 0.4, 0.6, 0.1, 0.0, None],  # the last row was scored before the judge was added
+            "error_j": [None, None, None, None, "no score in the judge's reply ''", None],
+        }
+    )
+    row = agreement_table(scores, ["j"], "correct", 1.0).row(0, named=True)
+    # right: 0.9, 0.4; wrong: 0.6, 0.1, 0.0 → pairs won: 0.9 beats all 3, 0.4 beats 0.1 and 0.0 → 5 of 6
+    assert row["samples"] == 5 and row["right_share"] == pytest.approx(0.4) and row["auc"] == pytest.approx(5 / 6)
+    # ≥ 0.5 against the label: 0.9 ✓, 0.4 ✗, 0.6 ✗, 0.1 ✓, 0.0 ✓
+    assert row["agreement"] == pytest.approx(0.6) and row["errors"] == 1
+    assert row["mean_right"] == pytest.approx(0.65) and row["mean_wrong"] == pytest.approx(0.7 / 3)

@@ -1,0 +1,84 @@
+"""`rlpipe judge-agreement`: how well each LLM judge of a run agrees with a rule reward, on the run's scored samples.
+
+The label is a reward function's score (a response is right when it reaches the threshold, eval.judge_threshold by
+default); per judge: AUC (the probability that a right response is scored above a wrong one, ties counting half: 0.5
+is chance), agreement (the judge's score ≥ 0.5 against the label), its mean score on right and on wrong responses,
+and how many of its replies were errors. A new judge is measured on saved rollouts first, with `rlpipe rerun --stage
+scores --fork` adding it (docs/reward-sources.md), before any RL is run against it.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+from rich.console import Console
+from rich.table import Table
+
+from schemas.errors import NotFound
+from storage import read_manifest, read_stage
+
+
+def auc(scores: pl.Series, labels: pl.Series) -> float | None:
+    """P(score of a positive > score of a negative), ties ½ (Mann–Whitney U over n₊·n₋, from average ranks); None when
+    one class is empty."""
+    positives = int(labels.sum())
+    negatives = labels.len() - positives
+    if not positives or not negatives:
+        return None
+    ranks = scores.rank("average")
+    rank_sum = float(ranks.filter(labels).sum())
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+
+
+def agreement_table(scores: pl.DataFrame, judges: list[str], label: str, threshold: float) -> pl.DataFrame:
+    """One row per judge over the rows of `scores` it scored (score_<judge>, error_<judge> and `label`'s score
+    column; iterations scored before the judge was added have no score of it)."""
+    rows = []
+    for name in judges:
+        scored = scores.filter(pl.col(f"score_{name}").is_not_null())
+        value, right = scored[f"score_{name}"], scored[f"score_{label}"] >= threshold
+        rows.append(
+            {
+                "judge": name,
+                "samples": scored.height,
+                "right_share": right.mean(),
+                "auc": auc(value, right),
+                "agreement": ((value >= 0.5) == right).mean(),
+                "mean_right": value.filter(right).mean(),
+                "mean_wrong": value.filter(~right).mean(),
+                "errors": int(scored[f"error_{name}"].is_not_null().sum()),
+            }
+        )
+    floats = ("right_share", "auc", "agreement", "mean_right", "mean_wrong")
+    return pl.DataFrame(rows, schema_overrides=dict.fromkeys(floats, pl.Float64))
+
+
+def judge_agreement(run_id: str, label: str | None, iteration: int | None, root: str) -> pl.DataFrame:
+    from tasks.stages.common import load_run
+
+    ctx = load_run(root, run_id)
+    label = label or ctx.cfg.eval.judge
+    iterations = [iteration] if iteration else range(1, ctx.cfg.rl.iterations + 1)
+    done = [k for k in iterations if read_manifest(ctx.layout, "scores", k, verify=False) is not None]
+    if not done:
+        raise NotFound(f"run {run_id!r} has no scores" + (f" for iteration {iteration}" if iteration else ""))
+    scores = pl.concat([read_stage(ctx.layout, "scores", k) for k in done], how="diagonal_relaxed")
+    judges = [c.removeprefix("judge_text_") for c in scores.columns if c.startswith("judge_text_")]
+    if not judges:
+        raise NotFound(f"run {run_id!r} has no judge's scores (reward.judges)")
+    if f"score_{label}" not in scores.columns:
+        raise NotFound(f"run {run_id!r} has no score_{label} to label the samples with (--label)")
+    table = agreement_table(scores, judges, label, ctx.cfg.eval.judge_threshold)
+    out = Table(title=f"{run_id}: judges against {label} ≥ {ctx.cfg.eval.judge_threshold:g}, iterations {done}")
+    out.add_column("judge", no_wrap=True, min_width=max(map(len, judges)))  # whole names, even in 80 columns
+    for column in table.columns[1:]:
+        out.add_column(column.replace("_", " ").replace("agreement", "agree"), justify="right")
+    for row in table.iter_rows():
+        out.add_row(*(_cell(v) for v in row))
+    Console().print(out)
+    return table
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
