@@ -15,6 +15,7 @@ import importlib
 import json
 import re
 import string
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -470,8 +471,8 @@ class JudgeConfig(Section):
     )
     score: Literal["text", "logprobs"] = Field(
         "text",
-        description="text: the first match of score_pattern in the judge's reply; logprobs (pointwise): the "
-        "expected value over the integer tokens of `scale` in the first reply token's top_logprobs.",
+        description="text: the first match of score_pattern in the judge's reply; logprobs (pointwise, a scale of "
+        "single digits): the expected value over the scale's digit tokens in the first reply token's top_logprobs.",
     )
     score_pattern: str | None = Field(
         None,
@@ -500,15 +501,26 @@ class JudgeConfig(Section):
     def _consistent(self) -> "JudgeConfig":
         if bool(self.model_path) == bool(self.base_url):
             raise ValueError("give model_path (a local judge) or base_url (an endpoint), one of them")
-        if self.base_url and not self.model:
-            raise ValueError("base_url needs model (the name the endpoint serves)")
+        if self.base_url:
+            try:
+                url = urllib.parse.urlsplit(self.base_url)
+                ok = url.scheme in ("http", "https") and bool(url.hostname)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"base_url {self.base_url!r} is not an http(s)://host[:port]/path URL")
+            if not self.model:
+                raise ValueError("base_url needs model (the name the endpoint serves)")
+        if self.system and not self.chat:
+            raise ValueError("system is a chat message: it needs chat: true")
         if self.scale[0] >= self.scale[1]:
             raise ValueError(f"scale {list(self.scale)} must be [lowest, highest]")
         if self.score == "logprobs":
             if self.mode != "pointwise":
                 raise ValueError("score=logprobs reads one score per reply: mode pointwise only")
-            if not all(float(v).is_integer() for v in self.scale) or self.scale[1] - self.scale[0] > 100:
-                raise ValueError("score=logprobs needs an integer scale of at most 101 values, e.g. [0, 10]")
+            if not all(float(v).is_integer() and 0 <= v <= 9 for v in self.scale):
+                # most tokenizers write 10 as the tokens 1 and 0: only a single digit is one token
+                raise ValueError("score=logprobs reads one token: a scale of single digits, e.g. [1, 5] or [0, 9]")
         if self.template is not None:
             fields = {name for _, name, _, _ in string.Formatter().parse(self.template) if name}
             needs = "response" if self.mode == "pointwise" else "responses"
@@ -1264,7 +1276,9 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _judge_is_scored(self) -> "RunConfig":
-        judges = {*self.reward.functions, "reward"} | ({"model"} if self.reward.kind == "model" else set())
+        judges = {*self.reward.functions, *self.reward.judges, "reward"} | (
+            {"model"} if self.reward.kind == "model" else set()
+        )
         if self.eval.judge not in judges:
             raise ValueError(
                 f"eval.judge {self.eval.judge!r} is not scored by this run: choose one of {', '.join(sorted(judges))}"
@@ -1332,7 +1346,10 @@ def _hashed(section) -> bool:
 def _dump(section):
     if section is None:
         return None
-    at_default = {k for k in section.HASHED_WHEN_SET if getattr(section, k) == type(section).model_fields[k].default}
+    fields = type(section).model_fields  # a default_factory's default is made, not stored: get_default calls it
+    at_default = {
+        k for k in section.HASHED_WHEN_SET if getattr(section, k) == fields[k].get_default(call_default_factory=True)
+    }
     return section.model_dump(mode="json", exclude=set(section.PLACEMENT_KEYS) | at_default)
 
 

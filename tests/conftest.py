@@ -187,5 +187,6 @@ def vllm_serve(model: Path, name: str, log: Path, max_logprobs: int = 20):
         wait_healthy(f"http://127.0.0.1:{port}", proc, 300, f"vllm serve (log: {log})")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # already gone: the failure above says why
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

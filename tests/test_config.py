@@ -67,6 +67,20 @@ def test_a_key_added_later_enters_the_fingerprint_only_when_set():
         build_config({"rollout": {"min_tokens": 9, "max_tokens": 8}})
 
 
+def test_a_section_added_to_by_a_default_factory_keeps_its_fingerprint_at_the_default():
+    # reward.judges (a dict, default_factory) came after runs existed: with no judge, the reward hash is the one
+    # written without the key, so a run from before resumes without re-scoring.
+    import hashlib
+    import json
+
+    cfg = RunConfig()
+    legacy = {k: v for k, v in cfg.reward.model_dump(mode="json").items() if k != "judges"}
+    expected = hashlib.sha256(json.dumps({"reward": legacy, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()
+    assert cfg.section_hash("reward") == expected[:16]
+    judged = build_config({"reward": {"judges": {"j": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}}}})
+    assert judged.section_hash("reward") != expected[:16]
+
+
 def test_a_saved_config_is_parsed_once_per_content():
     from tasks.stages.common import saved_config
 

@@ -13,6 +13,8 @@ from tasks.analysis.judge_agreement import agreement_table, auc
 from tasks.rewards.judge import (
     JudgeError,
     Reply,
+    ask_endpoint,
+    check_endpoint,
     check_template,
     expected_score,
     judge_columns,
@@ -120,7 +122,11 @@ def test_group_columns_rank_a_prompts_responses_in_one_call_in_sample_order():
         ({"model_path": "m", **URL}, "give model_path"),
         ({"base_url": "http://127.0.0.1:1/v1"}, "needs model"),
         ({**URL, "mode": "group", "score": "logprobs"}, "mode pointwise only"),
-        ({**URL, "score": "logprobs", "scale": [0, 0.5]}, "integer scale"),
+        ({**URL, "score": "logprobs", "scale": [0, 0.5]}, "single digits"),
+        ({**URL, "score": "logprobs", "scale": [0, 10]}, "single digits"),
+        ({"base_url": "http://[::1", "model": "m"}, "is not an http(s)"),
+        ({"base_url": "127.0.0.1:8000/v1", "model": "m"}, "is not an http(s)"),
+        ({**URL, "chat": False, "system": "Be strict."}, "needs chat: true"),
         ({**URL, "template": "{prompt}"}, "must contain {response}"),
         ({**URL, "mode": "group", "template": "{prompt} {response}"}, "must contain {responses}"),
         ({**URL, "score_pattern": "score ("}, "not a regular expression"),
@@ -170,8 +176,31 @@ def test_agreement_table_by_hand_and_only_over_the_samples_a_judge_scored():
         }
     )
     row = agreement_table(scores, ["j"], "correct", 1.0).row(0, named=True)
-    # right: 0.9, 0.4; wrong: 0.6, 0.1, 0.0 → pairs won: 0.9 beats all 3, 0.4 beats 0.1 and 0.0 → 5 of 6
-    assert row["samples"] == 5 and row["right_share"] == pytest.approx(0.4) and row["auc"] == pytest.approx(5 / 6)
-    # ≥ 0.5 against the label: 0.9 ✓, 0.4 ✗, 0.6 ✗, 0.1 ✓, 0.0 ✓
-    assert row["agreement"] == pytest.approx(0.6) and row["errors"] == 1
-    assert row["mean_right"] == pytest.approx(0.65) and row["mean_wrong"] == pytest.approx(0.7 / 3)
+    assert row["samples"] == 5 and row["errors"] == 1  # the error's 0.0 is not the judge's opinion: left out below
+    # right: 0.9, 0.4; wrong: 0.6, 0.1 → pairs won: 0.9 beats both, 0.4 beats 0.1 → 3 of 4
+    assert row["right_share"] == pytest.approx(0.5) and row["auc"] == pytest.approx(3 / 4)
+    # ≥ 0.5 against the label: 0.9 ✓, 0.4 ✗, 0.6 ✗, 0.1 ✓
+    assert row["agreement"] == pytest.approx(0.5)
+    assert row["mean_right"] == pytest.approx(0.65) and row["mean_wrong"] == pytest.approx(0.35)
+
+
+def test_a_template_or_pattern_that_cannot_be_applied_is_one_line_or_the_samples_error():
+    with pytest.raises(JudgeError, match=r"reward.judges.j.template: a judge's template cannot be filled in"):
+        check_template(JudgeConfig(**URL, template="{prompt} {response:d}"), "j", set())
+    with pytest.raises(JudgeError, match=r"names \{\}"):
+        check_template(JudgeConfig(**URL, template="{prompt} {} {response}"), "j", set())
+    # a custom group pattern whose first group is not a response number, or whose score is not a number
+    assert parse_group("Response A: 3", r"Response (\w): (\w+)", 1, (0, 10)) == [
+        "no score for response 1 in the judge's reply 'Response A: 3'"
+    ]
+    assert "is not a number" in parse_group("Response 1: x", r"Response (\d): (\w+)", 1, (0, 10))[0]
+    with pytest.raises(ValueError, match="is not a number"):
+        parse_pointwise("score: .", r"score: (\S)", (0, 10))
+
+
+def test_an_endpoint_that_refuses_costs_each_sample_its_score_and_fails_the_preflight_in_one_line():
+    judge = JudgeConfig(base_url="http://127.0.0.1:9/v1", model="judge", timeout_s=5)  # port 9: nothing listens
+    replies = ask_endpoint(judge, ["a", "b"])
+    assert [r.text for r in replies] == [None, None] and all("APIConnectionError" in r.error for r in replies)
+    with pytest.raises(JudgeError, match=r"reward.judges.j: the endpoint http://127.0.0.1:9/v1 did not answer"):
+        check_endpoint(judge, "j")

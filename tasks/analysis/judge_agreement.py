@@ -1,10 +1,11 @@
 """`rlpipe judge-agreement`: how well each LLM judge of a run agrees with a rule reward, on the run's scored samples.
 
 The label is a reward function's score (a response is right when it reaches the threshold, eval.judge_threshold by
-default); per judge: AUC (the probability that a right response is scored above a wrong one, ties counting half: 0.5
-is chance), agreement (the judge's score ≥ 0.5 against the label), its mean score on right and on wrong responses,
-and how many of its replies were errors. A new judge is measured on saved rollouts first, with `rlpipe rerun --stage
-scores --fork` adding it (docs/reward-sources.md), before any RL is run against it.
+default). Per judge, over the samples whose reply it could read: AUC (the probability that a right response is
+scored above a wrong one, ties counting half: 0.5 is chance), agreement (the judge's score ≥ 0.5 against the
+label), its mean score on right and on wrong responses; and, apart, how many of its replies were errors. A new
+judge is measured on saved rollouts first, with `rlpipe rerun --stage scores --fork` adding it
+(docs/reward-sources.md), before any RL is run against it.
 """
 
 from __future__ import annotations
@@ -30,22 +31,24 @@ def auc(scores: pl.Series, labels: pl.Series) -> float | None:
 
 
 def agreement_table(scores: pl.DataFrame, judges: list[str], label: str, threshold: float) -> pl.DataFrame:
-    """One row per judge over the rows of `scores` it scored (score_<judge>, error_<judge> and `label`'s score
-    column; iterations scored before the judge was added have no score of it)."""
+    """One row per judge: `samples` it scored (iterations scored before it was added have no score of it), of which
+    `errors` had no readable reply; the statistics are over the rest whose label is known (score_<label> not null;
+    an error's score of 0 is not the judge's opinion)."""
     rows = []
     for name in judges:
         scored = scores.filter(pl.col(f"score_{name}").is_not_null())
-        value, right = scored[f"score_{name}"], scored[f"score_{label}"] >= threshold
+        read = scored.filter(pl.col(f"error_{name}").is_null() & pl.col(f"score_{label}").is_not_null())
+        value, right = read[f"score_{name}"], read[f"score_{label}"] >= threshold
         rows.append(
             {
                 "judge": name,
                 "samples": scored.height,
+                "errors": int(scored[f"error_{name}"].is_not_null().sum()),
                 "right_share": right.mean(),
                 "auc": auc(value, right),
                 "agreement": ((value >= 0.5) == right).mean(),
                 "mean_right": value.filter(right).mean(),
                 "mean_wrong": value.filter(~right).mean(),
-                "errors": int(scored[f"error_{name}"].is_not_null().sum()),
             }
         )
     floats = ("right_share", "auc", "agreement", "mean_right", "mean_wrong")
@@ -57,10 +60,11 @@ def judge_agreement(run_id: str, label: str | None, iteration: int | None, root:
 
     ctx = load_run(root, run_id)
     label = label or ctx.cfg.eval.judge
-    iterations = [iteration] if iteration else range(1, ctx.cfg.rl.iterations + 1)
+    iterations = [iteration] if iteration is not None else range(1, ctx.cfg.rl.iterations + 1)
     done = [k for k in iterations if read_manifest(ctx.layout, "scores", k, verify=False) is not None]
     if not done:
-        raise NotFound(f"run {run_id!r} has no scores" + (f" for iteration {iteration}" if iteration else ""))
+        which = f" for iteration {iteration}" if iteration is not None else ""
+        raise NotFound(f"run {run_id!r} has no scores{which}")
     scores = pl.concat([read_stage(ctx.layout, "scores", k) for k in done], how="diagonal_relaxed")
     judges = [c.removeprefix("judge_text_") for c in scores.columns if c.startswith("judge_text_")]
     if not judges:

@@ -24,7 +24,7 @@ from schemas.config import JUDGE_FIELDS, JUDGE_GROUP_TEMPLATE, JUDGE_POINTWISE_T
 from schemas.errors import UserError
 
 POINTWISE_PATTERN = r"(-?\d+(?:\.\d+)?)"
-GROUP_PATTERN = r"(?i)response\s*#?\s*(\d+)\s*[:=\-]\s*(-?\d+(?:\.\d+)?)"
+GROUP_PATTERN = r"(?i)response[ \t]*#?[ \t]*(\d+)[ \t]*[:=\-][ \t]*(-?\d+(?:\.\d+)?)"  # one line: not the echoed text
 
 
 class JudgeError(UserError, ValueError):
@@ -48,13 +48,17 @@ def template_of(judge: JudgeConfig) -> str:
 
 def check_template(judge: JudgeConfig, name: str, columns: set[str]) -> None:
     """Every field the template names is one rlpipe fills or a dataset column: one line naming it, else."""
-    fields = {f for _, f, _, _ in string.Formatter().parse(template_of(judge)) if f}
+    fields = {f for _, f, _, _ in string.Formatter().parse(template_of(judge)) if f is not None}
     unknown = sorted(fields - JUDGE_FIELDS[judge.mode] - columns)
     if unknown:
         raise JudgeError(
             f"reward.judges.{name}.template names {{{unknown[0]}}}, which is neither one of "
             f"{sorted(JUDGE_FIELDS[judge.mode])} nor a column of the dataset"
         )
+    try:  # a format spec or conversion the values cannot take ({response:d}) fails here, not mid-run
+        render(template_of(judge), dict.fromkeys(fields, ""))
+    except JudgeError as exc:
+        raise JudgeError(f"reward.judges.{name}.template: {exc}") from None
 
 
 def render(template: str, fields: dict) -> str:
@@ -63,11 +67,13 @@ def render(template: str, fields: dict) -> str:
         return string.Formatter().vformat(template, (), {k: "" if v is None else v for k, v in fields.items()})
     except (KeyError, AttributeError, IndexError) as exc:
         raise JudgeError(f"a judge's template names {exc}, which this row does not have") from None
+    except (ValueError, TypeError) as exc:
+        raise JudgeError(f"a judge's template cannot be filled in: {exc}") from None
 
 
 def numbered(responses: list[str]) -> str:
     """A group's responses as the group template's {responses}: 'Response 1:' blocks, 1-based."""
-    return "\n\n".join(f"Response {i}:\n{text}" for i, text in enumerate(responses, 1))
+    return "\n\n".join(f"Response {i}:\n{text or ''}" for i, text in enumerate(responses, 1))
 
 
 def normalised(value: float, scale: tuple[float, float]) -> float:
@@ -81,9 +87,16 @@ def parse_pointwise(text: str, pattern: str | None, scale: tuple[float, float]) 
     """The normalised score of a pointwise reply: the first match's group 1. ValueError (the sample's error) when none
     or out of scale."""
     match = re.search(pattern or POINTWISE_PATTERN, text)
-    if match is None:
+    if match is None or match.group(1) is None:
         raise ValueError(f"no score in the judge's reply {text[:120]!r}")
-    return normalised(float(match.group(1)), scale)
+    return normalised(number(match.group(1)), scale)
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{text[:40]!r} is not a number") from None
 
 
 def expected_score(top: tuple[tuple[str, float], ...], scale: tuple[float, float]) -> float:
@@ -107,10 +120,13 @@ def parse_group(text: str, pattern: str | None, n: int, scale: tuple[float, floa
     'Response i: score' match for each i; one missing, out of range or out of scale is that response's error."""
     found: dict[int, float | str] = {}
     for match in re.finditer(pattern or GROUP_PATTERN, text):
-        i = int(match.group(1))
+        index, value = match.group(1), match.group(2)
+        if index is None or not index.strip().isdigit():
+            continue  # a custom pattern's match that names no response
+        i = int(index)
         if 1 <= i <= n and i not in found:
             try:
-                found[i] = normalised(float(match.group(2)), scale)
+                found[i] = normalised(number(value or ""), scale)
             except ValueError as exc:
                 found[i] = f"response {i}: {exc}"
     return [found.get(i, f"no score for response {i} in the judge's reply {text[:120]!r}") for i in range(1, n + 1)]
@@ -119,14 +135,10 @@ def parse_group(text: str, pattern: str | None, n: int, scale: tuple[float, floa
 def ask_endpoint(judge: JudgeConfig, prompts: list[str]) -> list[Reply]:
     """Each prompt sent to the OpenAI-compatible endpoint (judge.concurrency calls in flight, each within
     judge.timeout_s, no retry): a failed call is its Reply's error."""
-    from openai import OpenAI
-
-    client = OpenAI(
-        base_url=judge.base_url,
-        api_key=os.environ.get(judge.api_key_env or "", "") or "none",
-        timeout=judge.timeout_s,
-        max_retries=0,
-    )
+    try:
+        client = _client(judge, judge.timeout_s)
+    except Exception as exc:  # noqa: BLE001  (a URL the client refuses: every call's error)
+        return [Reply(error=f"judge client failed: {type(exc).__name__}: {str(exc)[:200]}")] * len(prompts)
     want_top = judge.score == "logprobs"
 
     def one(prompt: str) -> Reply:
@@ -156,24 +168,23 @@ def ask_endpoint(judge: JudgeConfig, prompts: list[str]) -> list[Reply]:
 
 def check_endpoint(judge: JudgeConfig, name: str) -> None:
     """Before a run: the endpoint answers and serves judge.model (one line naming what is wrong, else)."""
-    from openai import OpenAI
-
     if judge.api_key_env and not os.environ.get(judge.api_key_env):
         raise JudgeError(f"reward.judges.{name}.api_key_env: ${judge.api_key_env} is not set")
-    client = OpenAI(
-        base_url=judge.base_url,
-        api_key=os.environ.get(judge.api_key_env or "", "") or "none",
-        timeout=min(judge.timeout_s, 10.0),
-        max_retries=0,
-    )
     try:
-        served = [m.id for m in client.models.list()]
+        served = [m.id for m in _client(judge, min(judge.timeout_s, 10.0)).models.list()]
     except Exception as exc:  # noqa: BLE001
         raise JudgeError(
             f"reward.judges.{name}: the endpoint {judge.base_url} did not answer ({type(exc).__name__})"
         ) from None
     if served and judge.model not in served:
         raise JudgeError(f"reward.judges.{name}: {judge.base_url} serves {served}, not {judge.model!r}")
+
+
+def _client(judge: JudgeConfig, timeout_s: float):
+    from openai import OpenAI
+
+    key = os.environ.get(judge.api_key_env or "", "") or "none"  # the client wants a key; a keyless server ignores it
+    return OpenAI(base_url=judge.base_url, api_key=key, timeout=timeout_s, max_retries=0)
 
 
 def scored(judge: JudgeConfig, replies: list[Reply]) -> list[tuple[float, str | None]]:

@@ -30,6 +30,7 @@ from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.evaluate import judged
 from tasks.stages.prompts import split_of
 from tasks.stages.rollouts import generate, sampling_job
+from tasks.stages.scores import reward_models
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint
 
@@ -83,7 +84,11 @@ def preference_rankings_task(storage_root: str, run_id: str) -> StageOutput:
         }
         salt = ""
     else:
-        inputs = {"model": model_fingerprint(ctx.cfg.model.path), "dataset": dataset_fingerprint(ctx)[0]}
+        inputs = {
+            "model": model_fingerprint(ctx.cfg.model.path),
+            "dataset": dataset_fingerprint(ctx)[0],
+            **reward_models(ctx.cfg.reward),  # the samples are ranked by judged(): its reward model and judges too
+        }
         salt = source_hash(specs_from_config(ctx.cfg.reward))
     return run_stage(ctx, 0, salt=salt, inputs=inputs, compute=compute)
 

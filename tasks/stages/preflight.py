@@ -89,15 +89,16 @@ def check_judges(reward, columns: set[str]) -> None:
         check_template(judge, name, columns)
         if judge.model_path:
             model_fingerprint(judge.model_path)
-            if judge.chat and not getattr(load_tokenizer(judge.model_path), "chat_template", None):
+            tokenizer = load_tokenizer(judge.model_path)
+            if judge.chat and not getattr(tokenizer, "chat_template", None):
                 raise JudgeError(f"reward.judges.{name}: {judge.model_path} has no chat template (set chat: false)")
         else:
             check_endpoint(judge, name)
 
 
-def dataset_columns(ctx) -> set[str]:
+def dataset_columns(layout) -> set[str]:
     """The dataset's own columns the reward functions receive (the fields of its `extra` struct)."""
-    table = read_stage(ctx.layout, "dataset", 0)
+    table = read_stage(layout, "dataset", 0)
     return {f.name for f in table.schema["extra"].fields} if "extra" in table.columns else set()
 
 
@@ -121,8 +122,8 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None
     if needs_prompts:
         dataset = dataset_task.fn(storage_root, run_id)
-        reward_preflight(cfg.reward, dataset_columns(ctx))
-        check_judges(cfg.reward, dataset_columns(ctx))
+        reward_preflight(cfg.reward, dataset_columns(ctx.layout))
+        check_judges(cfg.reward, dataset_columns(ctx.layout))
         check_context(cfg.model.path, dataset.extra["longest_prompt_tokens"], cfg.rollout.max_tokens)
         if flow == "rl":
             check_agent(cfg, cfg.model.path, dataset.extra["longest_prompt_tokens"])
