@@ -170,9 +170,11 @@ def score_frame(
     weights = {name: spec.weight for name, spec in reward.functions.items()}
     # No functions at all is allowed: with reward.kind=model the reward model is the whole reward.
     total = sum((pl.col(f"score_{n}") * w for n, w in weights.items()), pl.lit(0.0))
-    if weights:
-        joined = pl.concat_str([pl.col(f"error_{n}") for n in weights], separator="; ", ignore_nulls=True)
-        error = pl.when(joined == "").then(None).otherwise(joined)  # all-null joins to "", which is no error
-    else:
-        error = pl.lit(None, pl.Utf8)
+    error = joined_errors([f"error_{n}" for n in weights]) if weights else pl.lit(None, pl.Utf8)
     return out.with_columns(total.cast(pl.Float64).alias("reward"), error.alias("error"))
+
+
+def joined_errors(columns: list[str]) -> pl.Expr:
+    """The columns' errors joined with "; ", null when none has one (an all-null join is "", which is no error)."""
+    joined = pl.concat_str([pl.col(c) for c in columns], separator="; ", ignore_nulls=True)
+    return pl.when(joined == "").then(None).otherwise(joined)

@@ -12,8 +12,8 @@ from typing import Literal
 from schemas.errors import UserError
 from storage import read_stage
 from tasks.data.example_tasks import ensure_task_files
-from tasks.data.formatting import load_tokenizer, model_context
-from tasks.rewards.judge import JudgeError, check_endpoint, check_template
+from tasks.data.formatting import model_context
+from tasks.rewards.judge import check_endpoint, check_template
 from tasks.rewards.loader import preflight as reward_preflight
 from tasks.stages.common import load_run
 from tasks.stages.dataset import dataset_task
@@ -85,13 +85,13 @@ def check_agent(cfg, model_path: str, max_prompt: int) -> None:
 def check_judges(reward, columns: set[str]) -> None:
     """Each LLM judge before any engine starts: its template's fields exist, a local judge's folder holds a model (with
     a chat template when judge.chat), an endpoint answers and serves the model named."""
+    from tasks.stages.scores import judge_tokenizer  # the scores stage imports the engine layer
+
     for name, judge in reward.judges.items():
         check_template(judge, name, columns)
         if judge.model_path:
             model_fingerprint(judge.model_path)
-            tokenizer = load_tokenizer(judge.model_path)
-            if judge.chat and not getattr(tokenizer, "chat_template", None):
-                raise JudgeError(f"reward.judges.{name}: {judge.model_path} has no chat template (set chat: false)")
+            judge_tokenizer(judge, name)
         else:
             check_endpoint(judge, name)
 

@@ -22,7 +22,7 @@ from tasks.engines.ray_cluster import Placement
 from tasks.engines.vllm_client import resident_engine
 from tasks.rewards.judge import JudgeError, Reply, ask_endpoint, judge_columns
 from tasks.rewards.loader import source_hash, specs_from_config
-from tasks.rewards.scoring import RewardError, prompt_arguments, score_frame
+from tasks.rewards.scoring import RewardError, joined_errors, prompt_arguments, score_frame
 from tasks.rewards.steps import step_ends_column
 from tasks.stages.common import (
     Computed,
@@ -100,12 +100,19 @@ def model_and_judges(
         scores = scores.with_columns(
             pl.Series(k, v, dtype=pl.Float64 if k.startswith("score_") else pl.Utf8) for k, v in cols.items()
         )
-        errors = pl.concat_str(["error", f"error_{judge_name}"], separator="; ", ignore_nulls=True)
         scores = scores.with_columns(
             (pl.col("reward") + judge.weight * pl.col(f"score_{judge_name}")).alias("reward"),
-            pl.when(errors == "").then(None).otherwise(errors).alias("error"),
+            joined_errors(["error", f"error_{judge_name}"]).alias("error"),
         )
     return scores
+
+
+def judge_tokenizer(judge: JudgeConfig, name: str):
+    """A local judge's tokenizer, with the chat template judge.chat needs (one line naming the judge, else)."""
+    tokenizer = load_tokenizer(judge.model_path)
+    if judge.chat and not getattr(tokenizer, "chat_template", None):
+        raise JudgeError(f"reward.judges.{name}: {judge.model_path} has no chat template (set chat: false)")
+    return tokenizer
 
 
 def ask_local_judge(ctx: RunContext, name: str, judge: JudgeConfig, log_name: str, prompts: list[str]) -> list[Reply]:
@@ -113,10 +120,8 @@ def ask_local_judge(ctx: RunContext, name: str, judge: JudgeConfig, log_name: st
     weights never synced), as one batch: the prompts through the judge's chat template (judge.chat), or as plain text
     with the tokenizer's special tokens. A prompt too long for the judge's context with its reply is that sample's
     error, unasked."""
-    tokenizer = load_tokenizer(judge.model_path)
+    tokenizer = judge_tokenizer(judge, name)
     if judge.chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise JudgeError(f"reward.judges.{name}: {judge.model_path} has no chat template (set chat: false)")
         system = [{"role": "system", "content": judge.system}] if judge.system else []
         ids = [
             tokenizer.encode(
