@@ -29,6 +29,14 @@ ROOT = Path("runs/bench/frontier")
 ITERATIONS = 10
 TEACHER = ROOT / "teacher"
 # row: (--algo, overrides). The baselines first: distill needs GRPO's model.
+JUDGE = {
+    "weight": 1.0,
+    "model_path": "models/smollm2-135m-instruct",
+    "template": "Question: {prompt}\nCorrect answer: {ground_truth}\nStudent's response: {response}\n\n"
+    "Does the student's response give the correct answer? Reply 1 for yes or 0 for no, with the digit alone.",
+    "score": "logprobs",
+    "scale": [0.0, 1.0],
+}
 ROWS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("grpo", []),
     "dapo": ("dapo", []),
@@ -49,6 +57,16 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "geo_rs": ("grpo,geo_rs", []),
     "geo_rs_seq_tis": ("grpo,geo_rs_seq_tis", []),
     "distill": ("distill", [f"advantage.teacher_path={TEACHER}"]),
+    # RLAIF: the policy itself (SmolLM2-135M-Instruct, frozen) judges, with the reference answer, as G-Eval's
+    # P(1)/(P(0)+P(1)); the rule reward `correct` is still scored but weighs nothing: it is the held-out check
+    "judge": (
+        "grpo",
+        [
+            "reward.functions.correct.weight=0.0",
+            "reward.functions.concise.weight=0.0",
+            f"reward.judges={json.dumps({'ref': JUDGE})}",
+        ],
+    ),
 }
 SHARES = {  # train_metrics columns, the mean over iterations
     "clip": ["clip_frac_low", "clip_frac_high"],
@@ -75,6 +93,9 @@ def measure(row: str) -> dict:
         how="diagonal",
     )
     ev = pl.read_parquet(layout.stage_dir("eval", ITERATIONS) / "*.parquet")
+    # the trained-on reward against the rule's on the same samples, an iteration each: where a judge is the reward,
+    # the two drifting apart is reward hacking
+    scores = [pl.read_parquet(layout.stage_dir("scores", k) / "*.parquet") for k in range(1, ITERATIONS + 1)]
 
     def share(columns):
         present = [c for c in columns if c in m.columns]
@@ -91,6 +112,9 @@ def measure(row: str) -> dict:
         "entropy_last": float(m["entropy"][-1]),
         **{name: share(columns) for name, columns in SHARES.items()},
         "response_tokens": float(m["response_length_mean"][-1]),
+        "reward_by_iteration": [float(s["reward"].mean()) for s in scores],
+        "rule_by_iteration": [float(s["score_correct"].mean()) for s in scores],
+        "response_tokens_by_iteration": m["response_length_mean"].to_list(),
         "seconds_iteration": sum(walls) / len(walls),  # iterations 2..N: the first also starts the engines
         "seconds_total": ends[-1] - start,  # the 10 iterations and the final eval
     }
