@@ -635,13 +635,38 @@ class EnvironmentRef(UserCodeRef):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for each instance.")
 
 
+class BranchingConfig(Section):
+    """ARPO's entropy-based adaptive rollout (Dong et al. 2025, arXiv 2507.19849): each prompt starts `initial`
+    trajectories; after a tool result, the model's next turn is sampled and the entropy of its first `entropy_tokens`
+    tokens compared with the trajectory's first turn's; the trajectory then branches at that point (before the turn)
+    with probability clip(alpha + beta·ΔH, 0, 1), `copies` times, until the prompt holds rollout.group_size
+    trajectories. A prompt whose trajectories have all ended before that is refilled with one fresh trajectory a
+    turn. Every group ends with exactly rollout.group_size trajectories, as GRPO's."""
+
+    initial: int = Field(
+        4, ge=1, description="Trajectories each prompt starts with (the paper's N); the rest of the group branches."
+    )
+    alpha: float = Field(0.5, ge=0, le=1, description="The branch probability at no entropy change (the paper's α).")
+    beta: float = Field(0.2, ge=0, description="The weight of the entropy change ΔH (the paper's β).")
+    copies: int = Field(
+        1, ge=1, le=64, description="Branching attempts per trajectory and tool result (the paper's Z)."
+    )
+    entropy_tokens: int = Field(
+        20, ge=1, le=4096, description="The tokens at the start of a turn whose entropy is measured (the paper's k)."
+    )
+    top_logprobs: int = Field(
+        10, ge=1, le=20, description="Candidates per token that the entropy is summed over (vLLM's logprobs)."
+    )
+
+
 class AgentConfig(Section):
     """Multi-turn rollouts: the model's turns alternate with your tools' results or your environment's messages, up to
     a limit; every turn is a row of the `turns` table, and only the model's own tokens get loss. Off while it names
     no tool and no environment."""
 
     OMITTED_AT_DEFAULT: ClassVar[bool] = True
-    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"max_tool_output_tokens"})  # added after agent runs existed
+    # added after agent runs existed
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"max_tool_output_tokens", "branching"})
 
     tools: dict[str, UserCodeRef] = Field(
         default_factory=dict,
@@ -671,6 +696,11 @@ class AgentConfig(Section):
     tool_timeout_s: float = Field(5.0, gt=0, description="Per tool call: past it the call's result is an error.")
     step_timeout_s: float = Field(
         5.0, gt=0, description="Per environment reset or step: past it the sample's episode ends with an error."
+    )
+    branching: BranchingConfig | None = Field(
+        None,
+        description="ARPO's adaptive branching after tool results (docs/algorithms.md, ARPO); null: every "
+        "trajectory starts from the prompt. Needs tools and no environment.",
     )
 
     @property
@@ -760,6 +790,8 @@ KLEstimator = registered("tasks.algos.kl:KL_ESTIMATORS")
 
 
 class AdvantageConfig(Section):
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"branch_attribution"})  # added after runs existed
+
     estimator: Estimator = Field(
         "grpo",
         description="The advantage estimator (docs/algorithms.md); gae trains PPO's critic.",
@@ -777,6 +809,11 @@ class AdvantageConfig(Section):
         None,
         description="distill: the teacher, a local model folder with the policy's tokenizer; the logprobs stage scores "
         "every sampled token with it too.",
+    )
+    branch_attribution: Literal["soft", "hard"] = Field(
+        "soft",
+        description="Branched trajectories (agent.branching): soft, each trajectory's tokens get its own advantage "
+        "(ARPO's default); hard, a token shared by several trajectories of the tree gets their mean advantage.",
     )
 
 
@@ -1266,6 +1303,19 @@ class RunConfig(Section):
             raise ValueError(
                 "advantage.estimator grpo_process needs a process reward: a reward function with per_step: true "
                 "and a non-zero weight"
+            )
+        if a.branch_attribution == "hard" and not self.agent.branching:
+            raise ValueError("advantage.branch_attribution hard averages over a branching tree: set agent.branching")
+        b = self.agent.branching
+        if b and (not self.agent.tools or self.agent.environment is not None):
+            raise ValueError(
+                "agent.branching branches after tool results: it needs agent.tools, and no agent.environment (an "
+                "environment's state cannot be copied into a branch)"
+            )
+        if b and b.initial > self.rollout.group_size:
+            raise ValueError(
+                f"agent.branching.initial ({b.initial}) exceeds rollout.group_size ({self.rollout.group_size}), "
+                "the trajectories each prompt ends with"
             )
         if per_step and self.agent.enabled:
             raise ValueError(

@@ -74,6 +74,9 @@ class GenerationJob:
     # > 0: each row also gets `first_top`, the first generated token's top candidates (token text, logprob), as an LLM
     # judge's score=logprobs reads them
     top_logprobs: int = 0
+    # > 0 (with top_logprobs): each row also gets `head_entropy`, the entropy of its first entropy_tokens positions
+    # over those candidates (ARPO's branching, agent.branching)
+    entropy_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -130,6 +130,10 @@ ROLLOUTS = _table(
         "tool_errors": I32,
         "env_reward": F64,
         "agent_error": STR,
+        # ARPO's branching (agent.branching): the parent trajectory's sample_idx (null: started from the prompt), and
+        # how many of `token_ids` it shares with the parent (the branch point)
+        "parent_sample_idx": I32,
+        "branch_point": I32,
     },
 )
 
@@ -156,6 +160,8 @@ TURNS = _table(
         "seconds": F64,
         "cut_tokens": I32,  # a tool result cut to agent.max_tool_output_tokens: how many tokens were cut
     },
+    # ARPO's branching (agent.branching): a branch's rows up to its branch point are copies of its parent's
+    optional={"inherited": BOOL},
 )
 
 SCORES = _table(

@@ -491,3 +491,36 @@ def test_distill_matches_a_reference_loop():
         want = [b - a for a, b in zip(o, t)]
         assert row["token_advantages"] == pytest.approx(want, abs=1e-6)
         assert row["advantage"] == pytest.approx(statistics.fmean(want) if want else 0.0, abs=1e-6)
+
+
+def test_arpo_hard_attribution_averages_each_shared_token_over_the_trajectories_sharing_it():
+    """A hand-worked tree: s0 and s1 roots; s2 branched from s0 after 3 tokens; s3 from s2 after 5. A token shared
+    by several trajectories gets the mean of their advantages; s1 shares nothing; another prompt is untouched."""
+    from tasks.algos.advantages import shared_prefixes, tree_mean_advantages
+
+    lengths, advantage = [6, 5, 8, 7], [1.0, -1.0, 0.5, -0.5]
+    df = pl.DataFrame(
+        {
+            "prompt_id": ["p"] * 4 + ["q"],
+            "sample_idx": [0, 1, 2, 3, 0],
+            "parent_sample_idx": [None, None, 0, 2, None],
+            "branch_point": [None, None, 3, 5, None],
+            "advantage": [*advantage, 2.0],
+            "token_advantages": [[a] * n for a, n in zip(advantage, lengths)] + [[2.0, 2.0]],
+        },
+        schema_overrides={"token_advantages": pl.List(pl.Float32)},
+    )
+    shared = shared_prefixes({0: None, 1: None, 2: 0, 3: 2}, {0: None, 1: None, 2: 3, 3: 5})
+    assert (shared[0, 2], shared[0, 3], shared[2, 3], shared[0, 1], shared[3, 1]) == (3, 3, 5, 0, 0)
+    third = (1.0 + 0.5 - 0.5) / 3  # positions 0-2: s0, s2 and s3 share them
+    want = [
+        [third] * 3 + [1.0] * 3,
+        [-1.0] * 5,
+        [third] * 3 + [0.0] * 2 + [0.5] * 3,  # positions 3-4: s2 and s3 share them, (0.5 − 0.5) / 2
+        [third] * 3 + [0.0] * 2 + [-0.5] * 2,
+        [2.0, 2.0],
+    ]
+    out = tree_mean_advantages(df)
+    for got, expected in zip(out["token_advantages"].to_list(), want):
+        assert got == pytest.approx(expected, abs=1e-7)
+    assert out["advantage"].to_list() == df["advantage"].to_list()

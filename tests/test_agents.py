@@ -585,3 +585,104 @@ def test_every_episode_ending_before_the_first_turn_is_one_line_with_an_example_
         "agent: all 3 episodes ended before the model's first turn (3 with an environment error; e.g. prompt "
         "'train-000000': reset: KeyError: 'level')"
     )
+
+
+def test_arpo_branches_at_high_entropy_after_a_tool_result_within_the_group_budget(tool_file, chatml_tokenizer):
+    """A hand-worked tree (agent.branching): prompt p starts 2 trajectories of a budget of 4 and branches after its
+    tool results; prompt q's trajectories answer without tools, so it is refilled with one fresh trajectory a step.
+    α = 0.5, β = 0.2, entropies in units of log|V|, the draws scripted."""
+    import math
+
+    from tasks.agents.rollout_loop import Branching, LoopSettings, Sampled, Trajectory, run_episodes
+    from tasks.agents.workers import AgentWorkers
+
+    tok, vocab = chatml_tokenizer, 300
+    unit = math.log(vocab)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    # what each trajectory (by index) says at its n-th generation, with the head entropy (× log|V|)
+    script = {
+        0: [(call, 1.0), ("5", 2.5)],  # ΔH = 1.5: P = 0.8, draw 0.7 → branch 5 at the point before "5"
+        1: [(call, 1.0), ("6", 0.0)],  # ΔH = −1: P = 0.3, draw 0.4 → no branch
+        2: [("9", 1.0)],
+        3: [("9", 1.0)],
+        4: [("9", 1.0)],  # q's first refill: q has 3
+        5: [(call, 0.2), ("5", 3.0)],  # the branch's own first turn does not branch; then ΔH = 2: P = 0.9, draw 0.85
+        6: [("9", 1.0)],  # q's second refill: q is full (4)
+        7: [("7", 0.5)],  # the branch of the branch: p is full, no draw
+    }
+    draws = iter([0.7, 0.4, 0.85])
+    seen: dict[int, int] = {}
+    steps = []
+
+    def generate(items, max_tokens):
+        steps.append([i for i, _ in items])
+        out = []
+        for i, _ in items:
+            text, entropy = script[i][seen.get(i, 0)]
+            seen[i] = seen.get(i, 0) + 1
+            said = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            out.append(Sampled(said, [-0.5] * len(said), "stop", entropy * unit))
+        return out
+
+    specs = [FunctionSpec("add", path=tool_file, kind="tool")]
+    settings = LoopSettings(
+        max_turns=3, max_total_tokens=400, max_tokens_per_turn=100, tool_call_format="hermes", environment=False,
+        tools=[t.schema for t in load_tools(specs).values()],
+    )  # fmt: skip
+    user = [{"role": "user", "content": "add 2 and 3"}]
+    trajectories = [Trajectory(i, pid, i % 2, list(user)) for i, pid in enumerate(["p", "p", "q", "q"])]
+    rows = [{"id": t.prompt_id} for t in trajectories]
+    tree = Branching(group_size=4, initial=2, alpha=0.5, beta=0.2, copies=1, vocab_size=vocab, draw=lambda: next(draws))
+    workers = AgentWorkers(specs, None, {}, 1, tool_timeout_s=2, step_timeout_s=1)
+    try:
+        played = run_episodes(trajectories, rows, tok, settings, generate, workers, tree)
+    finally:
+        workers.close()
+    assert next(draws, None) is None  # exactly the three draws above
+    assert steps == [[0, 1, 2, 3], [0, 1, 4], [5, 6], [5], [7]]
+    assert rows == [{"id": pid} for pid in "ppqqqpqp"]
+    by = {t.index: t for t in played}
+    got = {
+        i: (t.prompt_id, t.sample_idx, t.parent, t.branch_point, t.model_turns, t.finish_reason) for i, t in by.items()
+    }
+    point_0, point_5 = by[5].branch_point, by[7].branch_point
+    assert got == {
+        0: ("p", 0, None, None, 2, "stop"),
+        1: ("p", 1, None, None, 2, "stop"),
+        2: ("q", 0, None, None, 1, "stop"),
+        3: ("q", 1, None, None, 1, "stop"),
+        4: ("q", 2, None, None, 1, "stop"),
+        5: ("p", 2, 0, point_0, 3, "stop"),
+        6: ("q", 3, None, None, 1, "stop"),
+        7: ("p", 3, 2, point_5, 3, "stop"),
+    }
+    # the branch points: right after a tool result, the prefixes shared exactly, the turn after it sampled anew
+    assert point_0 == len(by[0].ids) - len(by[0].turns[-1]["token_ids"])  # before trajectory 0's last turn, "5"
+    assert [tree.probability(h * unit, 1.0 * unit) for h in (2.5, 0.0, -2.0, 4.0)] == pytest.approx([0.8, 0.3, 0, 1])
+    for child, parent in ((5, 0), (7, 5)):
+        point = by[child].branch_point
+        assert by[child].ids[:point] == by[parent].ids[:point]
+        assert by[child].actions[point - 1] == 0 and by[child].actions[point] == 1  # an observation, then the model
+        inherited = by[child].turns[: by[child].inherited_turns]
+        assert inherited == by[parent].turns[: len(inherited)] and inherited[-1]["role"] == "tool"
+    assert by[5].tool_calls == 2 and by[7].tool_calls == 2 and by[7].initial_entropy == 1.0 * unit
+    assert [by[i].last_text for i in (0, 1, 5, 7)] == ["5", "6", "5", "7"]
+    assert all(trajectory_reads_as_the_template_writes_it(tok, t) for t in played)
+
+
+def test_arpos_head_entropy_sums_the_candidates_entropy_over_the_first_k_positions():
+    """The sampler's candidates at each position (vLLM's logprobs: the top ones and the sampled token), as the reference
+    code sums them: −Σ_positions Σ_candidates p·log p over the first k positions only."""
+    import math
+    from types import SimpleNamespace as C
+
+    from tasks.engines.workers.vllm_generate import head_entropy
+
+    steps = [
+        {1: C(logprob=math.log(0.5)), 2: C(logprob=math.log(0.25))},  # 0.5·ln2 + 0.25·ln4 = ln2
+        {3: C(logprob=0.0)},  # certain: 0
+        {4: C(logprob=math.log(0.5))},  # beyond k = 2: not counted
+    ]
+    assert head_entropy(steps, 2) == pytest.approx(math.log(2))
+    assert head_entropy(steps, 3) == pytest.approx(1.5 * math.log(2))
+    assert head_entropy([], 20) == 0.0

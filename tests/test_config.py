@@ -186,3 +186,22 @@ def test_a_teacher_is_only_read_by_distillation():
         build_config({}, ["advantage.teacher_path=models/teacher"])
     cfg = build_config({}, ["advantage.estimator=distill", "advantage.teacher_path=models/teacher"])
     assert cfg.advantage.teacher_path == "models/teacher"
+
+
+def test_arpo_branching_needs_tools_no_environment_and_fits_the_group():
+    tools = ["agent.tools={add: {path: tools.py}}", "rollout.group_size=8"]
+    cfg = build_config({}, [*tools, "agent.branching={initial: 4}", "advantage.branch_attribution=hard"])
+    b = cfg.agent.branching
+    assert (b.initial, b.alpha, b.beta, b.copies, b.entropy_tokens, b.top_logprobs) == (4, 0.5, 0.2, 1, 20, 10)
+    with pytest.raises(ConfigError, match=r"agent.branching.initial \(9\) exceeds rollout.group_size \(8\)"):
+        build_config({}, [*tools, "agent.branching={initial: 9}"])
+    with pytest.raises(ConfigError, match="agent.branching branches after tool results: it needs agent.tools"):
+        build_config({}, ["agent.environment={path: env.py, function: Env}", "agent.branching={}"])
+    with pytest.raises(ConfigError, match="branch_attribution hard averages over a branching tree"):
+        build_config({}, [*tools, "advantage.branch_attribution=hard"])
+    # a run without branching keeps the fingerprints it was written with (both keys came after runs existed)
+    from schemas.config import _dump
+
+    plain = build_config({}, tools)
+    assert "branching" not in _dump(plain.agent) and "branch_attribution" not in _dump(plain.advantage)
+    assert _dump(cfg.agent)["branching"]["initial"] == 4 and _dump(cfg.advantage)["branch_attribution"] == "hard"

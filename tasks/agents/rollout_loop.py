@@ -9,13 +9,23 @@ Token in, token out: a trajectory's ids are its prompt's, then the sampler's ids
 sampled, then the observation ids; `action_mask` marks the model's own, the only tokens with loss. Nothing is
 re-tokenized from text.
 
+ARPO's branching (agent.branching, `Branching` here): each prompt starts with `initial` trajectories. When a
+trajectory's turn follows a tool result, the entropy of that turn's first tokens (the sampler's `head_entropy`) is
+compared with the trajectory's first turn's; with probability clip(α + β·ΔH, 0, 1), `copies` times, a branch is made
+at the point before that turn: a copy of the trajectory up to the tool result, which samples the turn anew at the next
+step. A branch's `parent` and `branch_point` (the response tokens it shares with its parent) are kept. Branches stop
+when the prompt holds `group_size` trajectories; a prompt whose trajectories have all ended before that gets one fresh
+trajectory a step. A branch's own first turn does not branch again (that would be the same point).
+
 Pure orchestration: `generate` and the workers (workers.py) are handed in, so the loop is tested with scripted ones.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from tasks.agents.tool_calls import parse_tool_calls
@@ -29,6 +39,7 @@ class Sampled:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # stop | length
+    head_entropy: float | None = None  # the entropy of its first tokens (asked for under branching)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +52,24 @@ class LoopSettings:
     tools: list[dict] | None  # the tools' schemas, for the chat template
     chat: bool = True  # False: a model without a chat template reads plain text (turn_tokens.py)
     max_tool_output_tokens: int | None = None  # a longer tool result is cut to this many tokens, and marked
+
+
+@dataclass(frozen=True, kw_only=True)
+class Branching:
+    """ARPO's settings (schemas.config.BranchingConfig) and the branching draws: `draw()` is uniform on [0, 1)."""
+
+    group_size: int  # M: every prompt ends with this many trajectories
+    initial: int  # N
+    alpha: float
+    beta: float
+    copies: int  # Z
+    vocab_size: int  # ΔH is divided by log(vocab_size)
+    draw: Callable[[], float]
+
+    def probability(self, entropy: float, initial_entropy: float) -> float:
+        """P(branch) = clip(α + β·ΔH, 0, 1), ΔH = (H − H_initial) / log|V|."""
+        delta = (entropy - initial_entropy) / math.log(self.vocab_size)
+        return min(1.0, max(0.0, self.alpha + self.beta * delta))
 
 
 class Workers(Protocol):
@@ -69,6 +98,13 @@ class Trajectory:
     truncated: bool = False
     done: bool = False
     last_text: str = ""
+    # ARPO's tree (None: a root): the parent's sample_idx, and the response tokens shared with it
+    parent: int | None = None
+    branch_point: int | None = None
+    inherited_turns: int = 0  # the rows of `turns` copied from the parent
+    initial_entropy: float | None = None  # its first turn's head entropy
+    after_tool: bool = False  # its next turn follows a tool result: a branch point
+    fresh_branch: bool = False  # a branch that has not yet taken its first turn
 
     def end(self, reason: str, truncated: bool = False) -> None:
         self.done, self.finish_reason, self.truncated = True, reason, truncated
@@ -97,10 +133,12 @@ def run_episodes(
     settings: LoopSettings,
     generate: Callable[[list[tuple[int, list[int]]], int], list[Sampled]],
     workers: Workers,
+    branching: Branching | None = None,
 ) -> list[Trajectory]:
     """Play every trajectory to its end. `rows[i]` is trajectory i's dataset row (what the environment's reset gets);
     each trajectory starts from its `messages` (the prompt) and its `prompt_ids` when given (else they are rendered
-    from the messages); an environment's reset replaces both."""
+    from the messages); an environment's reset replaces both. With `branching`, `trajectories` are each prompt's
+    initial ones, and the branches and fresh ones are appended to it (and their rows to `rows`)."""
     if settings.environment:
         for t, (opening, error) in zip(trajectories, workers.reset([(t.index, rows[t.index]) for t in trajectories])):
             if error:
@@ -113,16 +151,65 @@ def run_episodes(
             t.prompt_ids = prompt_ids(tokenizer, t.messages, settings.tools, settings.chat)
         for m in t.messages:
             t.add_turn(m["role"], m["content"], [])
-    for turn in range(settings.max_turns):
-        live = [t for t in trajectories if not t.done]
-        if not live:
-            break
+    origins = {t.prompt_id: _copy(t) for t in trajectories}  # each prompt's start, for fresh trajectories
+    while live := [t for t in trajectories if not t.done]:
         budget = max(settings.max_total_tokens - len(t.ids) for t in live)
+        points = {t.index: _copy(t) for t in live if branching and t.after_tool and not t.fresh_branch}
         outs = generate([(t.index, t.prompt_ids + t.ids) for t in live], min(settings.max_tokens_per_turn, budget))
         for t, out in zip(live, outs):
             _take_model_turn(t, out, tokenizer, settings.max_total_tokens)
-        _observe([t for t in live if not t.done], tokenizer, settings, workers, last=turn == settings.max_turns - 1)
+            t.fresh_branch = False
+            if t.initial_entropy is None:
+                t.initial_entropy = out.head_entropy
+        _observe([t for t in live if not t.done], tokenizer, settings, workers)
+        if branching:
+            _branch(trajectories, rows, live, outs, points, branching, origins)
     return trajectories
+
+
+def _copy(t: Trajectory) -> Trajectory:
+    return replace(
+        t, messages=list(t.messages), ids=list(t.ids), actions=list(t.actions), logprobs=list(t.logprobs),
+        turns=[dict(row) for row in t.turns],
+    )  # fmt: skip
+
+
+def _branch(
+    trajectories: list[Trajectory],
+    rows: list[dict],
+    live: list[Trajectory],
+    outs: list[Sampled],
+    points: dict[int, Trajectory],
+    b: Branching,
+    origins: dict[str, Trajectory],
+) -> None:
+    """ARPO's step after a turn: branches at the branch points just passed (trajectories in index order, `copies`
+    draws each, while the prompt has room), then one fresh trajectory for each prompt with room and none live."""
+    count = Counter(t.prompt_id for t in trajectories)
+
+    def add(start: Trajectory, **tree) -> None:
+        new = replace(_copy(start), index=len(trajectories), sample_idx=count[start.prompt_id], **tree)
+        rows.append(rows[start.index])
+        trajectories.append(new)
+        count[start.prompt_id] += 1
+
+    for t, out in zip(live, outs):
+        at = points.get(t.index)
+        if at is None or out.head_entropy is None or t.initial_entropy is None:
+            continue
+        p = b.probability(out.head_entropy, t.initial_entropy)
+        for _ in range(b.copies):
+            if count[t.prompt_id] >= b.group_size:
+                break
+            if b.draw() < p:
+                add(
+                    at, parent=t.sample_idx, branch_point=len(at.ids), inherited_turns=len(at.turns),
+                    fresh_branch=True,
+                )  # fmt: skip
+    alive = {t.prompt_id for t in trajectories if not t.done}
+    for pid, start in origins.items():
+        if pid not in alive and count[pid] < b.group_size:
+            add(start)
 
 
 def _take_model_turn(t: Trajectory, out: Sampled, tokenizer, max_total_tokens: int) -> None:
@@ -155,17 +242,17 @@ def capped(text: str, tokenizer, limit: int | None) -> tuple[str, int | None]:
     return tokenizer.decode(ids[:limit]) + CUT_MARK, len(ids) - limit
 
 
-def _observe(answered: list[Trajectory], tokenizer, settings: LoopSettings, workers: Workers, last: bool) -> None:
-    """Tool results for the turns that call tools; the environment's step (or the end) for the others. After the
-    `last` turn nothing more is appended (no model turn would read it): its tool calls are not run, and the
-    environment steps only for its reward."""
+def _observe(answered: list[Trajectory], tokenizer, settings: LoopSettings, workers: Workers) -> None:
+    """Tool results for the turns that call tools; the environment's step (or the end) for the others. After a
+    trajectory's last turn (max_turns) nothing more is appended (no model turn would read it): its tool calls are not
+    run, and the environment steps only for its reward."""
     fmt = settings.tool_call_format
+    last = {t.index for t in answered if t.model_turns >= settings.max_turns}
     calls = {t.index: found for t in answered if fmt and (found := parse_tool_calls(t.last_text, fmt))}
-    if last:
-        for t in answered:
-            if t.index in calls:
-                t.end("max_turns")
-        calls = {}
+    for t in answered:
+        if t.index in calls and t.index in last:
+            t.end("max_turns")
+            del calls[t.index]
     with_calls = [t for t in answered if t.index in calls]
     new: dict[int, list[dict]] = {}
     for t, results in zip(with_calls, workers.call_tools([(t.index, calls[t.index]) for t in with_calls])):
@@ -200,7 +287,7 @@ def _observe(answered: list[Trajectory], tokenizer, settings: LoopSettings, work
     for t in answered:
         if t.done or t.index not in new:
             continue
-        if last:
+        if t.index in last:
             t.end("max_turns")
             continue
         ids = observation_ids(tokenizer, new[t.index], settings.tools, settings.chat)
@@ -212,3 +299,4 @@ def _observe(answered: list[Trajectory], tokenizer, settings: LoopSettings, work
         t.ids += ids
         t.actions += [0] * len(ids)
         t.logprobs += [0.0] * len(ids)
+        t.after_tool = t.index in calls

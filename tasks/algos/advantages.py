@@ -17,6 +17,7 @@ Edge rules (tested):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -464,3 +465,51 @@ def compute_advantages(
             "rewards must be finite numbers"
         )
     return ADVANTAGE_ESTIMATORS.get(estimator)(df, s, history)
+
+
+# ---- ARPO's attribution over a branching tree ---------------------------------------------------------------------
+
+
+def shared_prefixes(parents: dict[int, int | None], points: dict[int, int | None]) -> dict[tuple[int, int], float]:
+    """Response tokens shared by each pair of a group's trajectories (sample_idx → parent and branch point): the least
+    branch point on the tree path between them (a branch shares its first `branch_point` tokens with its parent, and a
+    prefix shared along each edge is shared end to end); inf with itself, 0 across separate roots."""
+    up = {}  # node → {ancestor (itself included): the least branch point on the way up to it}
+    for node in parents:
+        seen, least, at = {node: math.inf}, math.inf, node
+        while parents[at] is not None:
+            least, at = min(least, points[at]), parents[at]
+            seen[at] = least
+        up[node] = seen
+    shared = {}
+    for i in parents:
+        for j in parents:
+            common = [min(up[i][a], up[j][a]) for a in up[i].keys() & up[j].keys()]
+            shared[i, j] = max(common, default=0)
+    return shared
+
+
+def tree_mean_advantages(df: pl.DataFrame) -> pl.DataFrame:
+    """ARPO's hard advantage attribution: a response token shared by several trajectories of a prompt's tree (the
+    same prefix, copied into each branch) gets the mean of their token advantages at that position; a token of one
+    trajectory alone keeps its own. Reads prompt_id, sample_idx, parent_sample_idx, branch_point, token_advantages;
+    `advantage` (per response) and `returns` are left as they are."""
+    lists = df["token_advantages"].to_list()
+    out = [None] * df.height
+    groups = (
+        df.with_row_index("_row")
+        .group_by(KEY, maintain_order=True)
+        .agg("_row", "sample_idx", "parent_sample_idx", "branch_point")
+    )
+    for g in groups.iter_rows(named=True):
+        parents = dict(zip(g["sample_idx"], g["parent_sample_idx"]))
+        shared = shared_prefixes(parents, dict(zip(g["sample_idx"], g["branch_point"])))
+        row_of = dict(zip(g["sample_idx"], g["_row"]))
+        for i, r in row_of.items():
+            total, count = np.zeros(len(lists[r])), np.zeros(len(lists[r]))
+            for j, q in row_of.items():
+                n = int(min(shared[i, j], len(lists[r]), len(lists[q])))
+                total[:n] += lists[q][:n]
+                count[:n] += 1
+            out[r] = (total / count).astype(np.float32).tolist()
+    return df.with_columns(pl.Series("token_advantages", out, dtype=TOKEN_LISTS))

@@ -18,6 +18,7 @@ from tasks.algos.advantages import (
     AdvantageSettings,
     compute_advantages,
     empty_prompt_stats,
+    tree_mean_advantages,
     update_prompt_stats,
 )
 from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
@@ -135,6 +136,9 @@ def advantages_task(storage_root: str, run_id: str, iteration: int, upstream: di
                 f"advantage.estimator={estimator.name} needs critic values, but the logprobs stage wrote none"
             )
         out = compute_advantages(df, estimator.name, settings, history)
+        if ctx.cfg.advantage.branch_attribution == "hard":  # ARPO's: shared tokens get their trajectories' mean
+            tree = read_stage(ctx.layout, "rollouts", iteration).select(*KEYS, "parent_sample_idx", "branch_point")
+            out = tree_mean_advantages(out.join(tree, on=KEYS, how="left", maintain_order="left"))
         stats = {"prompt_stats": update_prompt_stats(history, df, iteration)} if estimator.keeps_prompt_state else {}
         nonzero = float((out["advantage"] != 0).mean())
         return Computed(

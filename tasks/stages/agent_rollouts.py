@@ -4,23 +4,34 @@ the `rollouts` rows (one per trajectory, with the multi-turn columns) and the `t
 
 from __future__ import annotations
 
+import random
+
 import polars as pl
 
 from schemas.errors import UserError
 from schemas.tables import LIST_I32, ROLLOUTS, TURNS
 from tasks.agents.environments import environment_spec
-from tasks.agents.rollout_loop import LoopSettings, Sampled, Trajectory, run_episodes
+from tasks.agents.rollout_loop import Branching, LoopSettings, Sampled, Trajectory, run_episodes
 from tasks.agents.tools import load_tools, tool_specs
 from tasks.agents.workers import AgentWorkers
 from tasks.data.formatting import load_tokenizer
 
 
 def play(
-    ctx, model_path: str, prompts: pl.DataFrame, group_size: int, seed: int, log_name: str, generate_frames, job_for
+    ctx,
+    model_path: str,
+    prompts: pl.DataFrame,
+    group_size: int,
+    seed: int,
+    log_name: str,
+    generate_frames,
+    job_for,
+    branching=None,
 ):
     """(rollouts frame, turns frame, engine response of the first turn, generation totals): `group_size` trajectories
     of each prompt. `generate_frames(frame, job, name)` runs the vLLM engines (rollouts.generate); `job_for(seed)` is a
-    turn's sampling job (one sample per trajectory)."""
+    turn's sampling job (one sample per trajectory). `branching` (agent.branching, training rollouts only): ARPO's
+    tree, each prompt starting `branching.initial` trajectories."""
     agent, r = ctx.cfg.agent, ctx.cfg.rollout
     tokenizer = load_tokenizer(model_path)
     specs = tool_specs(agent)
@@ -35,12 +46,13 @@ def play(
         chat=bool(getattr(tokenizer, "chat_template", None)),
         max_tool_output_tokens=agent.max_tool_output_tokens,
     )
-    rows = [episode_row(row) for row in prompts.iter_rows(named=True) for _ in range(group_size)]
+    starts = branching.initial if branching else group_size
+    rows = [episode_row(row) for row in prompts.iter_rows(named=True) for _ in range(starts)]
     trajectories = [
         Trajectory(
             i,
             row["prompt_id"],
-            i % group_size,
+            i % starts,
             [dict(m) for m in row["messages"]],
             prompt_ids=[] if schemas else list(row["prompt_token_ids"]),  # tools: rendered again, with their schemas
         )
@@ -57,6 +69,8 @@ def play(
             }
         )
         job = {**job_for(seed + 7919 * totals["turns"]), "max_tokens": max_tokens}
+        if branching:  # the entropy of each turn's start
+            job.update(top_logprobs=branching.top_logprobs, entropy_tokens=branching.entropy_tokens)
         df, resp = generate_frames(frame, job, f"{log_name}-turn{totals['turns']}")
         first.setdefault("resp", resp)
         totals["turns"] += 1
@@ -64,7 +78,7 @@ def play(
         totals["tokens"] += resp["jobs"][0]["tokens"]
         by_id = {row["prompt_id"]: row for row in df.iter_rows(named=True)}
         return [
-            Sampled(list(o["token_ids"]), list(o["sampler_logprobs"]), o["finish_reason"])
+            Sampled(list(o["token_ids"]), list(o["sampler_logprobs"]), o["finish_reason"], o.get("head_entropy"))
             for o in (by_id[str(i)] for i, _ in items)
         ]
 
@@ -72,17 +86,26 @@ def play(
         specs, environment_spec(agent), agent.environment.kwargs if agent.environment else {},
         ctx.cfg.engines.agent_workers, agent.tool_timeout_s, agent.step_timeout_s,
     )  # fmt: skip
+    tree = None
+    if branching:
+        b = branching
+        tree = Branching(
+            group_size=group_size, initial=b.initial, alpha=b.alpha, beta=b.beta, copies=b.copies,
+            vocab_size=len(tokenizer), draw=random.Random(seed).random,
+        )  # fmt: skip
     try:
-        played = run_episodes(trajectories, rows, tokenizer, settings, generate, workers)
+        played = run_episodes(trajectories, rows, tokenizer, settings, generate, workers, tree)
     finally:
         workers.close()
+    order = {pid: k for k, pid in enumerate(prompts["prompt_id"].to_list())}
+    played = sorted(played, key=lambda t: (order[t.prompt_id], t.sample_idx))  # a prompt's group together
     if "resp" not in first:
         raise NoTurnError(no_turn_line(played))
-    rollouts = [rollout_row(t) for t in played]
+    rollouts = [rollout_row(t, tree=branching is not None) for t in played]
     schema = {**ROLLOUTS.columns, **ROLLOUTS.optional}
     frame = pl.DataFrame(rollouts, schema_overrides={k: v for k, v in schema.items() if k in rollouts[0]}, strict=False)
     turns = pl.DataFrame(
-        [turn for t in played for turn in turn_rows(t)],
+        [turn for t in played for turn in turn_rows(t, tree=branching is not None)],
         schema_overrides={k: v for k, v in TURNS.columns.items() if k not in ("iteration", "round")},
         strict=False,
     )
@@ -109,7 +132,7 @@ def episode_row(prompt: dict) -> dict:
     return {**(prompt.get("extra") or {}), **prompt, "prompt": prompt["text"]}
 
 
-def rollout_row(t: Trajectory) -> dict:
+def rollout_row(t: Trajectory, tree: bool = False) -> dict:
     return {
         "prompt_id": t.prompt_id,
         "sample_idx": t.sample_idx,
@@ -127,8 +150,11 @@ def rollout_row(t: Trajectory) -> dict:
         "tool_errors": t.tool_errors,
         "env_reward": t.env_reward,
         "agent_error": t.error,
+        **({"parent_sample_idx": t.parent, "branch_point": t.branch_point} if tree else {}),
     }
 
 
-def turn_rows(t: Trajectory) -> list[dict]:
-    return [{"prompt_id": t.prompt_id, "sample_idx": t.sample_idx, **turn} for turn in t.turns]
+def turn_rows(t: Trajectory, tree: bool = False) -> list[dict]:
+    """Its `turns` rows; in a branching tree each row also says whether it was copied from the parent (`inherited`)."""
+    marks = [{"inherited": k < t.inherited_turns} for k in range(len(t.turns))] if tree else [{}] * len(t.turns)
+    return [{"prompt_id": t.prompt_id, "sample_idx": t.sample_idx, **turn, **m} for turn, m in zip(t.turns, marks)]

@@ -211,7 +211,9 @@ def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: in
         return sampling_job(ctx, 1, r.temperature, job_seed, r.top_p)
 
     frames = one_job(ctx, model_path)
-    df, turns, resp, totals = agent_rollouts.play(ctx, model_path, prompts, r.group_size, seed, name, frames, job_for)
+    df, turns, resp, totals = agent_rollouts.play(
+        ctx, model_path, prompts, r.group_size, seed, name, frames, job_for, branching=ctx.cfg.agent.branching
+    )
     return (
         df,
         turns,
@@ -237,7 +239,8 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
         )
         if ctx.cfg.agent.enabled:
             df, turns, resp, timing = multi_turn(ctx, policy.path, prompts, seed, name)
-            turns = turns.with_columns(*stamp).select(list(TURNS.columns))  # validated as it is written
+            present = [c for c in TURNS.optional if c in turns.columns]
+            turns = turns.with_columns(*stamp).select(*TURNS.columns, *present)  # validated as it is written
         else:
             job = sampling_job(ctx, r.group_size, r.temperature, seed, r.top_p)
             (df,), resp = generate(ctx, policy.path, prompts, [job], name)

@@ -20,6 +20,7 @@ from schemas.tables import BENCH_RESULTS
 from storage.stage_io import write_bytes_atomic
 from tests.benchmarks import (
     bench_advantages,
+    bench_arpo,
     bench_async,
     bench_frontier,
     bench_iteration,
@@ -47,6 +48,7 @@ SUITES = {
     "async": bench_async.run,
     "frontier": bench_frontier.run,
     "multiturn": bench_multiturn.run,
+    "arpo": bench_arpo.run,
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -21,7 +22,13 @@ import time
 from schemas.requests import GenerationJob, ReceiveWeightsRequest, VLLMSettings, from_wire, to_wire
 
 
-def _rows(outputs, prompt_ids, top: bool = False):
+def head_entropy(steps, k: int) -> float:
+    """ARPO's entropy of a generation's start: over its first k positions, the sum of −Σ p·log p over the candidates
+    vLLM returned at each (the top ones and the sampled token), a truncated entropy (the reference code's)."""
+    return float(-sum(math.exp(c.logprob) * c.logprob for step in steps[:k] for c in step.values()))
+
+
+def _rows(outputs, prompt_ids, top: bool = False, entropy_tokens: int = 0):
     rows = []
     for pid, out in zip(prompt_ids, outputs):
         for k, o in enumerate(out.outputs):
@@ -32,6 +39,8 @@ def _rows(outputs, prompt_ids, top: bool = False):
             if top:
                 first = o.logprobs[0].values() if o.logprobs else ()
                 extra["first_top"] = [{"token": c.decoded_token or "", "logprob": float(c.logprob)} for c in first]
+            if entropy_tokens:
+                extra["head_entropy"] = head_entropy(o.logprobs or [], entropy_tokens)
             rows.append(
                 {
                     **extra,
@@ -141,7 +150,10 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
         outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
         gen_seconds = time.time() - t1
         top = {"first_top": pl.List(pl.Struct({"token": pl.Utf8, "logprob": pl.Float64}))} if job.top_logprobs else {}
-        df = pl.DataFrame(_rows(outputs, prompts["prompt_id"].to_list(), bool(top)), schema={**top, **schema})
+        if job.entropy_tokens:
+            top["head_entropy"] = pl.Float64
+        rows = _rows(outputs, prompts["prompt_id"].to_list(), "first_top" in top, job.entropy_tokens)
+        df = pl.DataFrame(rows, schema={**top, **schema})
         df.write_parquet(job.out_path)
         timings.append({"generate_seconds": gen_seconds, "tokens": int(df["length"].sum())})
     return timings
