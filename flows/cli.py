@@ -254,7 +254,8 @@ def rm_train(
     reconfigure: bool = ReconfigureOpt,
 ) -> None:
     """Train a Bradley–Terry reward model on preference data (generated from the task when
-    preference.data is unset); exported to reward_model.out_path. Re-running resumes."""
+    preference.data is unset), or with reward_model.objective=process a process reward model on steps labelled by a
+    per_step reward function; exported to reward_model.out_path. Re-running resumes."""
     _stop_on_signals()
     _guard(_start, config, overrides, run_id, None, "rm", reconfigure)
 

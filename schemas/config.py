@@ -539,8 +539,19 @@ class JudgeConfig(Section):
         return self
 
 
+class ProcessModelConfig(Section):
+    """A process reward model (PRM) trained by `rlpipe rm-train` with reward_model.objective process: the response is
+    split into steps (reward.steps) and the model's probability that each step is right is read at its last token."""
+
+    path: str = Field(description="The PRM's folder (reward_model.out_path of its rm-train run).")
+    weight: float = Field(1.0, description="Its weight in the reward (and, under grpo_process, on each step).")
+    step_aggregate: Literal["mean", "min", "product"] = Field(
+        "min", description="How its step probabilities become the sample's score_prm (min: the weakest step decides)."
+    )
+
+
 class RewardConfig(Section):
-    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"judges"})  # added after runs existed
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"judges", "process_model"})  # added after runs existed
 
     kind: Literal["rule", "model"] = Field(
         "rule",
@@ -575,6 +586,11 @@ class RewardConfig(Section):
         description="name → an LLM judge (RLAIF): score_<name>, error_<name>, judge_prompt_<name> and "
         "judge_text_<name> in scores, weighted into the reward like a function.",
     )
+    process_model: ProcessModelConfig | None = Field(
+        None,
+        description="A process reward model: its step probabilities in scores as steps_prm (with step_ends), their "
+        "aggregate as score_prm, weighted into the reward; grpo_process reads the steps.",
+    )
 
     @field_validator("functions")
     @classmethod
@@ -582,8 +598,8 @@ class RewardConfig(Section):
         from tasks.rewards.builtin import BUILTIN_REWARDS
 
         for name, spec in functions.items():
-            if not REWARD_NAME.match(name) or name == "model":
-                raise ValueError(f"{name!r} is not a usable reward name (letters, digits and _, not 'model')")
+            if not REWARD_NAME.match(name) or name in ("model", "prm"):
+                raise ValueError(f"{name!r} is not a usable reward name (letters, digits and _, not 'model' or 'prm')")
             if not (spec.path or spec.module) and name not in BUILTIN_REWARDS:
                 raise ValueError(
                     f"{name!r} is not a built-in reward function (choose one of "
@@ -595,8 +611,8 @@ class RewardConfig(Section):
     @classmethod
     def _judge_names(cls, judges: dict) -> dict:
         for name in judges:
-            if not REWARD_NAME.match(name) or name == "model":
-                raise ValueError(f"{name!r} is not a usable judge name (letters, digits and _, not 'model')")
+            if not REWARD_NAME.match(name) or name in ("model", "prm"):
+                raise ValueError(f"{name!r} is not a usable judge name (letters, digits and _, not 'model' or 'prm')")
         return judges
 
     @model_validator(mode="after")
@@ -1188,7 +1204,21 @@ class PreferenceTrainerConfig(Section):
 
 
 class RewardModelConfig(PreferenceTrainerConfig):
-    """Bradley–Terry reward model: a sequence-classification head on the model.path backbone."""
+    """Bradley–Terry reward model: a sequence-classification head on the model.path backbone; or, with objective
+    process, a process reward model: a token-classification head trained on step labels."""
+
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"objective", "step_label"})  # added after runs existed
+
+    objective: Literal["bradley_terry", "process"] = Field(
+        "bradley_terry",
+        description="bradley_terry: a sequence score from ranked responses; process: a PRM, the probability that each "
+        "step is right, from step-labelled samples (BCE at each step's last token).",
+    )
+    step_label: str | None = Field(
+        None,
+        description="objective process: the per_step reward function (of reward.functions) whose step scores label "
+        "the sampled steps, a step being right when its score is at least 0.5; default: the only per_step one.",
+    )
 
     out_path: str = Field(
         "models/demo-rm", description="Where the trained reward model is exported (a Hugging Face folder)."
@@ -1206,6 +1236,15 @@ class RewardModelConfig(PreferenceTrainerConfig):
         description="AdamW's weight decay; what lets the reward model generalise (without it held-out accuracy "
         "stalled near 0.69 on the tiny task).",
     )
+
+
+def step_label_function(reward: "RewardConfig", reward_model: RewardModelConfig) -> str | None:
+    """The per_step reward function whose step scores label a PRM's training steps (reward_model.step_label, or the
+    only per_step function); None when there is none to use."""
+    per_step = [name for name, f in reward.functions.items() if f.per_step]
+    if reward_model.step_label:
+        return reward_model.step_label if reward_model.step_label in per_step else None
+    return per_step[0] if len(per_step) == 1 else None
 
 
 class DPOConfig(PreferenceTrainerConfig):
@@ -1299,10 +1338,23 @@ class RunConfig(Section):
         ):
             raise ValueError("advantage.estimator gdpo normalises the reward's weighted parts, and every weight is 0")
         per_step = [name for name, f in self.reward.functions.items() if f.per_step]
-        if a.estimator == "grpo_process" and not any(self.reward.functions[n].weight for n in per_step):
+        prm = self.reward.process_model
+        if a.estimator == "grpo_process" and not (
+            any(self.reward.functions[n].weight for n in per_step) or (prm and prm.weight)
+        ):
             raise ValueError(
                 "advantage.estimator grpo_process needs a process reward: a reward function with per_step: true "
-                "and a non-zero weight"
+                "and a non-zero weight, or reward.process_model"
+            )
+        if prm and self.agent.enabled:
+            raise ValueError("reward.process_model scores single-turn responses (this run has an agent section)")
+        if self.reward_model.objective == "process" and step_label_function(self.reward, self.reward_model) is None:
+            label = self.reward_model.step_label
+            raise ValueError(
+                f"reward_model.step_label {label!r} is not a per_step function of reward.functions"
+                if label
+                else "reward_model.objective process labels steps with a per_step reward function: reward.functions "
+                f"has {len(per_step)} ({', '.join(per_step) or 'none'}); name one in reward_model.step_label"
             )
         if a.branch_attribution == "hard" and not self.agent.branching:
             raise ValueError("advantage.branch_attribution hard averages over a branching tree: set agent.branching")

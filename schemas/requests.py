@@ -318,9 +318,9 @@ class LogprobsRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class PreferenceTrainRequest:
-    """A Bradley–Terry reward model (rm) or DPO (dpo), trained by DeepSpeed."""
+    """A Bradley–Terry reward model (rm), a process reward model (prm) or DPO (dpo), trained by DeepSpeed."""
 
-    kind: Literal["rm", "dpo"]
+    kind: Literal["rm", "prm", "dpo"]
     model_path: str
     tmp_dir: str
     data_path: str
@@ -346,10 +346,10 @@ class TrainerWarmStart:
 
 @dataclass(frozen=True, kw_only=True)
 class ScoreRequest:
-    """Forward passes without training: a reward model's score of each sequence (rm_score), or a causal LM's
-    sequence logprobs of each pair's two responses (seq_logprobs)."""
+    """Forward passes without training: a reward model's score of each sequence (rm_score), a process reward model's
+    step probabilities (prm_score), or a causal LM's sequence logprobs of each pair's two responses (seq_logprobs)."""
 
-    kind: Literal["rm_score", "seq_logprobs"]
+    kind: Literal["rm_score", "prm_score", "seq_logprobs"]
     model_path: str
     data_path: str
     out_path: str

@@ -304,6 +304,32 @@ RM_METRICS = _table("rm_metrics", 1, {"step": I32, "loss": F64, "lr": F64}, open
 PAIR_EVAL_COLUMNS = {"prompt_id": STR, "pair_idx": I32, "chosen_score": F64, "rejected_score": F64, "correct": BOOL}
 RM_EVAL = _table("rm_eval", 1, PAIR_EVAL_COLUMNS, unique=("prompt_id", "pair_idx"))
 
+# A process reward model's data (reward_model.objective process): sampled responses, each step labelled right (1) or
+# wrong (0) by a per_step reward function; `step_ends` are the response tokens on which the steps end.
+PRM_STEPS = _table(
+    "prm_steps",
+    1,
+    {
+        "prompt_id": STR,
+        "sample_idx": I32,
+        "prompt_token_ids": LIST_I32,
+        "response": STR,
+        "response_token_ids": LIST_I32,
+        "step_ends": LIST_I32,
+        "step_labels": pl.List(F64),
+        "split": STR,
+    },
+    unique=("prompt_id", "sample_idx"),
+)
+PRM_METRICS = _table("prm_metrics", 1, {"step": I32, "loss": F64, "lr": F64}, open=True)
+# The held-out responses scored by the trained PRM: its probability that each step is right.
+PRM_EVAL = _table(
+    "prm_eval",
+    1,
+    {"prompt_id": STR, "sample_idx": I32, "step_labels": pl.List(F64), "step_scores": pl.List(F64)},
+    unique=("prompt_id", "sample_idx"),
+)
+
 # The frozen reference's sequence logprobs (sums over response tokens) of every pair, for DPO.
 REF_LOGPROBS = _table(
     "ref_logprobs",
@@ -349,6 +375,9 @@ TABLES: dict[str, TableSchema] = {
         PREFERENCE_PAIRS,
         RM_METRICS,
         RM_EVAL,
+        PRM_STEPS,
+        PRM_METRICS,
+        PRM_EVAL,
         REF_LOGPROBS,
         DPO_METRICS,
         DPO_EVAL,

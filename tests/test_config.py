@@ -74,11 +74,16 @@ def test_a_section_added_to_by_a_default_factory_keeps_its_fingerprint_at_the_de
     import json
 
     cfg = RunConfig()
-    legacy = {k: v for k, v in cfg.reward.model_dump(mode="json").items() if k != "judges"}
+    legacy = {k: v for k, v in cfg.reward.model_dump(mode="json").items() if k not in ("judges", "process_model")}
     expected = hashlib.sha256(json.dumps({"reward": legacy, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()
     assert cfg.section_hash("reward") == expected[:16]
     judged = build_config({"reward": {"judges": {"j": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}}}})
     assert judged.section_hash("reward") != expected[:16]
+    # reward.process_model and reward_model.objective came later still: the same holds for them
+    assert build_config({}, ["reward.process_model={path: m}"]).section_hash("reward") != expected[:16]
+    rm = {k: v for k, v in cfg.reward_model.model_dump(mode="json").items() if k not in ("objective", "step_label")}
+    legacy_rm = hashlib.sha256(json.dumps({"reward_model": rm, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()
+    assert cfg.section_hash("reward_model") == legacy_rm[:16]
 
 
 def test_a_saved_config_is_parsed_once_per_content():

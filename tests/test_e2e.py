@@ -349,6 +349,51 @@ def check_process_rewards_from_saved_rollouts(workspace, layout: RunLayout):
         cwd=workspace,
     )  # fmt: skip
     assert "grpo_process" in out.stdout
+    check_process_model(workspace, layout, functions)
+
+
+def check_process_model(workspace, layout: RunLayout, functions: str):
+    """A process reward model: `rm-train` with reward_model.objective process samples the SFT model, labels each step
+    by the per_step function, trains a token-classification head, and evaluates it on held-out prompts; a fork then
+    re-scores the saved rollouts with it. Its step probabilities are the head's read at each step's last token of a
+    plain forward pass over prompt + response, and its aggregate (min) is weighted into the reward."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    root, prm = str(workspace / "runs"), workspace / "models/prm"
+    sets = [
+        f"reward.functions={functions}", "reward.steps.regex=\\d", "reward_model.objective=process",
+        "preference.n_prompts=32", "reward_model.steps=6", "reward_model.batch_size=16",
+        "reward_model.micro_batch_size=16", f"reward_model.out_path={prm}",
+    ]  # fmt: skip
+    sets = [x for s in sets for x in ("--set", s)]
+    rlpipe("rm-train", str(workspace / "config.yaml"), "--run-id", "prm-train", *sets, cwd=workspace)
+    trained = RunLayout(workspace / "runs", "prm-train")
+    summary = json.loads(trained.summary_path.read_text())
+    steps = read_table(trained, "prm_steps", 0)
+    assert summary["prm_steps"] > 0 and 0 <= summary["prm_step_accuracy"] <= 1 and summary["prm_responses"] > 0
+    assert set(steps["split"]) == {"train", "heldout"} and read_table(trained, "prm_metrics", 1).height == 6
+    assert (steps["step_ends"].list.len() == steps["step_labels"].list.len()).all()
+    assert json.loads((prm / "config.json").read_text())["architectures"] == ["LlamaForTokenClassification"]
+    rlpipe(
+        "rerun", layout.run_id, "--iteration", "1", "--stage", "scores", "--fork", "prm-model", "--root", root,
+        "--set", f"reward.process_model={{path: {prm}, weight: 0.5}}", "--set", "reward.steps.regex=\\d",
+        cwd=workspace,
+    )  # fmt: skip
+    fork = RunLayout(workspace / "runs", "prm-model")
+    before = read_table(layout, "scores", 1).select("prompt_id", "sample_idx", pl.col("reward").alias("before"))
+    scores = read_table(fork, "scores", 1).join(read_table(fork, "rollouts", 1), on=["prompt_id", "sample_idx"])
+    scores = scores.join(before, on=["prompt_id", "sample_idx"])
+    assert scores.height and (scores["steps_prm"].list.len() == scores["step_ends"].list.len()).all()
+    assert (scores["score_prm"] - scores["steps_prm"].list.min()).abs().max() < 1e-12
+    assert (scores["reward"] - scores["before"] - 0.5 * scores["score_prm"]).abs().max() < 1e-9
+    model = AutoModelForTokenClassification.from_pretrained(prm).eval()
+    for row in scores.head(4).iter_rows(named=True):
+        ids = row["prompt_token_ids"] + row["token_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :, 0]
+        at = [len(row["prompt_token_ids"]) + e for e in row["step_ends"]]
+        assert row["steps_prm"] == pytest.approx(torch.sigmoid(logits[at]).tolist(), abs=1e-5)
 
 
 def check_judges_from_saved_rollouts(workspace, layout: RunLayout):

@@ -286,3 +286,71 @@ def test_the_documented_example_checks_each_column_of_a_worked_sum():
     assert df["steps_columns"].to_list() == [[1.0] * 5, [1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 0.0]]
     assert df["score_columns"].to_list() == pytest.approx([1.0, 0.6, 0.5])
     assert df["score_accuracy"].to_list() == [1.0, 0.0, 0.0]
+
+
+def test_the_process_models_loss_is_each_steps_binary_cross_entropy_averaged_over_the_response():
+    import torch
+
+    from tasks.algos.preference_losses import step_label_loss
+
+    logits = [torch.tensor([0.0, 2.0]), torch.tensor([-1.0]), torch.tensor([])]
+    labels = [torch.tensor([1.0, 0.0]), torch.tensor([0.0]), torch.tensor([])]
+    p = 1 / (1 + math.exp(-2.0))  # σ(2)
+    want = [(-math.log(0.5) - math.log(1 - p)) / 2, -math.log(1 - 1 / (1 + math.exp(1.0))), 0.0]
+    assert step_label_loss(logits, labels).tolist() == pytest.approx(want)
+
+
+def test_process_model_step_logits_are_the_heads_reading_at_each_steps_last_token():
+    """The shared-prefix layout (a group's prompt once) against a plain forward of each prompt + response on a tiny
+    token-classification model: the same logits at the steps' last tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    from tasks.engines.workers.sequence_scores import step_logits
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=1, classifier_dropout=0.0,
+    )  # fmt: skip
+    model = LlamaForTokenClassification(config).eval()
+    prompts = [[1, 2, 3], [1, 2, 3], [4, 5]]
+    responses = [[6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    ends = [[0, 2, 3], [1], [0, 2]]
+    with torch.no_grad():
+        got = step_logits(model, prompts, responses, ends, pad=0)
+        for p, r, e, g in zip(prompts, responses, ends, got):
+            full = model(input_ids=torch.tensor([p + r])).logits[0, :, 0]
+            assert g.tolist() == pytest.approx(full[[len(p) + j for j in e]].tolist(), abs=1e-5)
+
+
+def test_process_model_held_out_figures_by_hand():
+    from tasks.stages.process_model import prm_summary
+
+    df = pl.DataFrame(
+        {
+            "step_labels": [[1.0, 1.0], [1.0, 0.0], [0.0]],
+            "step_scores": [[0.9, 0.6], [0.8, 0.3], [0.7]],
+        }
+    )
+    got = prm_summary(df)
+    # steps: labels 1,1,1,0,0 against scores .9,.6,.8,.3,.7 → right at 0.5: 1,1,1,1,0 = 4/5; majority (1) 3/5;
+    # AUC: positives .9,.6,.8 over negatives .3,.7: pairs won 2+1+2 = 5 of 6
+    assert got["steps"] == 5 and got["step_accuracy"] == pytest.approx(0.8)
+    assert got["step_majority_accuracy"] == pytest.approx(0.6) and got["step_auc"] == pytest.approx(5 / 6)
+    # responses (the weakest step): right 1,0,0 with min scores .6,.3,.7 → at 0.5 right: 1,1,0 = 2/3; AUC .6 over .3,.7
+    assert got["responses"] == 3 and got["response_accuracy"] == pytest.approx(2 / 3)
+    assert got["response_auc"] == pytest.approx(0.5)
+
+
+def test_a_process_model_joins_the_step_parts_and_grpo_process_accepts_it():
+    from tasks.stages.advantages import outcome_parts, reward_components, step_parts
+
+    cfg = build_config({}, ["reward.process_model={path: models/prm, weight: 0.5}", "advantage.estimator=grpo_process"])
+    assert step_parts(cfg.reward) == (("steps_prm", 0.5),)
+    assert ("score_prm", 0.5) in reward_components(cfg.reward)
+    assert all(c != "score_prm" for c, _ in outcome_parts(cfg.reward))
+    with pytest.raises(ConfigError, match="grpo_process needs a process reward"):
+        build_config({}, ["advantage.estimator=grpo_process"])
+    with pytest.raises(ConfigError, match="reward_model.step_label 'nope' is not a per_step function"):
+        build_config({}, ["reward_model.objective=process", "reward_model.step_label=nope"])

@@ -152,6 +152,11 @@ CASES = [
     ),
     ("judge not scored", ["eval.judge=correct"], "eval.judge 'correct' is not scored by this run"),
     ("model folder missing", ["model.path={tmp}/no-model"], "does not exist or has no config.json"),
+    (
+        "a causal LM as the process reward model",
+        ["reward.process_model={path: {char}}"],
+        "reward.process_model.path {char} is a LlamaForCausalLM folder, not a process reward model",
+    ),
     ("model folder without a tokenizer", ["model.path={bare}"], "model folder {bare} has no usable tokenizer"),
     (
         "task writing into your data",
@@ -166,7 +171,12 @@ def test_bad_input_is_one_line_before_any_engine(tmp_path, models, overrides, ne
     from flows.cli import app
 
     files = case_files(tmp_path)
-    subst = {"tmp": str(tmp_path), "bare": str(models["bare"]), **{k: str(v) for k, v in files.items()}}
+    subst = {
+        "tmp": str(tmp_path),
+        "bare": str(models["bare"]),
+        "char": str(models["char"]),
+        **{k: str(v) for k, v in files.items()},
+    }
 
     def fill(text: str) -> str:  # {name} → that case file's path; anything else (a template's {prompt}) stays
         for key, value in subst.items():

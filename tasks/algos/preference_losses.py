@@ -59,3 +59,15 @@ def chosen_nll(chosen_logps: torch.Tensor, chosen_lengths: torch.Tensor) -> torc
     """Mean over pairs of the chosen response's per-token NLL, −log π(y_w)/|y_w|: the term RPO (Pang et al.
     2024) adds to DPO so that the chosen response's likelihood is not pushed down along with the rejected."""
     return -(chosen_logps / chosen_lengths.clamp(min=1)).mean()
+
+
+def step_label_loss(logits: list[torch.Tensor], labels: list[torch.Tensor]) -> torch.Tensor:
+    """(N,) a process reward model's loss per response: the mean over its steps of the binary cross-entropy of the
+    step's label y ∈ {0, 1} under p = σ(logit at the step's last token), −[y·log p + (1 − y)·log(1 − p)]; 0 for a
+    response with no step."""
+    return torch.stack(
+        [
+            F.binary_cross_entropy_with_logits(x, y, reduction="mean") if len(y) else x.sum() * 0.0
+            for x, y in zip(logits, labels)
+        ]
+    )

@@ -34,17 +34,23 @@ def reward_components(reward) -> tuple[tuple[str, float], ...]:
     parts = [(f"score_{name}", f.weight) for name, f in {**reward.functions, **reward.judges}.items()]
     if reward.kind == "model":
         parts.append(("score_model", reward.model_weight))
+    if reward.process_model:
+        parts.append(("score_prm", reward.process_model.weight))
     return tuple((column, weight) for column, weight in parts if weight)
 
 
 def step_parts(reward) -> tuple[tuple[str, float], ...]:
-    """The process rewards' step-score lists in `scores` (steps_<name>), with their weights (0 left out)."""
-    return tuple((f"steps_{name}", f.weight) for name, f in reward.functions.items() if f.per_step and f.weight)
+    """The process rewards' step-score lists in `scores` (steps_<name>, and the process reward model's steps_prm),
+    with their weights (0 left out)."""
+    parts = [(f"steps_{name}", f.weight) for name, f in reward.functions.items() if f.per_step]
+    if reward.process_model:
+        parts.append(("steps_prm", reward.process_model.weight))
+    return tuple((column, weight) for column, weight in parts if weight)
 
 
 def outcome_parts(reward) -> tuple[tuple[str, float], ...]:
     """The reward's parts that score a whole response: every component but the process rewards' aggregates."""
-    per_step = {f"score_{name}" for name, f in reward.functions.items() if f.per_step}
+    per_step = {f"score_{name}" for name, f in reward.functions.items() if f.per_step} | {"score_prm"}
     return tuple((column, weight) for column, weight in reward_components(reward) if column not in per_step)
 
 
@@ -66,8 +72,8 @@ def advantage_inputs(
     if steps:  # grpo_process: the step ends and scores, and the outcome parts it adds on the last step
         if not step_parts(reward):
             raise AdvantageInputError(
-                f"grpo_process needs process rewards (a reward function with per_step: true), and run "
-                f"{ctx.layout.run_id!r} has none"
+                f"grpo_process needs process rewards (a reward function with per_step: true, or "
+                f"reward.process_model), and run {ctx.layout.run_id!r} has none"
             )
         parts += ["step_ends", *(c for c, _ in step_parts(reward)), *(c for c, _ in outcome_parts(reward))]
         parts = list(dict.fromkeys(parts))

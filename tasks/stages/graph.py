@@ -18,6 +18,7 @@ from tasks.stages import (
     logprobs,
     optimize,
     preference_data,
+    process_model,
     prompts,
     reward_model,
     rollouts,
@@ -70,6 +71,9 @@ PREFERENCE_STAGES = (
     dpo.EVAL_SPEC,
     reward_model.TRAIN_SPEC,
     reward_model.EVAL_SPEC,
+    process_model.STEPS_SPEC,
+    process_model.TRAIN_SPEC,
+    process_model.EVAL_SPEC,
 )
 STAGES = RUN_STAGES + RL_ITERATION + PREFERENCE_STAGES
 

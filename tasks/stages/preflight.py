@@ -7,6 +7,7 @@ that use them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from schemas.errors import UserError
@@ -52,6 +53,27 @@ def check_teacher(teacher_path: str | None, model_path: str) -> None:
 
 class TeacherError(UserError, ValueError):
     pass
+
+
+def check_process_model(path: str, model_path: str) -> None:
+    """reward.process_model reads the policy's token ids with a token-classification head: a folder `rlpipe rm-train`
+    wrote under reward_model.objective process, with the policy's vocabulary."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    model_fingerprint(path)
+    kinds = json.loads(Path(path, "config.json").read_text()).get("architectures") or []
+    if not any(k.endswith("ForTokenClassification") for k in kinds):
+        raise TeacherError(
+            f"reward.process_model.path {path} is a {', '.join(kinds) or 'model'} folder, not a process reward model "
+            "(a token-classification head: rlpipe rm-train with reward_model.objective process)"
+        )
+    if AutoTokenizer.from_pretrained(path).get_vocab() != AutoTokenizer.from_pretrained(model_path).get_vocab():
+        raise TeacherError(
+            f"reward.process_model.path {path}: its tokenizer's vocabulary differs from the policy's: it must read the "
+            "policy's own token ids"
+        )
 
 
 def check_lora(cfg, model_path: str) -> None:
@@ -117,6 +139,8 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         check_lora(cfg, cfg.model.path)
     if cfg.reward.kind == "model":
         model_fingerprint(cfg.reward.model_path)
+    if cfg.reward.process_model:
+        check_process_model(cfg.reward.process_model.path, cfg.model.path)
     if flow == "rl" and cfg.advantage.estimator == "distill":
         check_teacher(cfg.advantage.teacher_path, cfg.model.path)
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None

@@ -23,7 +23,7 @@ from tasks.engines.vllm_client import resident_engine
 from tasks.rewards.judge import JudgeError, Reply, ask_endpoint, judge_columns
 from tasks.rewards.loader import source_hash, specs_from_config
 from tasks.rewards.scoring import RewardError, joined_errors, prompt_arguments, score_frame
-from tasks.rewards.steps import step_ends_column
+from tasks.rewards.steps import aggregate_steps, step_ends_column
 from tasks.stages.common import (
     Computed,
     RunContext,
@@ -70,6 +70,8 @@ def reward_models(reward) -> dict[str, str]:
     """The identities of the models the reward reads (the reward model's; each local judge's, with its tokenizer, whose
     chat template writes the judge's prompts), for a fingerprint."""
     out = {"reward_model": model_fingerprint(reward.model_path)} if reward.kind == "model" else {}
+    if reward.process_model:
+        out["process_model"] = model_fingerprint(reward.process_model.path)
     for name, judge in reward.judges.items():
         if judge.model_path:
             out[f"judge_{name}"] = model_fingerprint(judge.model_path) + tokenizer_fingerprint(judge.model_path)
@@ -84,6 +86,8 @@ def model_and_judges(
     reward = ctx.cfg.reward
     if reward.kind == "model":
         scores = add_model_score(scores, reward_model_scores(ctx, rollouts, f"rm-score-{name}"), reward.model_weight)
+    if reward.process_model:
+        scores = add_process_model_scores(ctx, scores, rollouts, f"prm-score-{name}")
     if not reward.judges:
         return scores
     shared = prompt_arguments(prompts, ctx.cfg.data.answer_key)
@@ -208,6 +212,26 @@ def reward_model_scores(ctx: RunContext, rollouts: pl.DataFrame, name: str) -> p
     return score_frame_worker(
         ctx, "rm_score", ctx.cfg.reward.model_path, ctx.cfg.optim.micro_batch_size, data, name, log="rm_score"
     )["score"]
+
+
+def add_process_model_scores(ctx: RunContext, scores: pl.DataFrame, rollouts: pl.DataFrame, name: str) -> pl.DataFrame:
+    """The process reward model's columns: `steps_prm`, its probability that each step (reward.steps) is right, read
+    at the step's last token of exactly the tokens sampled; `score_prm`, their step_aggregate, weighted into `reward`;
+    and the steps' `step_ends`, when no per_step function has placed them."""
+    pm = ctx.cfg.reward.process_model
+    ends = scores["step_ends"] if "step_ends" in scores.columns else step_ends(ctx, rollouts)
+    data = rollouts.select("prompt_token_ids", pl.col("token_ids").alias("response_token_ids")).with_columns(
+        ends.alias("step_ends")
+    )
+    steps = score_frame_worker(ctx, "prm_score", pm.path, ctx.cfg.optim.micro_batch_size, data, name, log="prm_score")[
+        "step_scores"
+    ]
+    if not steps.explode().drop_nulls().is_finite().all():
+        raise RewardError("the process reward model returned a non-finite step score")
+    score = pl.Series("score_prm", [aggregate_steps(v, pm.step_aggregate) for v in steps.to_list()], pl.Float64)
+    return scores.with_columns(ends.alias("step_ends"), steps.alias("steps_prm"), score).with_columns(
+        (pl.col("reward") + pm.weight * pl.col("score_prm")).alias("reward")
+    )
 
 
 def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float) -> pl.DataFrame:

@@ -3,6 +3,10 @@
 - `rm`: a Bradley–Terry reward model, `AutoModelForSequenceClassification` (one label, scoring the last non-pad
   token) on the model_path backbone. Data: rankings (prompt_token_ids, response_token_ids, ranks); a ranking is ONE
   batch element whose loss is the mean over its pairs (tasks/algos/preference_losses.py).
+- `prm`: a process reward model, `AutoModelForTokenClassification` (one label) on the model_path backbone. Data:
+  step-labelled responses (prompt_token_ids, response_token_ids, step_ends, step_labels); the loss is the binary
+  cross-entropy of each step's label at its last token, averaged over a response's steps (tasks/algos/
+  preference_losses.py), the mean over the batch's responses.
 - `dpo`: DPO on pairs (prompt_token_ids, chosen_token_ids, rejected_token_ids, ref_chosen_logp, ref_rejected_logp),
   plus nll_coef × the chosen responses' per-token NLL when nll_coef > 0 (RPO).
 
@@ -21,11 +25,17 @@ import torch
 from transformers import AutoTokenizer
 
 from schemas.requests import PreferenceTrainRequest
-from tasks.algos.preference_losses import chosen_nll, dpo_loss, kwise_bradley_terry, pairwise_accuracy
+from tasks.algos.preference_losses import (
+    chosen_nll,
+    dpo_loss,
+    kwise_bradley_terry,
+    pairwise_accuracy,
+    step_label_loss,
+)
 from tasks.data.formatting import pad_id
 from tasks.engines.workers import data_parallel
 from tasks.engines.workers.deepspeed_train import load_policy
-from tasks.engines.workers.sequence_scores import reward_model, rm_scores, sequence_logps
+from tasks.engines.workers.sequence_scores import process_model, reward_model, rm_scores, sequence_logps, step_logits
 from tasks.engines.workers.training import (
     Progress,
     accumulation_steps,
@@ -99,6 +109,39 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
     )
 
 
+def _prm_train(request: PreferenceTrainRequest, tokenizer):
+    data = pl.read_parquet(request.data_path)
+    prompts, responses, ends, labels = (
+        data[c].to_list() for c in ("prompt_token_ids", "response_token_ids", "step_ends", "step_labels")
+    )
+    model = process_model(request.model_path, tokenizer)
+    engine, optimizer = _engine(model, request)
+    pad, bs = model.config.pad_token_id, request.schedule.batch_size
+    rows, progress = [], Progress("process reward model", request.schedule.steps)
+    for step, lr, batch, parts in _steps(request, optimizer, data.height):
+        totals = {"loss": 0.0, "right": 0.0, "steps": 0.0}
+        for k, idx, scale in data_parallel.micro_steps(batch, parts):
+            logits = step_logits(
+                engine, [prompts[i] for i in idx], [responses[i] for i in idx], [ends[i] for i in idx], pad
+            )
+            targets = [torch.tensor(labels[i], dtype=torch.float32) for i in idx]
+            loss = step_label_loss(logits, targets).sum() / bs  # summed over the micro batch: the batch mean
+            engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
+            engine.backward(loss * scale, scale_wrt_gas=False)
+            engine.step()
+            if scale:
+                totals["loss"] += float(loss.detach())
+                totals["right"] += float(sum(((x.detach() > 0).float() == y).sum() for x, y in zip(logits, targets)))
+                totals["steps"] += float(sum(len(y) for y in targets))
+        totals = data_parallel.sum_over_ranks(totals)
+        accuracy = totals["right"] / max(totals["steps"], 1.0)
+        rows.append({"step": step, "loss": totals["loss"], "lr": lr, "train_step_accuracy": accuracy})
+        progress.step(step + 1, {"loss": totals["loss"], "step_accuracy": accuracy})
+    return engine, pl.DataFrame(
+        rows, schema={"step": pl.Int32, "loss": pl.Float64, "lr": pl.Float64, "train_step_accuracy": pl.Float64}
+    )
+
+
 def _dpo_train(request: PreferenceTrainRequest, tokenizer):
     data = pl.read_parquet(request.data_path)
     prompts, rc, rr = (
@@ -145,7 +188,7 @@ def handle(request: PreferenceTrainRequest) -> dict:
     torch.manual_seed(request.seed)
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)
-    engine, table = (_rm_train if request.kind == "rm" else _dpo_train)(request, tokenizer)
+    engine, table = {"rm": _rm_train, "prm": _prm_train, "dpo": _dpo_train}[request.kind](request, tokenizer)
     train_seconds = time.time() - t0
     if data_parallel.rank() == 0:
         table.write_parquet(request.metrics_path)

@@ -2,6 +2,8 @@
 
 - `rm_score`: a trained reward model's score of each (prompt_token_ids, response_token_ids) row: the RL scores stage
   (the very tokens sampled), eval, and the reward model's held-out pairs.
+- `prm_score`: a process reward model's probability that each step is right, read at each step's last token (the
+  rows' `step_ends`, response token indices).
 - `seq_logprobs`: a causal LM's sequence logprob (sum over response tokens, EOS included) of each pair's chosen and
   rejected response (DPO's reference and its held-out eval).
 No Prefect import: this runs in its own process.
@@ -13,7 +15,12 @@ import time
 
 import polars as pl
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
 
 from schemas.requests import ScoreRequest
 from tasks.data.formatting import pad_id
@@ -38,6 +45,32 @@ def reward_model(path: str, tokenizer):
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = rm_pad_id(tokenizer, model.config.vocab_size)
     return model
+
+
+def process_model(path: str, tokenizer):
+    """A token-classification head with one label (the logit that the step ending on the token is right), without
+    dropout, so that a step's score is one deterministic forward pass."""
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    model.config.pad_token_id = rm_pad_id(tokenizer, model.config.vocab_size)
+    return model
+
+
+def step_logits(model, prompts: list[list[int]], responses: list[list[int]], ends: list[list[int]], pad: int):
+    """Per response, the (S,) logits of the PRM's head at its steps' last tokens (`ends`, indices into the response),
+    on the shared-prefix layout (a group's prompt computed once)."""
+    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    batch = pack_shared(prompts, responses, pad)
+    hidden = module.base_model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False
+    ).last_hidden_state  # (G, L, H)
+    out = []
+    for n, (response, at) in enumerate(zip(responses, ends)):
+        row, last = batch.ends[n]  # the response's last token; its token j sits len(response) − 1 − j before it
+        cols = last - (len(response) - 1) + torch.tensor(at, dtype=torch.long)
+        out.append(module.score(hidden[row, cols])[:, 0].float())
+    return out
 
 
 def rm_scores(model, prompts: list[list[int]], responses: list[list[int]], pad: int):
@@ -87,6 +120,28 @@ def _rm_score(request: ScoreRequest, tokenizer) -> None:
     data.with_columns(pl.Series("score", scores, dtype=pl.Float64)).write_parquet(request.out_path)
 
 
+def _prm_score(request: ScoreRequest, tokenizer) -> None:
+    data = pl.read_parquet(request.data_path)
+    model = process_model(request.model_path, tokenizer).eval()
+    prompts, responses = data["prompt_token_ids"].to_list(), data["response_token_ids"].to_list()
+    ends = data["step_ends"].to_list()
+    order = group_order(list(range(data.height)), prompts)
+
+    def one(idx: list[int]) -> list[list[float]]:
+        logits = step_logits(
+            model, [prompts[i] for i in idx], [responses[i] for i in idx], [ends[i] for i in idx],
+            model.config.pad_token_id,
+        )  # fmt: skip
+        return [torch.sigmoid(x).tolist() for x in logits]
+
+    with torch.no_grad():
+        done = [v for part in map_in_order(one, chunks(order, request.micro_batch_size)) for v in part]
+    probs: list[list[float]] = [[] for _ in range(data.height)]
+    for i, v in zip(order, done):
+        probs[i] = v
+    data.with_columns(pl.Series("step_scores", probs, dtype=pl.List(pl.Float64))).write_parquet(request.out_path)
+
+
 def _seq_logprobs(request: ScoreRequest, tokenizer) -> None:
     data = pl.read_parquet(request.data_path)
     model = load_lm(request.model_path, "float32")
@@ -117,5 +172,5 @@ def handle(request: ScoreRequest) -> dict:
     torch.manual_seed(0)
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(request.model_path)
-    (_rm_score if request.kind == "rm_score" else _seq_logprobs)(request, tokenizer)
+    {"rm_score": _rm_score, "prm_score": _prm_score, "seq_logprobs": _seq_logprobs}[request.kind](request, tokenizer)
     return {"seconds": time.time() - t0}
