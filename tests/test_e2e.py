@@ -365,6 +365,7 @@ def check_process_model(workspace, layout: RunLayout, functions: str):
         f"reward.functions={functions}", "reward.steps.regex=\\d", "reward_model.objective=process",
         "preference.n_prompts=32", "reward_model.steps=6", "reward_model.batch_size=16",
         "reward_model.micro_batch_size=16", f"reward_model.out_path={prm}",
+        f"reward.process_model={{path: {prm}}}",  # as the docs' config: the PRM it trains is not there yet
     ]  # fmt: skip
     sets = [x for s in sets for x in ("--set", s)]
     rlpipe("rm-train", str(workspace / "config.yaml"), "--run-id", "prm-train", *sets, cwd=workspace)

@@ -99,9 +99,6 @@ INVALIDATES = {
         "dpo_eval",
         "rm_metrics",
         "rm_eval",
-        "prm_steps",
-        "prm_metrics",
-        "prm_eval",
     ],
     "sft": ["sft_data", "sft_metrics", "train_metrics", "advantages", "prompt_stats", "eval"],
     "preference": [

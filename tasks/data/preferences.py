@@ -60,8 +60,9 @@ def pairs_from_rankings(rankings: pl.DataFrame) -> pl.DataFrame:
 
 
 def assign_splits(rankings: pl.DataFrame, heldout_fraction: float, seed: int) -> pl.DataFrame:
-    """A seeded random `heldout_fraction` of the prompts is held out (at least one, never all)."""
-    ids = sorted(rankings["prompt_id"].to_list())
+    """A seeded random `heldout_fraction` of the prompts is held out (at least one, never all); a prompt's rows (a
+    PRM's several responses to it) all go to one side."""
+    ids = sorted(set(rankings["prompt_id"].to_list()))
     random.Random(seed).shuffle(ids)
     n = min(max(1, round(heldout_fraction * len(ids))), len(ids) - 1)
     held = set(ids[:n])

@@ -143,7 +143,13 @@ def advantages_task(storage_root: str, run_id: str, iteration: int, upstream: di
             )
         out = compute_advantages(df, estimator.name, settings, history)
         if ctx.cfg.advantage.branch_attribution == "hard":  # ARPO's: shared tokens get their trajectories' mean
-            tree = read_stage(ctx.layout, "rollouts", iteration).select(*KEYS, "parent_sample_idx", "branch_point")
+            tree = read_stage(ctx.layout, "rollouts", iteration)
+            if "parent_sample_idx" not in tree.columns:
+                raise AdvantageInputError(
+                    f"advantage.branch_attribution hard: iteration {iteration}'s rollouts hold no branching tree (they "
+                    "were sampled without agent.branching)"
+                )
+            tree = tree.select(*KEYS, "parent_sample_idx", "branch_point")
             out = tree_mean_advantages(out.join(tree, on=KEYS, how="left", maintain_order="left"))
         stats = {"prompt_stats": update_prompt_stats(history, df, iteration)} if estimator.keeps_prompt_state else {}
         nonzero = float((out["advantage"] != 0).mean())

@@ -139,8 +139,8 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         check_lora(cfg, cfg.model.path)
     if cfg.reward.kind == "model":
         model_fingerprint(cfg.reward.model_path)
-    if cfg.reward.process_model:
-        check_process_model(cfg.reward.process_model.path, cfg.model.path)
+    if cfg.reward.process_model and not (flow == "rm" and cfg.reward_model.objective == "process"):
+        check_process_model(cfg.reward.process_model.path, cfg.model.path)  # (training one does not read it)
     if flow == "rl" and cfg.advantage.estimator == "distill":
         check_teacher(cfg.advantage.teacher_path, cfg.model.path)
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None

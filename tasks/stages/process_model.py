@@ -19,9 +19,9 @@ from storage import StageOutput, read_stage
 from tasks.analysis.judge_agreement import auc
 from tasks.data.preferences import assign_splits
 from tasks.rewards.loader import source_hash, specs_from_config
+from tasks.rewards.scoring import score_frame
 from tasks.stages.common import Computed, load_run, run_stage, score_frame_worker, stage_task
 from tasks.stages.dataset import dataset_fingerprint
-from tasks.stages.evaluate import judged
 from tasks.stages.prompts import split_of
 from tasks.stages.reward_model import ensure_exported, train_preference_model
 from tasks.stages.rollouts import generate, sampling_job
@@ -33,7 +33,7 @@ STEPS_SPEC = StageSpec(
     "prm_steps",
     reads=("dataset",),
     scope="run",
-    sections=("preference", "prompt", "rollout", "reward", "reward_model", "eval", "model", "data", "lora", "optim"),
+    sections=("preference", "prompt", "rollout", "reward", "reward_model", "model", "data", "lora", "optim"),
 )
 TRAIN_SPEC = StageSpec(
     "prm_metrics",
@@ -69,7 +69,13 @@ def prm_steps_task(storage_root: str, run_id: str) -> StageOutput:
         train = split_of(ctx, "train").head(p.n_prompts)
         job = sampling_job(ctx, p.k, p.temperature, ctx.cfg.seed)
         (samples,), resp = generate(ctx, ctx.cfg.model.path, train, [job], "prm-samples")
-        scored = judged(ctx, samples, train, "prm-label").with_columns(step_ends(ctx, samples))
+        # The rule functions only: a reward model, a judge or the PRM being trained add nothing to the labels.
+        stamp = (pl.lit(0, pl.Int32).alias("iteration"), pl.lit(0, pl.Int32).alias("round"))
+        scores = score_frame(
+            samples.with_columns(*stamp), train, ctx.cfg.reward, ctx.cfg.rollout.max_tokens, ctx.cfg.data.answer_key
+        ).select("prompt_id", "sample_idx", f"steps_{label}", f"error_{label}")
+        scored = samples.join(scores, on=["prompt_id", "sample_idx"], validate="1:1", maintain_order="left")
+        scored = scored.with_columns(step_ends(ctx, samples))
         errors = scored.filter(pl.col(f"error_{label}").is_not_null())
         if errors.height == scored.height:
             raise ProcessDataError(
@@ -94,6 +100,11 @@ def prm_steps_task(storage_root: str, run_id: str) -> StageOutput:
                 f"reward function {label!r} returned {mismatch['step_labels'][0].len()} step scores for a response "
                 f"that reward.steps splits into {mismatch['step_ends'][0].len()} steps (prompt "
                 f"{mismatch['prompt_id'][0]!r}): a per_step function returns one score per step it is given"
+            )
+        if steps["prompt_id"].n_unique() < 2:
+            raise ProcessDataError(
+                f"prm_steps: {steps.height} labelled responses from {steps['prompt_id'].n_unique()} prompt(s); a train "
+                "and a held-out split need at least 2 (raise preference.n_prompts)"
             )
         steps = assign_splits(steps, p.heldout_fraction, ctx.cfg.seed)
         flat = steps.select(pl.col("step_labels").explode())["step_labels"]

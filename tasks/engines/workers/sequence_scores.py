@@ -61,6 +61,11 @@ def step_logits(model, prompts: list[list[int]], responses: list[list[int]], end
     """Per response, the (S,) logits of the PRM's head at its steps' last tokens (`ends`, indices into the response),
     on the shared-prefix layout (a group's prompt computed once)."""
     module = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    head = getattr(module, "score", None) or getattr(
+        module, "classifier", None
+    )  # Llama-likes: score; GPT-2: classifier
+    if head is None:
+        raise ValueError(f"{type(module).__name__} has no token-classification head named score or classifier")
     batch = pack_shared(prompts, responses, pad)
     hidden = module.base_model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False
@@ -69,7 +74,7 @@ def step_logits(model, prompts: list[list[int]], responses: list[list[int]], end
     for n, (response, at) in enumerate(zip(responses, ends)):
         row, last = batch.ends[n]  # the response's last token; its token j sits len(response) − 1 − j before it
         cols = last - (len(response) - 1) + torch.tensor(at, dtype=torch.long)
-        out.append(module.score(hidden[row, cols])[:, 0].float())
+        out.append(head(hidden[row, cols])[:, 0].float())
     return out
 
 
