@@ -23,7 +23,7 @@ from tasks.rewards.scoring import score_frame
 from tasks.stages.common import Computed, load_run, run_stage, score_frame_worker, stage_task
 from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.prompts import split_of
-from tasks.stages.reward_model import ensure_exported, train_preference_model
+from tasks.stages.reward_model import ensure_exported, trained_model
 from tasks.stages.rollouts import generate, sampling_job
 from tasks.stages.scores import step_ends
 from tasks.stages.spec import StageSpec
@@ -129,17 +129,7 @@ def prm_optimize_task(storage_root: str, run_id: str, steps_fp: str) -> StageOut
 
     def compute():
         train = read_stage(ctx.layout, "prm_steps", 0).filter(pl.col("split") == "train")
-        final, resp, metrics = train_preference_model(ctx, "prm", train, r)
-        return Computed(
-            metrics,
-            engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
-            extra={
-                "checkpoint": str(final),
-                "exported_to": r.out_path,
-                "train_seconds": resp["train_seconds"],
-                "responses": train.height,
-            },
-        )
+        return trained_model(ctx, "prm", train, r, "responses")
 
     out = run_stage(ctx, 1, compute=compute, inputs={"steps": steps_fp, "base": model_fingerprint(ctx.cfg.model.path)})
     ensure_exported(ctx.layout.checkpoint_dir(1), r.out_path)

@@ -97,6 +97,22 @@ def train_preference_model(
     return final, resp, metrics
 
 
+def trained_model(ctx: RunContext, kind: str, data: pl.DataFrame, settings, rows: str) -> Computed:
+    """A reward model's training stage's output (kind rm or prm): its per-step metrics, with the checkpoint, where it
+    was exported, the training time and how many `rows` it trained on."""
+    final, resp, metrics = train_preference_model(ctx, kind, data, settings)
+    return Computed(
+        metrics,
+        engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
+        extra={
+            "checkpoint": str(final),
+            "exported_to": settings.out_path,
+            "train_seconds": resp["train_seconds"],
+            rows: data.height,
+        },
+    )
+
+
 def ensure_exported(checkpoint: Path, dest: str) -> None:
     """A skipped training stage whose exported copy was removed: copy it again."""
     if not Path(dest, "config.json").exists():
@@ -111,17 +127,7 @@ def rm_optimize_task(storage_root: str, run_id: str, rankings_fp: str) -> StageO
     def compute():
         train = read_stage(ctx.layout, "preference_rankings", 0).filter(pl.col("split") == "train")
         train = with_token_ids(ctx, train, {"responses": "response_token_ids"})
-        final, resp, metrics = train_preference_model(ctx, "rm", train, r)
-        return Computed(
-            metrics,
-            engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},
-            extra={
-                "checkpoint": str(final),
-                "exported_to": r.out_path,
-                "train_seconds": resp["train_seconds"],
-                "rankings": train.height,
-            },
-        )
+        return trained_model(ctx, "rm", train, r, "rankings")
 
     out = run_stage(
         ctx, 1, compute=compute, inputs={"rankings": rankings_fp, "base": model_fingerprint(ctx.cfg.model.path)}

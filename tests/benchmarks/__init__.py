@@ -49,3 +49,29 @@ def run_with_evals(config: str, overrides: list[str], run_id: str, iterations: i
     finally:
         close_all()
     return RunLayout(Path(root), run_id), ends[0], ends[1:]
+
+
+def run_rows(name: str, root, rows: list[str], measure, table) -> list[dict]:
+    """A bench of rows, each a run under root/<row> whose result.json a finished run has (read back, not rerun):
+    the rows RLPIPE_<NAME>_ROWS picks (default: all) measured, the table of every finished row printed and written to
+    root/table.md, and each measured row's held-out greedy accuracy against the `grpo` row's, as results rows."""
+    import json
+    import os
+
+    variable = f"RLPIPE_{name.upper()}_ROWS"
+    chosen = os.environ.get(variable)
+    unknown = set(chosen.split(",")) - set(rows) if chosen else set()
+    if unknown:
+        raise SystemExit(f"{variable}: unknown rows {sorted(unknown)}; rows: {', '.join(rows)}")
+    root.mkdir(parents=True, exist_ok=True)
+    results = [measure(r) for r in rows if not chosen or r in chosen.split(",")]
+    done = [json.loads((root / r / "result.json").read_text()) for r in rows if (root / r / "result.json").exists()]
+    text = table(done)
+    (root / "table.md").write_text(text + "\n")
+    print(text)
+    grpo = next((r for r in done if r["row"] == "grpo"), None)
+    return [
+        result_row(f"{name}_accuracy_{r['row']}", "grpo", grpo["accuracy"], r["accuracy"], "held-out greedy accuracy")
+        for r in results
+        if grpo and r["row"] != "grpo"
+    ]

@@ -14,14 +14,13 @@ arguments in order; no call is a path too), and the branches made.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import polars as pl
 
-from tests.benchmarks import result_row, run_with_evals
+from tests.benchmarks import run_rows, run_with_evals
 
 CONFIG = "examples/calculator_tools/config.yaml"
 ROOT = Path("runs/bench/arpo")
@@ -121,18 +120,5 @@ def table(results: list[dict]) -> str:
 
 
 def run() -> list[dict]:
-    chosen = os.environ.get("RLPIPE_ARPO_ROWS")
-    rows = [r for r in ROWS if not chosen or r in chosen.split(",")]
-    ROOT.mkdir(parents=True, exist_ok=True)
     prepare()
-    results = [measure(r) for r in rows]
-    done = [json.loads((ROOT / r / "result.json").read_text()) for r in ROWS if (ROOT / r / "result.json").exists()]
-    text = table(done)
-    (ROOT / "table.md").write_text(text + "\n")
-    print(text)
-    grpo = next((r for r in done if r["row"] == "grpo"), None)
-    return [
-        result_row(f"arpo_accuracy_{r['row']}", "grpo", grpo["accuracy"], r["accuracy"], "held-out greedy accuracy")
-        for r in results
-        if grpo and r["row"] != "grpo"
-    ]
+    return run_rows("arpo", ROOT, list(ROWS), measure, table)

@@ -17,12 +17,11 @@ results.parquet: each row's held-out greedy accuracy against GRPO's.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import polars as pl
 
-from tests.benchmarks import result_row, run_with_evals
+from tests.benchmarks import run_rows, run_with_evals
 
 CONFIG = "infra/configs/demo.yaml"
 ROOT = Path("runs/bench/frontier")
@@ -142,20 +141,4 @@ def table(results: list[dict]) -> str:
 
 
 def run() -> list[dict]:
-    chosen = os.environ.get("RLPIPE_FRONTIER_ROWS")
-    rows = [r for r in ROWS if not chosen or r in chosen.split(",")]
-    unknown = set(chosen.split(",")) - set(ROWS) if chosen else set()
-    if unknown:
-        raise SystemExit(f"RLPIPE_FRONTIER_ROWS: unknown rows {sorted(unknown)}; rows: {', '.join(ROWS)}")
-    ROOT.mkdir(parents=True, exist_ok=True)
-    results = [measure(r) for r in rows]
-    done = [json.loads((ROOT / r / "result.json").read_text()) for r in ROWS if (ROOT / r / "result.json").exists()]
-    text = table(done)
-    (ROOT / "table.md").write_text(text + "\n")
-    print(text)
-    grpo = next((r for r in done if r["row"] == "grpo"), None)
-    return [
-        result_row(f"frontier_accuracy_{r['row']}", "grpo", grpo["accuracy"], r["accuracy"], "held-out greedy accuracy")
-        for r in results
-        if grpo and r["row"] != "grpo"
-    ]
+    return run_rows("frontier", ROOT, list(ROWS), measure, table)
