@@ -4,6 +4,7 @@ takes the action mask, and the held-out reward gains; SQL reads the turns; score
 without generating."""
 
 import polars as pl
+import pytest
 
 from storage import RunLayout, read_manifest
 from tasks.data.formatting import load_tokenizer
@@ -73,3 +74,33 @@ def test_an_environment_episode_is_rows_of_turns_and_trains(tiny_sft):
     assert not (fork.run_dir / "logs" / "vllm.log").exists()
     assert read_manifest(fork, "scores", 1)["fingerprint"] == read_manifest(layout, "scores", 1)["fingerprint"]
     assert read_table(fork, "scores", 1)["reward"].to_list() == read_table(layout, "scores", 1)["reward"].to_list()
+
+
+def test_arpo_rollouts_through_the_engines_keep_the_group_and_the_tree_columns(tiny_sft):
+    """agent.branching with a tool, on the real engines: the sampler's head entropy comes back with every turn, each
+    prompt still ends with rollout.group_size trajectories (the tiny model never calls the tool, so past the 2 initial
+    ones every trajectory is a refill from the prompt, a step each), the tree columns are written, and the hard
+    attribution runs over them (with nothing shared, each trajectory keeps its own advantage)."""
+    workspace, cfg = tiny_sft
+    fixtures = str(ROOT / "tests" / "agent_fixtures.py")
+    overrides = [
+        f"agent.tools={{add: {{path: {fixtures}}}}}",
+        "agent.max_turns=2",
+        "agent.max_total_tokens=16",
+        "agent.branching={initial: 2}",
+        "advantage.branch_attribution=hard",
+        "rl.iterations=1",
+        "rl.eval_every=1",
+        "eval.max_prompts=8",
+    ]
+    rlpipe("run", str(cfg), "--run-id", "arpo", *(x for o in overrides for x in ("--set", o)), cwd=workspace)
+    layout = RunLayout(workspace / "runs", "arpo")
+    rollouts, turns = read_table(layout, "rollouts", 1), read_table(layout, "turns", 1)
+    sizes = rollouts.group_by("prompt_id").agg(pl.col("sample_idx").sort())
+    assert all(s == [0, 1, 2, 3] for s in sizes["sample_idx"])  # group_size 4: 2 initial, 2 refills
+    assert {"parent_sample_idx", "branch_point"} <= set(rollouts.columns) and "inherited" in turns.columns
+    assert rollouts["parent_sample_idx"].null_count() == rollouts.height == rollouts["tool_calls"].eq(0).sum()
+    advantages = read_table(layout, "advantages", 1).join(rollouts, on=["prompt_id", "sample_idx"])
+    for advantage, tokens in advantages.select("advantage", "token_advantages").iter_rows():
+        assert tokens == pytest.approx([advantage] * len(tokens), abs=1e-6)
+    assert read_manifest(layout, "rollouts", 1)["extra"]["round0"]["turns"] >= 3  # the refills took their own steps
