@@ -97,7 +97,7 @@ def test_arpo_rollouts_through_the_engines_keep_the_group_and_the_tree_columns(t
     layout = RunLayout(workspace / "runs", "arpo")
     rollouts, turns = read_table(layout, "rollouts", 1), read_table(layout, "turns", 1)
     sizes = rollouts.group_by("prompt_id").agg(pl.col("sample_idx").sort())
-    assert all(s == [0, 1, 2, 3] for s in sizes["sample_idx"])  # group_size 4: 2 initial, 2 refills
+    assert all(s == [0, 1, 2, 3] for s in sizes["sample_idx"].to_list())  # group_size 4: 2 initial, 2 refills
     assert {"parent_sample_idx", "branch_point"} <= set(rollouts.columns) and "inherited" in turns.columns
     assert rollouts["parent_sample_idx"].null_count() == rollouts.height == rollouts["tool_calls"].eq(0).sum()
     advantages = read_table(layout, "advantages", 1).join(rollouts, on=["prompt_id", "sample_idx"])
