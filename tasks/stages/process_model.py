@@ -16,7 +16,7 @@ import polars as pl
 from schemas.config import step_label_function
 from schemas.errors import UserError
 from storage import StageOutput, read_stage
-from tasks.analysis.judge_agreement import auc
+from tasks.analysis.prm_figures import prm_summary
 from tasks.data.preferences import assign_splits
 from tasks.rewards.loader import source_hash, specs_from_config
 from tasks.rewards.scoring import score_frame
@@ -134,25 +134,6 @@ def prm_optimize_task(storage_root: str, run_id: str, steps_fp: str) -> StageOut
     out = run_stage(ctx, 1, compute=compute, inputs={"steps": steps_fp, "base": model_fingerprint(ctx.cfg.model.path)})
     ensure_exported(ctx.layout.checkpoint_dir(1), r.out_path)
     return out
-
-
-def prm_summary(df: pl.DataFrame) -> dict:
-    """Held-out figures of a PRM: per step, accuracy at 0.5 against always answering the majority label, and AUC; per
-    response, right meaning every step right, the AUC of its weakest step's score and its accuracy at 0.5."""
-    flat = df.select(pl.col("step_labels").explode().alias("y"), pl.col("step_scores").explode().alias("p"))
-    per = df.select(
-        pl.col("step_labels").list.min().alias("y"), pl.col("step_scores").list.min().alias("p")
-    ).drop_nulls()
-    majority = float(max(flat["y"].mean(), 1 - flat["y"].mean())) if flat.height else None
-    return {
-        "steps": flat.height,
-        "step_accuracy": float(((flat["p"] >= 0.5).cast(pl.Float64) == flat["y"]).mean()) if flat.height else None,
-        "step_majority_accuracy": majority,
-        "step_auc": auc(flat["p"], flat["y"] >= 0.5),
-        "responses": per.height,
-        "response_accuracy": float(((per["p"] >= 0.5).cast(pl.Float64) == per["y"]).mean()) if per.height else None,
-        "response_auc": auc(per["p"], per["y"] >= 0.5),
-    }
 
 
 @stage_task("prm_eval")
