@@ -1207,7 +1207,9 @@ class RewardModelConfig(PreferenceTrainerConfig):
     """Bradley–Terry reward model: a sequence-classification head on the model.path backbone; or, with objective
     process, a process reward model: a token-classification head trained on step labels."""
 
-    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"objective", "step_label"})  # added after runs existed
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset(
+        {"objective", "step_label", "trainable_layers"}
+    )  # added after runs existed
 
     objective: Literal["bradley_terry", "process"] = Field(
         "bradley_terry",
@@ -1222,6 +1224,13 @@ class RewardModelConfig(PreferenceTrainerConfig):
 
     out_path: str = Field(
         "models/demo-rm", description="Where the trained reward model is exported (a Hugging Face folder)."
+    )
+    trainable_layers: int | None = Field(
+        None,
+        ge=1,
+        description="Train only the top N transformer blocks, the final norm and the head; the embeddings and the "
+        "blocks below stay frozen, so a step skips their backward pass (a cheaper step on a small machine). None: "
+        "every weight.",
     )
     steps: int = Field(1500, ge=1, le=100_000_000, description="Optimizer steps.")
     batch_size: int = Field(

@@ -330,6 +330,7 @@ class PreferenceTrainRequest:
     schedule: Schedule
     beta: float  # DPO only
     nll_coef: float  # DPO only
+    trainable_layers: int | None = None  # rm and prm: train only the top N blocks (reward_model.trainable_layers)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -542,6 +542,8 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
         "reward_model.batch_size=16",
         "--set",
         f"reward_model.out_path={workspace}/models/rm",
+        "--set",
+        "reward_model.trainable_layers=1",
         cwd=workspace,
     )
     rm = RunLayout(root, "rm")
@@ -554,6 +556,15 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
     assert read_table(rm, "preference_rankings", 0)["ranks"].to_list()[0] == [1, 2, 2]
     config = json.loads((workspace / "models/rm/config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
+    # trainable_layers 1: the embeddings and every block below the top one are still the SFT model's
+    from safetensors.torch import load_file
+
+    start = load_file(workspace / "models/sft/model.safetensors")
+    trained = load_file(workspace / "models/rm/model.safetensors")
+    top = f"model.layers.{config['num_hidden_layers'] - 1}."
+    assert {k for k in trained if k in start and not trained[k].equal(start[k])} == {
+        k for k in trained if k.startswith((top, "model.norm."))
+    }
 
     # RL scored by that reward model (weight 1) with the rule functions kept at weight 0, in their own columns.
     rlpipe(

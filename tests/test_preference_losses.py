@@ -93,3 +93,41 @@ def test_chosen_nll_is_the_mean_per_token_nll():
 
     # −(−3/3 + −1/2)/2 = (1 + 0.5)/2 = 0.75
     assert chosen_nll(torch.tensor([-3.0, -1.0]), torch.tensor([3.0, 2.0])).item() == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_trainable_layers_train_only_the_top_blocks_the_final_norm_and_the_head(arch):
+    from transformers import GPT2Config, GPT2ForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+    from tasks.engines.workers.sequence_scores import train_top_layers
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=2, num_labels=1, pad_token_id=0,
+        )  # fmt: skip
+        model, blocks, top_names = LlamaForSequenceClassification(config), "model.layers", ("model.norm", "score")
+    else:
+        config = GPT2Config(vocab_size=40, n_embd=16, n_layer=3, n_head=2, num_labels=1, pad_token_id=0)
+        model, blocks, top_names = GPT2ForSequenceClassification(config), "transformer.h", ("transformer.ln_f", "score")
+    train_top_layers(model, 1)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    want = {n for n, _ in model.named_parameters() if n.startswith((f"{blocks}.2.", *top_names))}
+    assert trainable == want and any(n.startswith(f"{blocks}.2.") for n in want)
+    model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.sum().backward()
+    assert all((p.grad is None) != p.requires_grad for p in model.parameters())  # frozen ones got no gradient
+    with pytest.raises(ValueError, match="has 3 transformer blocks"):
+        train_top_layers(model, 4)
+
+
+def test_preflight_refuses_more_trainable_layers_than_the_model_has(tmp_path):
+    from transformers import LlamaConfig
+
+    from tasks.stages.preflight import ContextLengthError, check_trainable_layers
+
+    LlamaConfig(num_hidden_layers=3).save_pretrained(tmp_path)
+    check_trainable_layers(str(tmp_path), 3)
+    check_trainable_layers(str(tmp_path), None)
+    with pytest.raises(ContextLengthError, match=r"reward_model.trainable_layers=4 exceeds the 3 transformer blocks"):
+        check_trainable_layers(str(tmp_path), 4)

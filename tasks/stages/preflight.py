@@ -76,6 +76,19 @@ def check_process_model(path: str, model_path: str) -> None:
         )
 
 
+def check_trainable_layers(model_path: str, n: int | None) -> None:
+    """reward_model.trainable_layers counts the backbone's top transformer blocks: no more than it has."""
+    if n is None:
+        return
+    from transformers import AutoConfig
+
+    blocks = AutoConfig.from_pretrained(model_path).num_hidden_layers
+    if n > blocks:
+        raise ContextLengthError(
+            f"reward_model.trainable_layers={n} exceeds the {blocks} transformer blocks of {model_path}"
+        )
+
+
 def check_lora(cfg, model_path: str) -> None:
     """lora.target_modules and modules_to_save against the model's own module names."""
     if cfg.lora.enabled:
@@ -135,8 +148,10 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         sft_data_task.fn(storage_root, run_id)
         return
     model_fingerprint(cfg.model.path)
-    if flow != "rm":  # the reward model trains all its weights
+    if flow != "rm":  # the reward model trains all its weights, or its top blocks
         check_lora(cfg, cfg.model.path)
+    else:
+        check_trainable_layers(cfg.model.path, cfg.reward_model.trainable_layers)
     if cfg.reward.kind == "model":
         model_fingerprint(cfg.reward.model_path)
     if cfg.reward.process_model and not (flow == "rm" and cfg.reward_model.objective == "process"):

@@ -62,7 +62,13 @@ def with_token_ids(ctx: RunContext, frame: pl.DataFrame, columns: dict[str, str]
 
 
 def train_preference_model(
-    ctx: RunContext, kind: str, data: pl.DataFrame, settings, beta: float = 0.0, nll_coef: float = 0.0
+    ctx: RunContext,
+    kind: str,
+    data: pl.DataFrame,
+    settings,
+    beta: float = 0.0,
+    nll_coef: float = 0.0,
+    trainable_layers: int | None = None,
 ) -> tuple[Path, dict, pl.DataFrame]:
     """Run a DeepSpeed preference trainer (kind rm or dpo) from model.path into checkpoints/iter=1, renamed into place
     and exported to settings.out_path; returns (checkpoint, worker response, per-step metrics)."""
@@ -81,6 +87,7 @@ def train_preference_model(
         schedule=Schedule(steps=settings.steps, batch_size=settings.batch_size, warmup_steps=settings.warmup_steps),
         beta=beta,
         nll_coef=nll_coef,
+        trainable_layers=trainable_layers,
     )
     resp = run_worker(
         PREFERENCE_WORKER,
@@ -100,7 +107,7 @@ def train_preference_model(
 def trained_model(ctx: RunContext, kind: str, data: pl.DataFrame, settings, rows: str) -> Computed:
     """A reward model's training stage's output (kind rm or prm): its per-step metrics, with the checkpoint, where it
     was exported, the training time and how many `rows` it trained on."""
-    final, resp, metrics = train_preference_model(ctx, kind, data, settings)
+    final, resp, metrics = train_preference_model(ctx, kind, data, settings, trainable_layers=settings.trainable_layers)
     return Computed(
         metrics,
         engines={"deepspeed": resp["deepspeed_version"], "zero_stage": resp["zero_stage"]},

@@ -35,7 +35,14 @@ from tasks.algos.preference_losses import (
 from tasks.data.formatting import pad_id
 from tasks.engines.workers import data_parallel
 from tasks.engines.workers.deepspeed_train import load_policy
-from tasks.engines.workers.sequence_scores import process_model, reward_model, rm_scores, sequence_logps, step_logits
+from tasks.engines.workers.sequence_scores import (
+    process_model,
+    reward_model,
+    rm_scores,
+    sequence_logps,
+    step_logits,
+    train_top_layers,
+)
 from tasks.engines.workers.training import (
     Progress,
     accumulation_steps,
@@ -81,6 +88,8 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
     ]
     ranks = data["ranks"].to_list()
     model = reward_model(request.model_path, tokenizer)
+    if request.trainable_layers:
+        train_top_layers(model, request.trainable_layers)
     engine, optimizer = _engine(model, request)
     pad, bs = model.config.pad_token_id, request.schedule.batch_size
     rows, progress = [], Progress("reward model", request.schedule.steps)
@@ -115,6 +124,8 @@ def _prm_train(request: PreferenceTrainRequest, tokenizer):
         data[c].to_list() for c in ("prompt_token_ids", "response_token_ids", "step_ends", "step_labels")
     )
     model = process_model(request.model_path, tokenizer)
+    if request.trainable_layers:
+        train_top_layers(model, request.trainable_layers)
     engine, optimizer = _engine(model, request)
     pad, bs = model.config.pad_token_id, request.schedule.batch_size
     rows, progress = [], Progress("process reward model", request.schedule.steps)
