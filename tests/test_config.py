@@ -210,3 +210,16 @@ def test_arpo_branching_needs_tools_no_environment_and_fits_the_group():
     plain = build_config({}, tools)
     assert "branching" not in _dump(plain.agent) and "branch_attribution" not in _dump(plain.advantage)
     assert _dump(cfg.agent)["branching"]["initial"] == 4 and _dump(cfg.advantage)["branch_attribution"] == "hard"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "infra/configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    load_config(path)
+
+
+def test_the_classic_rlhf_configs_documented_ppo_command_is_ppo_on_the_reward_model_alone():
+    sets = ["reward.kind=model", "reward.model_path=models/smollm2-arith-rm", "reward.functions.correct.weight=0"]
+    cfg = load_config("infra/configs/chat_arithmetic_rlhf.yaml", sets, algo="ppo")
+    assert cfg.advantage.estimator == "gae" and cfg.kl.placement == "reward" and cfg.critic.lr == 5e-5
+    assert [f.weight for f in cfg.reward.functions.values()] == [0.0] and cfg.reward.model_weight == 1.0
+    assert cfg.reward_model.out_path == cfg.reward.model_path  # PPO reads the reward model rm-train wrote
