@@ -60,7 +60,8 @@ def process_model(path: str, tokenizer):
 def train_top_layers(model, n: int) -> None:
     """Freeze a reward model's backbone except its top `n` transformer blocks and what follows them (the final norm);
     the head trains too. With the embeddings and the lower blocks frozen, nothing below the lowest trainable block
-    needs a gradient, so autograd skips their backward pass (roughly a third of a full step's cost per frozen block)."""
+    needs a gradient, so autograd skips their backward pass: about two thirds of each frozen block's share of a step
+    (the top 10 of SmolLM2's 30 blocks: 2.7 s a step against 5.1 s for every weight)."""
     backbone = model.base_model
     blocks = next(
         (
