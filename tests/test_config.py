@@ -81,9 +81,11 @@ def test_a_section_added_to_by_a_default_factory_keeps_its_fingerprint_at_the_de
     assert judged.section_hash("reward") != expected[:16]
     # reward.process_model and reward_model.objective came later still: the same holds for them
     assert build_config({}, ["reward.process_model={path: m}"]).section_hash("reward") != expected[:16]
-    rm = {k: v for k, v in cfg.reward_model.model_dump(mode="json").items() if k not in ("objective", "step_label")}
+    added = ("objective", "step_label", "trainable_layers")
+    rm = {k: v for k, v in cfg.reward_model.model_dump(mode="json").items() if k not in added}
     legacy_rm = hashlib.sha256(json.dumps({"reward_model": rm, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()
     assert cfg.section_hash("reward_model") == legacy_rm[:16]
+    assert build_config({}, ["reward_model.trainable_layers=2"]).section_hash("reward_model") != legacy_rm[:16]
 
 
 def test_a_saved_config_is_parsed_once_per_content():
