@@ -59,6 +59,8 @@ def _steps(request: PreferenceTrainRequest, optimizer, n: int):
 
 
 def _engine(model, request: PreferenceTrainRequest):
+    if request.trainable_layers:  # reward models only: freeze before the optimizer collects the trainable weights
+        train_top_layers(model, request.trainable_layers)
     return deepspeed_engine(
         model, request.engine, accumulation_steps(request.schedule, request.engine.micro_batch_size)
     )
@@ -88,8 +90,6 @@ def _rm_train(request: PreferenceTrainRequest, tokenizer):
     ]
     ranks = data["ranks"].to_list()
     model = reward_model(request.model_path, tokenizer)
-    if request.trainable_layers:
-        train_top_layers(model, request.trainable_layers)
     engine, optimizer = _engine(model, request)
     pad, bs = model.config.pad_token_id, request.schedule.batch_size
     rows, progress = [], Progress("reward model", request.schedule.steps)
@@ -124,8 +124,6 @@ def _prm_train(request: PreferenceTrainRequest, tokenizer):
         data[c].to_list() for c in ("prompt_token_ids", "response_token_ids", "step_ends", "step_labels")
     )
     model = process_model(request.model_path, tokenizer)
-    if request.trainable_layers:
-        train_top_layers(model, request.trainable_layers)
     engine, optimizer = _engine(model, request)
     pad, bs = model.config.pad_token_id, request.schedule.batch_size
     rows, progress = [], Progress("process reward model", request.schedule.steps)
