@@ -834,6 +834,8 @@ class AdvantageConfig(Section):
 
 
 class LossConfig(Section):
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"old_logprobs"})  # added after runs existed
+
     objective: Objective = Field("clip", description="The policy objective (docs/algorithms.md); clip is PPO's.")
     aggregation: Aggregation = Field(
         "token-mean",
@@ -859,6 +861,14 @@ class LossConfig(Section):
         "step.",
     )
     ptx_batch: int = Field(16, ge=1, description="Demonstrations per optimizer step for PPO-ptx.")
+    old_logprobs: Literal["trainer", "sampler"] = Field(
+        "trainer",
+        description="Where π_old comes from. trainer: the logprobs stage recomputes it with the trainer's forward pass "
+        "(verl's default). sampler: the per-token logprobs vLLM returned with each response (rollouts."
+        "sampler_logprobs), and the trainer's old-logprob pass is skipped (verl's rollout-correction bypass mode); the "
+        "reference pass still runs where a KL needs it. Safe where sampler and trainer agree (fp32 here: about 1e-5 "
+        "apart); with a bf16 sampler keep trainer, or use the rollout correction (docs/long-responses.md).",
+    )
     # Rollout correction: the sampler's logprobs (rollouts.sampler_logprobs) against the trainer's π_old.
     rollout_is: Literal["token", "sequence"] | None = Field(
         None,
@@ -932,6 +942,12 @@ class LossConfig(Section):
                 f"loss.entropy_coef ({self.entropy_coef}) must lie within [entropy_coef_min, entropy_coef_max] "
                 f"([{self.entropy_coef_min}, {self.entropy_coef_max}]) with an entropy_target"
             )
+        if self.old_logprobs == "sampler" and self.corrects_rollout:
+            raise ValueError(
+                "loss.old_logprobs sampler makes π_old the sampler's own logprobs, so a rollout correction "
+                "(loss.rollout_is, rollout_rs, rollout_veto_threshold) would compare them with themselves: set "
+                "loss.old_logprobs: trainer to correct the sampler/trainer gap"
+            )
         return self
 
 
@@ -963,6 +979,10 @@ class CriticConfig(Section):
 
 
 class OptimConfig(Section):
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset(
+        {"micro_batch_tokens", "logprob_micro_batch_tokens"}
+    )  # added after runs existed
+
     lr: float = Field(1e-4, gt=0, description="The policy's learning rate (AdamW).")
     warmup_steps: int = Field(
         0,
@@ -983,7 +1003,27 @@ class OptimConfig(Section):
         64,
         ge=1,
         le=1_000_000,
-        description="Samples per forward and backward pass (per rank); gradients accumulate over a minibatch.",
+        description="Samples per forward and backward pass (per rank); gradients accumulate over a minibatch. "
+        "micro_batch_tokens, when set, takes its place.",
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=16,
+        le=100_000_000,
+        description="Tokens per forward and backward pass of the policy update (per rank), in place of a sample count "
+        "(verl's use_dynamic_bsz, OpenRLHF's use_dynamic_batch): a minibatch's groups, or pieces of a group too long "
+        "for it, are dealt to the trainer ranks balanced by tokens (Karmarkar-Karp) and packed into as few "
+        "micro-batches of at most this many tokens as fit (a group's prompt counted once in each; a sample longer "
+        "than the budget goes alone). The loss is the same: every aggregation divides by the minibatch's normalisers. "
+        "None: micro_batch_size samples (docs/long-responses.md).",
+    )
+    logprob_micro_batch_tokens: int | None = Field(
+        None,
+        ge=16,
+        le=100_000_000,
+        description="The same budget for the passes without gradients (old, reference and teacher logprobs, a "
+        "critic's values); None: micro_batch_tokens. Such a pass keeps no activations for a backward, so it affords "
+        "a larger one.",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(
         1,

@@ -155,6 +155,7 @@ class EngineSettings:
     dtype: str
     gradient_checkpointing: bool
     lora: LoraSettings | None  # train only this adapter (the policy trainers), or every weight
+    micro_batch_tokens: int | None = None  # the policy update's token budget per micro-batch (optim.micro_batch_tokens)
 
     @classmethod
     def for_policy(cls, optim: OptimConfig, model: ModelConfig, lora: LoraSettings | None) -> "EngineSettings":
@@ -167,6 +168,7 @@ class EngineSettings:
             dtype=model.dtype,
             gradient_checkpointing=model.gradient_checkpointing,
             lora=lora,
+            micro_batch_tokens=optim.micro_batch_tokens,
         )
 
     @classmethod
@@ -314,6 +316,10 @@ class LogprobsRequest:
     critic_path: str | None
     critic_fresh: bool
     teacher_path: str | None = None  # on-policy distillation: the teacher scores the same tokens
+    micro_batch_tokens: int | None = None  # optim.logprob_micro_batch_tokens (or micro_batch_tokens): a token budget
+    # loss.old_logprobs sampler: π_old is the samples file's sampler_logprobs, and the policy is not run (no entropy)
+    old_from_sampler: bool = False
+    with_ref: bool = True  # False: no KL reads the reference, and π_old is the sampler's: the ref pass is skipped too
 
 
 @dataclass(frozen=True, kw_only=True)

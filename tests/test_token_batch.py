@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tasks.engines.workers.data_parallel import contiguous_micro_batches
+from tasks.engines.workers.micro_batches import group_order
 from tasks.engines.workers.token_batch import (
     align_responses,
-    group_order,
     pack,
     pack_shared,
     response_logprobs,
@@ -148,7 +148,7 @@ def test_reward_model_scores_and_sequence_logprobs_on_the_shared_layout_equal_th
 
 
 def test_balanced_rows_keep_first_fits_row_count_and_even_out_the_rows():
-    from tasks.engines.workers.token_batch import balanced_rows
+    from tasks.engines.workers.micro_batches import balanced_rows
 
     sizes = [290, 280, 270, 260]  # first-fit decreasing into 1,024: rows of 840 and 260
     rows = balanced_rows(sizes, 1024)
@@ -160,3 +160,45 @@ def test_balanced_rows_keep_first_fits_row_count_and_even_out_the_rows():
     rows = balanced_rows(uneven, 512)
     loads = [sum(uneven[i] for i in r) for r in rows]
     assert len(rows) == 4 and max(loads) - min(loads) <= max(uneven)  # first-fit needs 4 rows of 512 here
+
+
+def gemma2_model():
+    """A tiny Gemma 2: its logits are soft-capped (final_logit_softcapping 30), which the chunked path must apply."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        final_logit_softcapping=3.0,  # small, so the cap changes the logits of a random model
+    )
+    return Gemma2ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_model(True), lambda: tiny_model(False), gemma2_model])
+def test_chunked_logits_give_the_whole_passs_logprobs_entropies_and_gradients(make, monkeypatch):
+    """Past LOGITS_CHUNK_BYTES the output layer runs over chunks of tokens under activation checkpointing: the values
+    and the gradients (of the logprobs and, with an entropy bonus, of the entropy) equal the model's own forward."""
+    import tasks.engines.workers.token_batch as tb
+
+    prompts, responses = groups(3)
+    batch = pack_shared(prompts, responses, 0)
+    chunked, calls = tb._chunked_logprobs, []
+    monkeypatch.setattr(tb, "_chunked_logprobs", lambda *a: calls.append(a[2]) or chunked(*a))
+    results = []
+    for chunk_bytes in (tb.LOGITS_CHUNK_BYTES, 4 * 50 * 3):  # the whole pass; then 3 tokens a chunk
+        monkeypatch.setattr(tb, "LOGITS_CHUNK_BYTES", chunk_bytes)
+        model = make()
+        logp, ent = response_logprobs(model, batch, with_entropy=True, entropy_grad=True)
+        w = torch.linspace(-1, 1, logp.numel()).view_as(logp) * batch.mask
+        ((logp * w).sum() - 0.3 * (ent * batch.mask).sum()).backward()
+        results.append((logp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (lp0, e0, g0), (lp1, e1, g1) = results
+    assert calls == [3]  # the second pass only, in chunks of 3 tokens
+    assert torch.allclose(lp0, lp1, atol=1e-6) and torch.allclose(e0, e1, atol=1e-6)
+    assert torch.allclose(g0, g1, atol=1e-6, rtol=1e-5) and g0.abs().sum() > 0

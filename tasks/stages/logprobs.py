@@ -40,10 +40,16 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, upstream: dict
     ctx = load_run(storage_root, run_id, SPEC)
     ref = starting_weights(ctx)
     teacher = ctx.cfg.advantage.teacher_path
+    # loss.old_logprobs sampler: π_old is vLLM's, and without a KL nothing reads the reference: no pass at all.
+    from_sampler = ctx.cfg.loss.old_logprobs == "sampler"
+    with_ref = not from_sampler or ctx.cfg.kl.placement != "none"
 
     def compute():
         policy = weights_after(ctx, iteration - 1)
-        samples = kept_rollouts(ctx, iteration).select("prompt_id", "sample_idx", "prompt_token_ids", "token_ids")
+        sampler = ("sampler_logprobs",) if from_sampler else ()
+        samples = kept_rollouts(ctx, iteration).select(
+            "prompt_id", "sample_idx", "prompt_token_ids", "token_ids", *sampler
+        )
         inp, out = scratch_file(ctx, "logprobs.in.parquet"), scratch_file(ctx, "logprobs.out.parquet")
         samples.write_parquet(inp)
         critic = critic_after(ctx, iteration - 1) if ctx.cfg.uses_critic else None
@@ -53,10 +59,13 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, upstream: dict
             samples_path=str(inp),
             out_path=str(out),
             micro_batch_size=ctx.cfg.optim.micro_batch_size,
+            micro_batch_tokens=ctx.cfg.optim.logprob_micro_batch_tokens or ctx.cfg.optim.micro_batch_tokens,
             dtype=ctx.cfg.model.dtype,
             critic_path=critic.path if critic else None,
             critic_fresh=bool(critic and critic.fresh),
             teacher_path=teacher,
+            old_from_sampler=from_sampler,
+            with_ref=with_ref,
         )
         resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"logprobs-{iteration:05d}")
         df = pl.read_parquet(out).with_columns(pl.lit(iteration, pl.Int32).alias("iteration"))
@@ -81,7 +90,7 @@ SPEC = StageSpec(
     "logprobs",
     reads=("batch",),
     also_reads=("rollouts",),  # the batch's kept samples
-    sections=("optim", "model", "advantage"),
+    sections=("optim", "model", "advantage", "loss", "kl"),  # loss.old_logprobs and kl.placement: which passes run
     scope="iteration",
     task=logprobs_task,
     rerunnable=True,

@@ -312,7 +312,10 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
                 rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)
             ),
             **advantage_metrics(advantages),
-            "sampler_logprob_gap": sampler_gap(rollouts, logprobs),
+            # With π_old from the sampler there is no trainer pass to compare with (the weight-sync probe still is).
+            "sampler_logprob_gap": sampler_gap(rollouts, logprobs)
+            if ctx.cfg.loss.old_logprobs == "trainer"
+            else float("nan"),
             "seconds_optimize": resp["train_seconds"],
             **stage_metrics(ctx, iteration),
             "trainer_engines_reused": float(resp.get("reused_engine", 0)),

@@ -27,11 +27,11 @@ from tasks.engines.launch import peak_rss_gib
 from tasks.engines.workers import data_parallel
 from tasks.engines.workers.critic import load_critic, token_values
 from tasks.engines.workers.lora import adapter_stats, is_peft, load_causal_lm
+from tasks.engines.workers.micro_batches import groups_of, token_micro_batches
 from tasks.engines.workers.token_batch import (
     align,
     align_responses,
     count_into,
-    groups_of,
     pack,
     pack_shared,
     response_logprobs,
@@ -146,6 +146,16 @@ class _Update:
             max_len=float(self.request.loss.max_tokens),
         )
 
+    def micro_batches(self, minibatch: list[int], gas: int) -> list[list[int]]:
+        """This rank's micro-batches of `minibatch` (whole groups, next to each other): `gas` pieces of near-equal
+        sample counts, or with engine.micro_batch_tokens packed to that token budget and balanced over the ranks by
+        tokens (token_batch.token_micro_batches)."""
+        budget = self.request.engine.micro_batch_tokens
+        if budget is None:
+            return data_parallel.contiguous_micro_batches(minibatch, gas, data_parallel.world(), data_parallel.rank())
+        every_rank = token_micro_batches(minibatch, self.prompts, self.responses, budget, data_parallel.world())
+        return every_rank[data_parallel.rank()]
+
     def token_mask(self, idx: list[int], width: int):
         """(B, width) on the response grid: 1 where a token gets loss (the model's own, in a sample not masked)."""
         actions = align_responses([self.action_mask[i] for i in idx], width)
@@ -162,10 +172,13 @@ class _Update:
             count_into(self.counts, engine, batch, "update")
         width = batch.shape[1]
         mask = self.token_mask(idx, width)  # (B, R)
-        old, ref, adv = (
-            align_responses([self.lists[c][i] for i in idx], width)
-            for c in ("old_logprobs", "ref_logprobs", "token_advantages")
+        old, adv = (
+            align_responses([self.lists[c][i] for i in idx], width) for c in ("old_logprobs", "token_advantages")
         )
+        # No reference pass ran (π_old from the sampler, no KL: LogprobsRequest.with_ref): nothing reads it but the
+        # kl_ref metric, which is then left out.
+        has_ref = self.lists["ref_logprobs"][idx[0]] is not None
+        ref = align_responses([self.lists["ref_logprobs"][i] for i in idx], width) if has_ref else old
         weights = None
         if self.settings.loss.corrects_rollout:
             sampler = align_responses([self.lists["sampler_logprobs"][i] for i in idx], width)
@@ -192,7 +205,8 @@ class _Update:
         engine.step()
         self._time(forward=t1 - t0, backward=t2 - t1, step=time.time() - t2)
         for key, v in sums.items():
-            add(key, v)
+            if has_ref or key != "kl_ref":
+                add(key, v)
         add("loss", loss.detach())
         add("entropy", (ent.detach() * mask).sum())
 
@@ -242,7 +256,7 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
                 group["lr"] = request.engine.lr * min(
                     1.0, (request.first_step + steps + 1) / max(1, request.warmup_steps)
                 )
-            parts = data_parallel.contiguous_micro_batches(mb, gas, data_parallel.world(), data_parallel.rank())
+            parts = update.micro_batches(mb, gas)
             norm = update.norm(mb)
             for k, idx, scale in data_parallel.micro_steps(mb, parts):
                 last = k == len(parts) - 1
@@ -281,6 +295,7 @@ def _update_metrics(totals: dict, steps: int, grad_norms: list[float], samples: 
     per_step = {"loss", "ptx_loss", "value_loss"}
     metrics = {k: v / tokens for k, v in totals.items() if k not in per_step}
     metrics.update({k: totals[k] / steps for k in per_step if k in totals})
+    metrics.setdefault("kl_ref", float("nan"))  # no reference pass ran (_Update.micro_step)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["samples"] = float(samples)
     metrics["seconds_forward_backward"] = seconds  # the update itself: no load, no save

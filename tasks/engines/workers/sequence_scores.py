@@ -25,7 +25,8 @@ from transformers import (
 from schemas.requests import ScoreRequest
 from tasks.data.formatting import pad_id
 from tasks.engines.workers.data_parallel import map_in_order
-from tasks.engines.workers.token_batch import chunks, group_order, pack, pack_shared, response_logprobs
+from tasks.engines.workers.micro_batches import chunks, group_order
+from tasks.engines.workers.token_batch import pack, pack_shared, response_logprobs
 from tasks.engines.workers.torch_logprobs import load_lm
 
 

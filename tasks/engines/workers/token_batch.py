@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tasks.engines.workers.data_parallel import map_in_order
+from tasks.engines.workers.micro_batches import PACKED_ROW_TOKENS, balanced_rows, chunks, forward_micro_batches
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
@@ -100,36 +101,6 @@ class SharedPrefixBatch:
             "predicted_tokens": float(len(self.targets)),
             "attention_pairs": float((self.attention_mask[:, 0] & self.real.unsqueeze(-1)).sum()),
         }
-
-
-# Rows of the shared-prefix layout hold about this many tokens (a third more at worst, or one longer group).
-# Measured on SmolLM2-135M, 4 groups of 8 samples (707 tokens): a row per group (4 × 190, 7% padding) took 5.4 s for
-# forward and backward, 2 rows of ≤ 512 5.1 s, one row 4.95 s. Attention costs the square of a row's length, hence a
-# bound.
-PACKED_ROW_TOKENS = 1024
-
-
-def balanced_rows(sizes: list[int], row_tokens: int = PACKED_ROW_TOKENS) -> list[list[int]]:
-    """Indices of `sizes` (groups' token counts) per row: as few rows as first-fit decreasing needs with rows of at
-    most max(`row_tokens`, the largest group), then the groups dealt longest first to the emptiest of that many rows.
-    First-fit alone fills rows in turn and leaves the last nearly empty (4 groups of ~280 tokens: rows of 840 and
-    280, a third of the positions padding); dealing evens them out (560 and 560) at the same number of rows."""
-    capacity = max(row_tokens, max(sizes))
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    used: list[int] = []
-    for i in order:
-        at = next((r for r, u in enumerate(used) if u + sizes[i] <= capacity), None)
-        if at is None:
-            used.append(0)
-            at = len(used) - 1
-        used[at] += sizes[i]
-    rows: list[list[int]] = [[] for _ in used]
-    load = [0] * len(used)
-    for i in order:
-        at = min(range(len(rows)), key=lambda r: load[r])
-        rows[at].append(i)
-        load[at] += sizes[i]
-    return rows
 
 
 def pack_shared(
@@ -213,6 +184,72 @@ def count_into(totals: dict[str, float], model, batch: SharedPrefixBatch, prefix
         totals[f"{prefix}_{key}"] = totals.get(f"{prefix}_{key}", 0.0) + value
 
 
+# Above this many bytes of float32 logits for a micro-batch's response tokens (T × vocabulary × 4), they are computed
+# in chunks of tokens (_chunked_logprobs), each recomputed in the backward pass instead of kept: with long responses and
+# a 49k-token vocabulary, 8,192 tokens' logits are 1.6 GB, and their gradient as much again. Below it the model's own
+# forward computes them at once (no recomputation: the output layer is ~20% of SmolLM2-135M's forward).
+LOGITS_CHUNK_BYTES = 512 * 2**20
+
+
+def _output_head(model):
+    """(decoder, output layer, soft cap, vocabulary size) when the model's logits are its output layer applied to its
+    decoder's last hidden state, soft-capped at most (Gemma's final_logit_softcapping); None for a model that scales
+    its logits some other way (Cohere's logit_scale, Granite's logits_scaling), whose own forward must run."""
+    model = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
+    if hasattr(model, "get_base_model"):  # peft's adapters live inside the decoder's layers, which run as usual
+        model = model.get_base_model()
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in ("logit_scale", "logits_scaling")):
+        return None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings()
+    if decoder is None or head is None or decoder is model:
+        return None
+    return decoder, head, getattr(config, "final_logit_softcapping", None), config.vocab_size
+
+
+def _head_logprobs(hidden, targets, head, cap, with_entropy: bool, entropy_grad: bool):
+    """(logp, entropy or None) of `targets` (T,) from their predicting positions' hidden states (T, H)."""
+    logits = head(hidden).float()  # (T, V)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    norm = torch.logsumexp(logits, dim=-1)  # (T,)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm  # (T,)
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        logp_all = logits - norm.unsqueeze(-1)
+        return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _chunked_logprobs(parts, batch: SharedPrefixBatch, chunk: int, with_entropy: bool, entropy_grad: bool):
+    """response_logprobs over `chunk` tokens at a time: the decoder runs once, the output layer per chunk, under
+    activation checkpointing when gradients flow, so no more than one chunk's (chunk × V) logits exist at once."""
+    from torch.utils.checkpoint import checkpoint
+
+    decoder, head, cap, _ = parts
+    hidden = decoder(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    ).last_hidden_state  # (G, L, H)
+    picked = hidden[batch.rows, batch.positions]  # (T, H)
+    logps, entropies = [], []
+    for at in range(0, len(batch.targets), chunk):
+        args = (picked[at : at + chunk], batch.targets[at : at + chunk], head, cap, with_entropy, entropy_grad)
+        if torch.is_grad_enabled():
+            logp, ent = checkpoint(_head_logprobs, *args, use_reentrant=False)
+        else:
+            logp, ent = _head_logprobs(*args)
+        logps.append(logp), entropies.append(ent)
+    entropy = batch.on_grid(torch.cat(entropies)) if with_entropy else None
+    return batch.on_grid(torch.cat(logps)), entropy
+
+
 def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True, entropy_grad: bool = False):
     """log π(y_j | x, y_<j) and the entropy of π(·| x, y_<j) for every response token, both (N, R) on the response grid.
 
@@ -220,7 +257,13 @@ def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True
     logits of the needed positions only where it supports `logits_to_keep`: the prompt positions' vocabulary-sized
     products are skipped. The logprob is the logit less the log-sum-exp, so the backward pass keeps one (tokens ×
     vocabulary) tensor, not log-softmax's second one; the entropy is a metric unless `entropy_grad` (an entropy bonus
-    in the loss), and then keeps none."""
+    in the loss), and then keeps none. Where the logits would exceed LOGITS_CHUNK_BYTES they are computed in chunks
+    (_chunked_logprobs)."""
+    parts = _output_head(model)
+    if parts is not None:
+        chunk = max(1, LOGITS_CHUNK_BYTES // (4 * parts[3]))  # tokens per chunk (ZeRO-3 partitions the weight's shape)
+        if len(batch.targets) > chunk:
+            return _chunked_logprobs(parts, batch, chunk, with_entropy, entropy_grad)
     kwargs = {
         "input_ids": batch.input_ids,
         "attention_mask": batch.attention_mask,
@@ -251,20 +294,6 @@ def align_responses(values: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def groups_of(indices: list[int], prompts: list[list[int]]) -> list[list[int]]:
-    """`indices` by prompt (a group's samples share its token ids), in order of first appearance."""
-    groups: dict[tuple, list[int]] = {}
-    for i in indices:
-        groups.setdefault(tuple(prompts[i]), []).append(i)
-    return list(groups.values())
-
-
-def group_order(indices: list[int], prompts: list[list[int]]) -> list[int]:
-    """`indices` with the samples of one prompt next to each other, so that consecutive micro-batches hold whole groups
-    and share their prompts."""
-    return [i for group in groups_of(indices, prompts) for i in group]
-
-
 @contextmanager
 def eval_mode(model):
     """The model in eval mode for the block, then back to its previous mode (a resident engine's module trains)."""
@@ -276,22 +305,37 @@ def eval_mode(model):
         model.train(was_training)
 
 
-def chunks(indices: list[int], size: int) -> list[list[int]]:
-    return [indices[i : i + size] for i in range(0, len(indices), size)]
+def _in_sample_order(parts: list[list[int]], done: list, n: int) -> list:
+    out = [None] * n
+    for i, row in zip((i for part in parts for i in part), done):
+        out[i] = row
+    return out
 
 
-def batched(fn, prompts: list[list[int]], responses: list[list[int]], pad_id: int, micro_batch_size: int) -> list:
+def batched(
+    fn,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_id: int,
+    micro_batch_size: int,
+    micro_tokens: int | None = None,
+) -> list:
     """fn(input_ids, attention_mask, response_mask, prompt_lens, response_lens) over micro-batches of the sequences,
-    without gradients; the per-sequence results concatenated in order. With several trainer ranks the micro-batches
-    are shared among them and every rank gets all the results (tasks/engines/workers/data_parallel.py)."""
+    without gradients; the per-sequence results in sample order. With several trainer ranks the micro-batches are
+    shared among them and every rank gets all the results (tasks/engines/workers/data_parallel.py)."""
 
     def one(idx: list[int]) -> list:
         p, r = [prompts[i] for i in idx], [responses[i] for i in idx]
         ids, attn, mask = pack(p, r, pad_id)
         return fn(ids, attn, mask, [len(x) for x in p], [len(x) for x in r])
 
+    if micro_tokens is None:  # consecutive samples, as before token budgets existed (the same bytes)
+        parts = chunks(list(range(len(prompts))), micro_batch_size)
+    else:
+        parts = forward_micro_batches(prompts, responses, micro_batch_size, micro_tokens)
     with torch.no_grad():
-        return [row for part in map_in_order(one, chunks(list(range(len(prompts))), micro_batch_size)) for row in part]
+        done = [row for part in map_in_order(one, parts) for row in part]
+    return _in_sample_order(parts, done, len(prompts))
 
 
 def batched_responses(
@@ -302,10 +346,11 @@ def batched_responses(
     micro_batch_size: int,
     with_entropy: bool,
     totals: dict[str, float] | None = None,
+    micro_tokens: int | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Per-token logprobs and entropies (empty lists without) of every sample, in order, computed without gradients on
-    shared-prefix micro-batches of whole groups (shared among the trainer ranks as `batched` does). `totals` gets this
-    rank's forward counts (`forward_*`)."""
+    shared-prefix micro-batches of whole groups (forward_micro_batches; shared among the trainer ranks as `batched`
+    does). `totals` gets this rank's forward counts (`forward_*`)."""
 
     def one(idx: list[int]) -> list:
         batch = pack_shared([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
@@ -315,10 +360,8 @@ def batched_responses(
         lens = [len(responses[i]) for i in idx]
         return [(logp[k, :n].tolist(), ent[k, :n].tolist() if with_entropy else []) for k, n in enumerate(lens)]
 
-    order = group_order(list(range(len(prompts))), prompts)
+    parts = forward_micro_batches(prompts, responses, micro_batch_size, micro_tokens)
     with torch.no_grad():
-        done = [row for part in map_in_order(one, chunks(order, micro_batch_size)) for row in part]
-    out = [None] * len(prompts)
-    for i, row in zip(order, done):
-        out[i] = row
+        done = [row for part in map_in_order(one, parts) for row in part]
+    out = _in_sample_order(parts, done, len(prompts))
     return [lp for lp, _ in out], [ent for _, ent in out]

@@ -23,20 +23,25 @@ from tasks.engines.workers.lora import base_path_of, load_causal_lm
 from tasks.engines.workers.token_batch import batched, batched_responses, eval_mode, unalign
 
 
-def _score(model, prompts, responses, pad_id, micro, with_entropy, totals):
+def _score(model, prompts, responses, pad_id, micro, with_entropy, totals, micro_tokens=None):
     return batched_responses(
-        model, prompts, responses, pad_id, micro, with_entropy, totals
+        model, prompts, responses, pad_id, micro, with_entropy, totals, micro_tokens=micro_tokens
     )  # each group's prompt computed once
 
 
-def _values(critic, prompts, responses, pad_id, micro):
+def _values(critic, prompts, responses, pad_id, micro, micro_tokens=None):
     return batched(
         lambda ids, attn, mask, plen, rlen: unalign(token_values(critic, ids, attn), plen, rlen),
         prompts,
         responses,
         pad_id,
         micro,
+        micro_tokens=micro_tokens,
     )
+
+
+def _pad_id(model) -> int:
+    return model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
 
 def load_lm(path: str, dtype: str):
@@ -62,7 +67,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
     samples = pl.read_parquet(request.samples_path)
     prompts = samples["prompt_token_ids"].to_list()
     responses = samples["token_ids"].to_list()
-    micro = request.micro_batch_size
+    micro, tokens = request.micro_batch_size, request.micro_batch_tokens
     policy_path, ref_path = request.policy_path, request.ref_path
 
     def model_at(role, path, frozen, load=None):
@@ -79,31 +84,35 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
 
     t0 = time.time()
     forward, counts = 0.0, {}
-    # The starting policy is the reference: kept frozen. Later policies come from the trainer's engine.
-    policy, off = model_at("policy", policy_path, frozen=policy_path == ref_path)
-    pad_id = policy.config.pad_token_id if policy.config.pad_token_id is not None else 0
-    t1 = time.time()
-    with scoring(policy, off):
-        old, entropy = _score(policy, prompts, responses, pad_id, micro, True, counts)
-    forward += time.time() - t1
-    if ref_path == policy_path:
+    policy = None
+    if request.old_from_sampler:  # π_old is vLLM's: no policy pass, so no entropy either
+        old, entropy = samples["sampler_logprobs"].to_list(), [[] for _ in responses]
+    else:  # the starting policy is the reference: kept frozen. Later policies come from the trainer's engine.
+        policy, off = model_at("policy", policy_path, frozen=policy_path == ref_path)
+        t1 = time.time()
+        with scoring(policy, off):
+            old, entropy = _score(policy, prompts, responses, _pad_id(policy), micro, True, counts, tokens)
+        forward += time.time() - t1
+    if not request.with_ref:
+        ref = None
+    elif ref_path == policy_path and policy is not None:
         ref = old  # iteration 1: the policy is the reference, no second pass needed
     else:
-        if base_path_of(policy) == os.path.abspath(ref_path):  # LoRA: the reference is the policy with its adapter off
+        if policy is not None and base_path_of(policy) == os.path.abspath(ref_path):  # LoRA: the policy, adapter off
             ref_model, off = policy, True
         else:
             del policy
             ref_model, off = model_at(None, ref_path, frozen=True)
         t1 = time.time()
         with scoring(ref_model, off):
-            ref, _ = _score(ref_model, prompts, responses, pad_id, micro, False, counts)
+            ref, _ = _score(ref_model, prompts, responses, _pad_id(ref_model), micro, False, counts, tokens)
         forward += time.time() - t1
     teacher = None
     if request.teacher_path:  # frozen, as the reference: loaded once by a resident trainer
         teacher_model, _ = model_at(None, request.teacher_path, frozen=True)
         t1 = time.time()
         with scoring(teacher_model, False):
-            teacher, _ = _score(teacher_model, prompts, responses, pad_id, micro, False, counts)
+            teacher, _ = _score(teacher_model, prompts, responses, _pad_id(teacher_model), micro, False, counts, tokens)
         forward += time.time() - t1
     values = None
     if request.critic_path:
@@ -115,7 +124,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         )
         t1 = time.time()
         with eval_mode(critic):
-            values = _values(critic, prompts, responses, pad_id, micro)
+            values = _values(critic, prompts, responses, _pad_id(critic), micro, tokens)
         forward += time.time() - t1
     lst = pl.List(pl.Float32)
     counts = data_parallel.sum_over_ranks(
@@ -125,7 +134,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         return {}
     samples.select("prompt_id", "sample_idx").with_columns(
         pl.Series("old_logprobs", old, dtype=lst),
-        pl.Series("ref_logprobs", ref, dtype=lst),
+        pl.Series("ref_logprobs", ref if ref is not None else [None] * samples.height, dtype=lst),
         pl.Series("entropy", entropy, dtype=lst),
         pl.Series("values", values if values is not None else [None] * samples.height, dtype=lst),
         *([pl.Series("teacher_logprobs", teacher, dtype=lst)] if teacher is not None else []),
