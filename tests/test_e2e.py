@@ -806,3 +806,40 @@ def test_zero3_over_two_ranks_resumes_after_one_rank_is_killed(one_iteration):
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)
     ]
     assert json.loads((fork.checkpoint_dir(1) / "trainer_state.json").read_text())["world_size"] == 2
+
+
+def test_sampler_old_logprobs_and_token_budgets_give_the_trainers_update(one_iteration):
+    """Iteration 1's logprobs, advantages and update again in a fork, with π_old taken from the sampler
+    (loss.old_logprobs sampler: no old-logprob pass, only the reference's for the KL) and token-budget micro-batches
+    (optim.micro_batch_tokens): the old logprobs are the rollouts' own, and the weights equal the base run's update
+    within 1e-5 (vLLM's fp32 logprobs are the trainer's to about 1e-6 on this model)."""
+    workspace, base = one_iteration
+    root = str(workspace / "runs")
+    sets = ["loss.old_logprobs=sampler", "optim.micro_batch_tokens=64", "optim.logprob_micro_batch_tokens=96"]
+    sets = [x for s in sets for x in ("--set", s)]
+    rerun = ["rerun", base.run_id, "--iteration", "1", "--root", root]
+    rlpipe(*rerun, "--stage", "logprobs", "--fork", "sampler-old", *sets, cwd=workspace)
+    for stage in ("advantages", "optimize"):
+        rlpipe("rerun", "sampler-old", "--iteration", "1", "--root", root, "--stage", stage, cwd=workspace)
+    fork = RunLayout(workspace / "runs", "sampler-old")
+    keys = ["prompt_id", "sample_idx"]
+    mine = read_table(fork, "logprobs", 1).join(read_table(base, "rollouts", 1), on=keys)
+    assert mine.height and (mine["old_logprobs"] == mine["sampler_logprobs"]).all()
+    assert (mine["entropy"].list.len() == 0).all()  # no policy pass ran
+    theirs = read_table(base, "logprobs", 1).select(*keys, pl.col("ref_logprobs").alias("base_ref"))
+    ref = mine.join(theirs, on=keys)
+    gap = (ref["ref_logprobs"].explode() - ref["base_ref"].explode()).abs().max()
+    assert gap <= 1e-5  # the reference pass still ran (the KL is in the loss), with a token budget
+    assert max_weight_gap(base.checkpoint_dir(1), fork.checkpoint_dir(1)) <= 1e-5
+    metrics = read_table(fork, "train_metrics", 1).row(0, named=True)
+    assert math.isnan(metrics["sampler_logprob_gap"])  # nothing to compare the sampler's with
+    # Without a KL nothing reads the reference: no pass runs at all, and the update trains without one.
+    rlpipe(*rerun, "--stage", "logprobs", "--fork", "no-pass", *sets, "--set", "kl.placement=none", cwd=workspace)
+    for stage in ("advantages", "optimize"):
+        rlpipe("rerun", "no-pass", "--iteration", "1", "--root", root, "--stage", stage, cwd=workspace)
+    bare = RunLayout(workspace / "runs", "no-pass")
+    assert read_table(bare, "logprobs", 1)["ref_logprobs"].is_null().all()
+    assert read_manifest(bare, "logprobs", 1)["extra"]["forward_seconds"] == 0.0
+    metrics = read_table(bare, "train_metrics", 1).row(0, named=True)
+    assert math.isnan(metrics["kl_ref"])
+    assert max_weight_gap(base.checkpoint_dir(1), bare.checkpoint_dir(1)) > 1e-5  # the KL term is gone
