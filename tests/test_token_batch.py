@@ -182,7 +182,7 @@ def gemma2_model():
 
 @pytest.mark.parametrize("make", [lambda: tiny_model(True), lambda: tiny_model(False), gemma2_model])
 def test_chunked_logits_give_the_whole_passs_logprobs_entropies_and_gradients(make, monkeypatch):
-    """Past LOGITS_CHUNK_BYTES the output layer runs over chunks of tokens under activation checkpointing: the values
+    """Past LOGITS_AT_ONCE_BYTES the output layer runs over chunks of tokens under activation checkpointing: the values
     and the gradients (of the logprobs and, with an entropy bonus, of the entropy) equal the model's own forward."""
     import tasks.engines.workers.token_batch as tb
 
@@ -191,8 +191,9 @@ def test_chunked_logits_give_the_whole_passs_logprobs_entropies_and_gradients(ma
     chunked, calls = tb._chunked_logprobs, []
     monkeypatch.setattr(tb, "_chunked_logprobs", lambda *a: calls.append(a[2]) or chunked(*a))
     results = []
-    for chunk_bytes in (tb.LOGITS_CHUNK_BYTES, 4 * 50 * 3):  # the whole pass; then 3 tokens a chunk
-        monkeypatch.setattr(tb, "LOGITS_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(tb, "LOGITS_CHUNK_BYTES", 4 * 50 * 3)  # 3 tokens a chunk
+    for at_once in (tb.LOGITS_AT_ONCE_BYTES, 4 * 50 * 3):  # the whole pass; then in chunks
+        monkeypatch.setattr(tb, "LOGITS_AT_ONCE_BYTES", at_once)
         model = make()
         logp, ent = response_logprobs(model, batch, with_entropy=True, entropy_grad=True)
         w = torch.linspace(-1, 1, logp.numel()).view_as(logp) * batch.mask
@@ -202,3 +203,31 @@ def test_chunked_logits_give_the_whole_passs_logprobs_entropies_and_gradients(ma
     assert calls == [3]  # the second pass only, in chunks of 3 tokens
     assert torch.allclose(lp0, lp1, atol=1e-6) and torch.allclose(e0, e1, atol=1e-6)
     assert torch.allclose(g0, g1, atol=1e-6, rtol=1e-5) and g0.abs().sum() > 0
+
+
+def test_gradient_checkpointing_engages_in_eval_mode_without_dropout():
+    """model.gradient_checkpointing did nothing: transformers checkpoints a layer only in training mode, and the policy
+    trains in eval mode. training.checkpoint_layers switches the checkpointed layers alone: the forward now keeps a
+    fraction of the tensors for the backward pass (the layers' are recomputed), the attention dropout (0.5 here) stays
+    off, and the gradients equal those of the pass that kept its activations."""
+    from tasks.engines.workers.training import checkpoint_layers
+
+    prompts, responses = groups(4)
+    batch = pack_shared(prompts, responses, 0)
+    grads, calls = [], []
+    for checkpointing in (False, True):
+        model = tiny_model(tied=False)
+        model.config.attention_dropout = 0.5
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.5
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_layers(model)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            logp, _ = response_logprobs(model, batch, with_entropy=False)
+        (logp * batch.mask).sum().backward()
+        calls.append(sum(saved))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert calls[1] < 0.5 * calls[0]  # what the forward kept for the backward, in elements
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)

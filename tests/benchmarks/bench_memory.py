@@ -7,9 +7,11 @@ token budget per micro-batch (optim.micro_batch_tokens).
 Rows:
 - long_memory_rss: peak RSS at 1,024-token responses against 128-token ones (ratio: 1,024's / 128's; the target is at
   most 1.25);
-- long_memory_logit_chunks: at 1,024-token responses and a budget of 8,192 tokens, the logits computed at once (the
-  chunking threshold lifted) against in chunks (token_batch.LOGITS_CHUNK_BYTES) (ratio: chunked / at once; below 1 is
-  memory saved).
+- long_memory_checkpointing: at 1,024-token responses, model.gradient_checkpointing against the activations kept
+  (ratio: with / without);
+- long_memory_logit_chunks: at 1,024-token responses, a budget of 8,192 tokens and gradient checkpointing (so that the
+  logits, 8,192 × 49,152 floats, are the peak), the logits computed at once (the threshold lifted) against in chunks
+  (token_batch.LOGITS_AT_ONCE_BYTES, LOGITS_CHUNK_BYTES) (ratio: chunked / at once; below 1 is memory saved).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from schemas.requests import EngineSettings, LossSettings, UpdateRequest
 import tasks.engines.workers.token_batch as token_batch
 from tasks.engines.workers.deepspeed_train import handle
 
-model, out, length, budget, chunked = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+model, out, length, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+chunked, checkpointing = sys.argv[5] == "1", sys.argv[6] == "1"
 if not chunked:
-    token_batch.LOGITS_CHUNK_BYTES = 1 << 62
+    token_batch.LOGITS_AT_ONCE_BYTES = 1 << 62
 rnd = random.Random(0)
 rows = []
 for g in range(8192 // (8 * length)):
@@ -43,7 +46,7 @@ for g in range(8192 // (8 * length)):
                      "token_advantages": [rnd.uniform(-1, 1)] * length, "loss_mask": 1.0})
 pl.DataFrame(rows).write_parquet(f"{out}/data.parquet")
 engine = EngineSettings(zero_stage=1, lr=1e-6, weight_decay=0.0, grad_clip=1.0, micro_batch_size=64, dtype="float32",
-                        gradient_checkpointing=False, lora=None, micro_batch_tokens=budget)
+                        gradient_checkpointing=checkpointing, lora=None, micro_batch_tokens=budget)
 request = UpdateRequest(model_path=model, tmp_dir=f"{out}/ckpt", data_path=f"{out}/data.parquet", resume_state=None,
                         seed=0, engine=engine, ppo_epochs=1, minibatches=1, warmup_steps=0, first_step=0,
                         loss=LossSettings(loss=LossConfig(), kl=KLConfig(), max_tokens=length), critic=None, ptx=None,
@@ -53,21 +56,19 @@ print("RESULT " + json.dumps({"rss": resp["metrics"]["trainer_peak_rss_gib"], "s
 """
 
 
-def update_in_fresh_process(length: int, budget: int, chunked: bool = True) -> dict:
-    out = OUT / f"len{length}-budget{budget}-{'chunked' if chunked else 'whole'}"
+def update_in_fresh_process(length: int, budget: int, chunked: bool = True, checkpointing: bool = False) -> dict:
+    what = f"{length}-token responses, budget {budget}, logits {'chunked' if chunked else 'at once'}" + (
+        ", gradient checkpointing" if checkpointing else ""
+    )
+    out = OUT / what.replace(" ", "_").replace(",", "")
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, MODEL, str(out), str(length), str(budget), "1" if chunked else "0"],
-        capture_output=True,
-        text=True,
-    )
+    flags = ["1" if chunked else "0", "1" if checkpointing else "0"]
+    args = [sys.executable, "-c", SCRIPT, MODEL, str(out), str(length), str(budget), *flags]
+    proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"long_memory update failed: {proc.stderr[-2000:]}")
+        raise RuntimeError(f"long_memory update ({what}) failed ({proc.returncode}): {proc.stderr[-2000:]}")
     result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    print(
-        f"long_memory: {length}-token responses, budget {budget}, logits {'chunked' if chunked else 'at once'}: "
-        f"peak RSS {result['rss']:.2f} GiB, update {result['seconds']:.1f}s"
-    )
+    print(f"long_memory: {what}: peak RSS {result['rss']:.2f} GiB, update {result['seconds']:.1f}s")
     return result
 
 
@@ -77,12 +78,15 @@ def _row(benchmark: str, baseline: str, base: float, mine: float, unit: str) -> 
 
 
 def run() -> list[dict]:
-    budget = 4096
-    short, long_ = update_in_fresh_process(128, budget), update_in_fresh_process(1024, budget)
-    whole, chunked = update_in_fresh_process(1024, 8192, chunked=False), update_in_fresh_process(1024, 8192)
+    short, long_ = update_in_fresh_process(128, 4096), update_in_fresh_process(1024, 4096)
+    recomputed = update_in_fresh_process(1024, 4096, checkpointing=True)
+    whole = update_in_fresh_process(1024, 8192, chunked=False, checkpointing=True)
+    chunked = update_in_fresh_process(1024, 8192, checkpointing=True)
     return [
         _row("long_memory_rss", "128-token responses, same budget", short["rss"], long_["rss"],
              "peak RSS GiB (ratio: 1,024-token / 128-token; target ≤ 1.25)"),
+        _row("long_memory_checkpointing", "activations kept", long_["rss"], recomputed["rss"],
+             "peak RSS GiB (ratio: with gradient checkpointing / without)"),
         _row("long_memory_logit_chunks", "logits at once", whole["rss"], chunked["rss"],
              "peak RSS GiB (ratio: chunked / at once)"),
     ]  # fmt: skip

@@ -39,6 +39,7 @@ from tasks.engines.workers.token_batch import (
 from tasks.engines.workers.training import (
     Progress,
     accumulation_steps,
+    checkpoint_layers,
     deepspeed_engine,
     save_checkpoint,
     supervised_steps,
@@ -245,6 +246,10 @@ def _rl(request: UpdateRequest, tokenizer, cache=None):
         lambda: load_policy(request.model_path, request.engine.lora),
     )
     critic = _critic_engine(request.critic, request.engine, gas, data, cache) if request.critic else None
+    if request.engine.gradient_checkpointing:  # a kept engine's model may have been through a logprobs pass since
+        for kept in (engine, critic.engine if critic else None):
+            if kept is not None:
+                checkpoint_layers(kept.module)
     torch.manual_seed(request.seed)  # after the engines: the same random state whether they were loaded or kept
     ptx = _Ptx(request, tokenizer) if request.ptx else None
     gen = torch.Generator().manual_seed(request.seed)

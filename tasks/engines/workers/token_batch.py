@@ -184,11 +184,14 @@ def count_into(totals: dict[str, float], model, batch: SharedPrefixBatch, prefix
         totals[f"{prefix}_{key}"] = totals.get(f"{prefix}_{key}", 0.0) + value
 
 
-# Above this many bytes of float32 logits for a micro-batch's response tokens (T × vocabulary × 4), they are computed
-# in chunks of tokens (_chunked_logprobs), each recomputed in the backward pass instead of kept: with long responses and
-# a 49k-token vocabulary, 8,192 tokens' logits are 1.6 GB, and their gradient as much again. Below it the model's own
-# forward computes them at once (no recomputation: the output layer is ~20% of SmolLM2-135M's forward).
-LOGITS_CHUNK_BYTES = 512 * 2**20
+# Above LOGITS_AT_ONCE_BYTES of float32 logits for a micro-batch's response tokens (T × vocabulary × 4), they are
+# computed in chunks of LOGITS_CHUNK_BYTES (_chunked_logprobs), each recomputed in the backward pass instead of kept:
+# with long responses and a 49k-token vocabulary, 8,192 tokens' logits are 1.6 GB, and the log-sum-exp, the entropy and
+# the gradient each take as much again. Measured on SmolLM2-135M, 3 rows of 1,056 tokens with gradient checkpointing:
+# a peak of 5.1 GiB in chunks of 2,730 tokens, 4.0 GiB in chunks of 682. Below the threshold the model's own forward
+# computes them at once: no recomputation (the output layer is ~20% of SmolLM2-135M's forward), the same bytes as ever.
+LOGITS_AT_ONCE_BYTES = 512 * 2**20
+LOGITS_CHUNK_BYTES = 128 * 2**20
 
 
 def _output_head(model):
@@ -257,12 +260,13 @@ def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True
     logits of the needed positions only where it supports `logits_to_keep`: the prompt positions' vocabulary-sized
     products are skipped. The logprob is the logit less the log-sum-exp, so the backward pass keeps one (tokens ×
     vocabulary) tensor, not log-softmax's second one; the entropy is a metric unless `entropy_grad` (an entropy bonus
-    in the loss), and then keeps none. Where the logits would exceed LOGITS_CHUNK_BYTES they are computed in chunks
+    in the loss), and then keeps none. Where the logits would exceed LOGITS_AT_ONCE_BYTES they are computed in chunks
     (_chunked_logprobs)."""
     parts = _output_head(model)
     if parts is not None:
-        chunk = max(1, LOGITS_CHUNK_BYTES // (4 * parts[3]))  # tokens per chunk (ZeRO-3 partitions the weight's shape)
-        if len(batch.targets) > chunk:
+        token_bytes = 4 * parts[3]  # the vocabulary from the config: ZeRO-3 partitions the weight's shape
+        if len(batch.targets) * token_bytes > LOGITS_AT_ONCE_BYTES:
+            chunk = max(1, LOGITS_CHUNK_BYTES // token_bytes)
             return _chunked_logprobs(parts, batch, chunk, with_entropy, entropy_grad)
     kwargs = {
         "input_ids": batch.input_ids,

@@ -26,6 +26,18 @@ def adamw(model, lr: float, weight_decay: float):
     return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), fused=True)
 
 
+def checkpoint_layers(model) -> None:
+    """Gradient checkpointing for a model that trains in eval mode. transformers checkpoints a layer only while that
+    layer is in training mode, and rlpipe's models train in eval mode (no dropout: π_θ must be the policy the sampler
+    and the logprobs pass computed), so `gradient_checkpointing_enable` alone changed nothing (measured on
+    SmolLM2-135M, 3 rows of 1,056 tokens: a peak of 8.3 GiB either way). The checkpointed layers themselves are put in
+    training mode; their submodules, dropout among them, stay as they are. Call it again after anything that sets the
+    whole model's mode (token_batch.eval_mode, around a logprobs pass on a kept engine's model)."""
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            module.training = True
+
+
 def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: str | None = None):
     """(engine, optimizer): AdamW under DeepSpeed (ZeRO stage, gradient clipping, bf16 from the settings), resumed from
     `resume_state` when given (the settings' lr wins over the saved one). `gas` counts one rank's micro-steps per
@@ -35,6 +47,7 @@ def deepspeed_engine(model, settings: EngineSettings, gas: int, resume_state: st
     data_parallel.init_process_group()
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(model)
     optimizer = adamw(model, settings.lr, settings.weight_decay)
     config = {
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
