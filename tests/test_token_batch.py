@@ -19,19 +19,11 @@ from tasks.engines.workers.token_batch import (
 )
 
 
-def tiny_model(tied: bool = True):
+def tiny_model(tied: bool = True, config_class=LlamaConfig, model_class=LlamaForCausalLM, **extra):
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=tied,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    sizes = {"vocab_size": 50, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 32}
+    cfg = config_class(**sizes, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied, **extra)
+    return model_class(cfg).eval()
 
 
 def groups(seed: int = 0):
@@ -163,21 +155,11 @@ def test_balanced_rows_keep_first_fits_row_count_and_even_out_the_rows():
 
 
 def gemma2_model():
-    """A tiny Gemma 2: its logits are soft-capped (final_logit_softcapping 30), which the chunked path must apply."""
+    """A tiny Gemma 2: its logits are soft-capped, which the chunked path must apply (a cap of 3, so that it changes
+    the logits of a random model)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    torch.manual_seed(0)
-    cfg = Gemma2Config(
-        vocab_size=50,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        final_logit_softcapping=3.0,  # small, so the cap changes the logits of a random model
-    )
-    return Gemma2ForCausalLM(cfg).eval()
+    return tiny_model(True, Gemma2Config, Gemma2ForCausalLM, final_logit_softcapping=3.0)
 
 
 @pytest.mark.parametrize("make", [lambda: tiny_model(True), lambda: tiny_model(False), gemma2_model])

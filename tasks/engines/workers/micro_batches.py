@@ -23,22 +23,8 @@ def balanced_rows(sizes: list[int], row_tokens: int = PACKED_ROW_TOKENS) -> list
     most max(`row_tokens`, the largest group), then the groups dealt longest first to the emptiest of that many rows.
     First-fit alone fills rows in turn and leaves the last nearly empty (4 groups of ~280 tokens: rows of 840 and
     280, a third of the positions padding); dealing evens them out (560 and 560) at the same number of rows."""
-    capacity = max(row_tokens, max(sizes))
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    used: list[int] = []
-    for i in order:
-        at = next((r for r, u in enumerate(used) if u + sizes[i] <= capacity), None)
-        if at is None:
-            used.append(0)
-            at = len(used) - 1
-        used[at] += sizes[i]
-    rows: list[list[int]] = [[] for _ in used]
-    load = [0] * len(used)
-    for i in order:
-        at = min(range(len(rows)), key=lambda r: load[r])
-        rows[at].append(i)
-        load[at] += sizes[i]
-    return rows
+    order = _longest_first(sizes)
+    return _deal(sizes, order, _first_fit_bins(sizes, order, max(row_tokens, max(sizes))))
 
 
 def fitted_rows(sizes: list[int], capacity: int) -> list[list[int]]:
@@ -47,26 +33,41 @@ def fitted_rows(sizes: list[int], capacity: int) -> list[list[int]]:
     balanced_rows evens rows out and may overfill one; a micro-batch's token budget is a bound, so this one keeps it."""
     if not sizes:
         return []
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    load: list[int] = []
-    for i in order:  # first-fit decreasing: how many bins
-        at = next((b for b, u in enumerate(load) if u + sizes[i] <= capacity), None)
-        if at is None:
-            load.append(0)
-            at = len(load) - 1
-        load[at] += sizes[i]
-    bins: list[list[int]] = [[] for _ in load]
-    load = [0] * len(bins)
+    order = _longest_first(sizes)
+    return _deal(sizes, order, _first_fit_bins(sizes, order, capacity), capacity)
+
+
+def _longest_first(sizes: list[int]) -> list[int]:
+    return sorted(range(len(sizes)), key=lambda i: -sizes[i])
+
+
+def _first_fit_bins(sizes: list[int], order: list[int], capacity: int) -> int:
+    """How many bins of `capacity` first-fit takes for the items in `order` (an item over it fills one alone)."""
+    used: list[int] = []
     for i in order:
-        fits = [b for b in range(len(bins)) if load[b] + sizes[i] <= capacity or not bins[b]]
+        at = next((b for b, u in enumerate(used) if u + sizes[i] <= capacity), None)
+        if at is None:
+            used.append(0)
+            at = len(used) - 1
+        used[at] += sizes[i]
+    return len(used)
+
+
+def _deal(sizes: list[int], order: list[int], bins: int, capacity: int | None = None) -> list[list[int]]:
+    """The items in `order`, each to the emptiest of `bins` bins (the first of equals); with `capacity`, the emptiest
+    it fits in (an empty bin takes anything), or a new bin where none has room."""
+    out: list[list[int]] = [[] for _ in range(bins)]
+    load = [0] * bins
+    for i in order:
+        fits = [b for b in range(len(out)) if capacity is None or load[b] + sizes[i] <= capacity or not out[b]]
         if not fits:
-            bins.append([])
+            out.append([])
             load.append(0)
-            fits = [len(bins) - 1]
+            fits = [len(out) - 1]
         at = min(fits, key=lambda b: load[b])
-        bins[at].append(i)
+        out[at].append(i)
         load[at] += sizes[i]
-    return bins
+    return out
 
 
 def karmarkar_karp(sizes: list[int], parts: int) -> list[list[int]]:
