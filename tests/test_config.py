@@ -225,3 +225,13 @@ def test_the_classic_rlhf_configs_documented_ppo_command_is_ppo_on_the_reward_mo
     assert cfg.advantage.estimator == "gae" and cfg.kl.placement == "reward" and cfg.critic.lr == 5e-5
     assert [f.weight for f in cfg.reward.functions.values()] == [0.0] and cfg.reward.model_weight == 1.0
     assert cfg.reward_model.out_path == cfg.reward.model_path  # PPO reads the reward model rm-train wrote
+
+
+def test_sampler_old_logprobs_refuse_a_rollout_correction_and_token_budgets_are_bounded():
+    with pytest.raises(ConfigError, match="old_logprobs sampler .* compare them with themselves") as err:
+        build_config({"loss": {"old_logprobs": "sampler", "rollout_is": "token"}})
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="optim.micro_batch_tokens"):
+        build_config({"optim": {"micro_batch_tokens": 8}})
+    cfg = build_config({"loss": {"old_logprobs": "sampler"}, "optim": {"micro_batch_tokens": 4096}})
+    assert cfg.loss.old_logprobs == "sampler" and cfg.optim.logprob_micro_batch_tokens is None

@@ -213,3 +213,26 @@ def test_gradient_checkpointing_engages_in_eval_mode_without_dropout():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert calls[1] < 0.5 * calls[0]  # what the forward kept for the backward, in elements
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_a_model_whose_logits_are_more_than_its_output_layer_keeps_its_own_forward(monkeypatch):
+    """An architecture that changes its logits after the output layer, in a way _output_head does not know of, must not
+    get the chunked path's other numbers: the one-time check against its own forward sends it back to that forward."""
+    import tasks.engines.workers.token_batch as tb
+
+    class Scaled(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2.0
+            return out
+
+    monkeypatch.setattr(tb, "LOGITS_AT_ONCE_BYTES", 0)  # every batch would go in chunks
+    monkeypatch.setattr(tb, "_HEAD_CHECKED", {})
+    batch = pack_shared(*groups(5), 0)
+    scaled = tiny_model(True, LlamaConfig, Scaled)
+    with torch.no_grad():
+        logp, _ = response_logprobs(scaled, batch, with_entropy=False)
+        monkeypatch.setattr(tb, "LOGITS_AT_ONCE_BYTES", 1 << 62)
+        own, _ = response_logprobs(scaled, batch, with_entropy=False)
+    assert torch.equal(logp, own)
+    assert list(tb._HEAD_CHECKED.values()) == [False]

@@ -214,6 +214,27 @@ def _output_head(model):
     return decoder, head, getattr(config, "final_logit_softcapping", None), config.vocab_size
 
 
+_HEAD_CHECKED: dict[tuple, bool] = {}
+
+
+def _head_is_the_models(model, parts, batch: SharedPrefixBatch) -> bool:
+    """Whether the output layer on the decoder's last hidden state gives the model's own logits, checked once per
+    (decoder, output layer) class on the batch's first 16 tokens: an architecture that does more between its decoder
+    and its logits than _output_head knows of keeps its own forward rather than get other logprobs. Every rank checks
+    at the same call, so ZeRO-3's gathers stay in step."""
+    decoder, head, cap, _ = parts
+    key = (type(decoder), type(head), cap)
+    if key not in _HEAD_CHECKED:
+        ids = batch.input_ids[:1, :16]  # (1, ≤16), a plain causal pass
+        with torch.no_grad():
+            own = model(input_ids=ids, use_cache=False).logits.float()  # (1, L, V)
+            hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
+            mine = head(hidden).float()
+            mine = torch.tanh(mine / cap) * cap if cap else mine
+        _HEAD_CHECKED[key] = bool(torch.allclose(own, mine, atol=1e-4, rtol=1e-4))
+    return _HEAD_CHECKED[key]
+
+
 def _head_logprobs(hidden, targets, head, cap, with_entropy: bool, entropy_grad: bool):
     """(logp, entropy or None) of `targets` (T,) from their predicting positions' hidden states (T, H)."""
     logits = head(hidden).float()  # (T, V)
@@ -265,7 +286,7 @@ def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True
     parts = _output_head(model)
     if parts is not None:
         token_bytes = 4 * parts[3]  # the vocabulary from the config: ZeRO-3 partitions the weight's shape
-        if len(batch.targets) * token_bytes > LOGITS_AT_ONCE_BYTES:
+        if len(batch.targets) * token_bytes > LOGITS_AT_ONCE_BYTES and _head_is_the_models(model, parts, batch):
             chunk = max(1, LOGITS_CHUNK_BYTES // token_bytes)
             return _chunked_logprobs(parts, batch, chunk, with_entropy, entropy_grad)
     kwargs = {
