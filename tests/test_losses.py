@@ -462,3 +462,33 @@ def test_adaptive_entropy_coefficient_steps_toward_the_target_within_its_bounds(
     assert adapt_entropy_coef(0.01, 0.3, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.005)  # above: down
     assert adapt_entropy_coef(0.002, 0.3, 0.2, 0.005, 0.0, 1.0) == 0.0  # not below the lower bound
     assert adapt_entropy_coef(0.998, 0.1, 0.2, 0.005, 0.0, 1.0) == 1.0  # nor above the upper
+
+
+def test_geometric_rejection_divides_the_unclamped_sum():
+    """Geo-RS on 40 tokens at log-ratio 0.6: the geometric mean is e^0.6 = 1.82, above a 1.7 threshold, so the response
+    is rejected. Clamping the sum (24) to 20 before dividing by 40 saw e^0.5 = 1.65 and kept it."""
+    from tasks.algos.losses import rollout_correction
+
+    old, sampler, mask = torch.full((1, 40), -1.0), torch.full((1, 40), -1.6), torch.ones(1, 40)
+    w, sums = rollout_correction(old, sampler, mask, LossConfig(rollout_rs="geometric", rollout_rs_threshold=1.7))
+    assert w.sum().item() == 0.0 and sums["rollout_rejected_fraction"].item() == 40.0
+
+
+def test_gmpo_keeps_the_gradient_of_a_token_far_below_its_old_probability():
+    """GMPO with A > 0 and Δ = −25: unclipped (only Δ > ε_high is clipped for A > 0), so the token still trains, as the
+    reference's loss has it: ∂ℓ/∂logp = −A·exp(Δ)/n ≠ 0. A ±20 clamp on Δ made it 0."""
+    logp = torch.tensor([[-26.0, -1.0]], requires_grad=True)
+    old, adv, mask = torch.tensor([[-1.0, -1.0]]), torch.ones(1, 2), torch.ones(1, 2)
+    loss, _, _ = OBJECTIVES["gmpo"](logp, old, adv, mask, LossConfig(objective="gmpo"))
+    loss[0, 0].backward()
+    # ℓ = −exp((Δ_0 + Δ_1)/2) with Δ_1 = 0: ∂ℓ/∂logp_0 = −½·exp(−12.5)
+    assert logp.grad[0, 0].item() == pytest.approx(-0.5 * math.exp(-12.5), rel=1e-5)
+
+
+def test_kl_cov_loss_value_is_exact_past_a_log_ratio_of_20():
+    """KL-Cov's penalised token at Δ = 21: ℓ = −A·e^21 + k·21 (a clamp at 20 gave −A·e^20 + k·20)."""
+    logp, old = torch.tensor([[20.0]]), torch.tensor([[-1.0]])
+    adv, mask = torch.tensor([[-1.0]]), torch.ones(1, 1)
+    cfg = LossConfig(objective="kl_cov", kl_cov_coef=0.5)
+    loss, _, _ = OBJECTIVES["kl_cov"](logp, old, adv, mask, cfg)
+    assert loss.item() == pytest.approx(math.exp(21) + 0.5 * 21, rel=1e-6)

@@ -91,7 +91,8 @@ def cispo_objective(logp, old_logp, adv, mask, loss: LossConfig):
     weight, not the update: every token keeps its gradient −ŵ·A·∇log π_θ (PPO's clip zeroes it beyond the bound). ℓ's
     value is a weighted log-probability, not a surrogate of the return. The masks mark tokens whose weight was
     truncated, whatever A's sign."""
-    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))  # verl's guard against an overflowing exp
+    # verl's guard against an overflowing exp; exact, since the weight is then clipped to [1 − ε_low, 1 + ε_high].
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     low, high = 1.0 - loss.clip_eps_low, 1.0 + loss.clip_eps_high
     weight = ratio.clamp(min=low, max=high).detach()
     return -weight * adv * logp, ratio < low, ratio > high
@@ -102,8 +103,10 @@ def gmpo_objective(logp, old_logp, adv, mask, loss: LossConfig):
     Each log-ratio Δ_t is clipped pessimistically in log space (to ε_high above for A > 0, to −ε_low below for A < 0),
     and ℓ_i = −Ā_i·exp(mean over y_i's tokens of the clipped Δ_t), Ā_i the mean of y_i's token advantages (as verl's
     GMPO loss takes it); ℓ_i is placed on every token of y_i (aggregate with seq-mean-token-mean for the paper's mean
-    over sequences)."""
-    delta = (logp - old_logp).clamp(-20.0, 20.0)
+    over sequences). No guard on Δ_t: a ±20 clamp here zeroed the gradient of a token the reference keeps (A > 0 and
+    Δ_t < −20: unclipped, it still trains), as verl's commented-out one would; the pessimistic clip already bounds the
+    side that could overflow for A > 0, and for A < 0 only a mean log-ratio past 88 would."""
+    delta = logp - old_logp
     sign = torch.sign(adv)
     clipped = delta.clamp(-loss.clip_eps_low, loss.clip_eps_high)
     pessimistic = sign * torch.minimum(sign * delta, sign * clipped)
@@ -121,6 +124,7 @@ def sapo_objective(logp, old_logp, adv, mask, loss: LossConfig):
     ρ = 1 (the plain surrogate's gradient there) and decays smoothly away from it, so an off-policy token's gradient
     fades instead of being cut; τ_neg > τ_pos fades negative-advantage tokens faster. As verl's `sapo` loss: no token
     is clipped, so the clip masks are empty."""
+    # A guard against an overflowing exp: past e^±20 the gate σ(τ(ρ − 1)) is 0 or 1 to float precision, its gradient 0.
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     tau = torch.where(adv > 0, loss.sapo_tau_pos, loss.sapo_tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
@@ -173,8 +177,9 @@ def clip_cov_objective(logp, old_logp, adv, mask, loss: LossConfig):
 def kl_cov_objective(logp, old_logp, adv, mask, loss: LossConfig):
     """KL-Cov (Cui et al. 2025, 2505.22617): no clip; the max(1, ⌊r·N⌋) tokens of the highest covariance get a KL
     penalty, ℓ = −ρA + k·|log π_θ − log π_old| (k = loss.kl_cov_coef), the others ℓ = −ρA. As verl's `kl_cov` loss.
-    The clip masks count the penalised tokens."""
-    delta = (logp - old_logp).clamp(-20.0, 20.0)
+    The clip masks count the penalised tokens. Exact, as verl's: a ±20 clamp on the log-ratio changed the loss's value
+    past it (e^20 for e^21)."""
+    delta = logp - old_logp
     pg = -adv * torch.exp(delta)
     valid = mask > 0
     cov = torch.where(valid, token_covariance(logp, adv, mask), torch.full_like(pg, -torch.inf))
@@ -275,7 +280,9 @@ def masked_mean(x, mask):
 # ---- The full policy loss of one micro-batch --------------------------------------------------------------
 
 
-LOG_RATIO_BOUND = 20.0  # verl's SAFETY_BOUND: log π_old − log π_sampler beyond it is clamped before exp
+# verl's SAFETY_BOUND: a token's log π_old − log π_sampler, and a sequence's sum of them, are clamped to it before exp
+# (e^20 ≈ 4.9e8: far past any IS cap or rejection bound, so only a weight that would overflow is changed).
+LOG_RATIO_BOUND = 20.0
 
 
 def rollout_correction(old_logp, sampler_logp, mask, loss: LossConfig):
@@ -288,7 +295,10 @@ def rollout_correction(old_logp, sampler_logp, mask, loss: LossConfig):
     outside) or the veto drops the response (a token with r_t below rollout_veto_threshold); and masked token sums of
     the weights' statistics for train_metrics."""
     log_ratio = ((old_logp - sampler_logp) * mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    seq_log = (log_ratio * mask).sum(-1, keepdim=True).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    seq_sum = (log_ratio * mask).sum(-1, keepdim=True)
+    # The sequence's product is clamped before exp (it overflows past e^88); the geometric mean is not: clamping the sum
+    # before dividing by the length kept 40 tokens at log-ratio 0.6 (e^0.5 seen) against a 1.7 threshold.
+    seq_log = seq_sum.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     valid = mask > 0
     weights = torch.ones_like(log_ratio)
     capped = torch.zeros_like(valid)
@@ -300,7 +310,7 @@ def rollout_correction(old_logp, sampler_logp, mask, loss: LossConfig):
         upper = loss.rollout_rs_threshold
         lower = loss.rollout_rs_threshold_lower or 1.0 / upper
         n = mask.sum(-1, keepdim=True).clamp_min(1.0)
-        stat = {"token": log_ratio, "sequence": seq_log, "geometric": seq_log / n}[loss.rollout_rs].expand_as(log_ratio)
+        stat = {"token": log_ratio, "sequence": seq_log, "geometric": seq_sum / n}[loss.rollout_rs].expand_as(log_ratio)
         kept = kept & (stat >= math.log(lower)) & (stat <= math.log(upper))
     vetoed = torch.zeros_like(valid)
     if loss.rollout_veto_threshold:

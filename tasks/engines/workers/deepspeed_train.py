@@ -150,7 +150,7 @@ class _Update:
     def micro_batches(self, minibatch: list[int], gas: int) -> list[list[int]]:
         """This rank's micro-batches of `minibatch` (whole groups, next to each other): `gas` pieces of near-equal
         sample counts, or with engine.micro_batch_tokens packed to that token budget and balanced over the ranks by
-        tokens (token_batch.token_micro_batches)."""
+        tokens (micro_batches.token_micro_batches)."""
         budget = self.request.engine.micro_batch_tokens
         if budget is None:
             return data_parallel.contiguous_micro_batches(minibatch, gas, data_parallel.world(), data_parallel.rank())
