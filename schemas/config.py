@@ -630,6 +630,25 @@ class RewardConfig(Section):
             )
         return self
 
+    def weighted_parts(self) -> tuple[tuple[str, float], ...]:
+        """The reward's weighted parts as `scores` holds them: each function's and judge's score_<name>, the reward
+        model's score_model (kind=model) and the process reward model's score_prm; a part of weight 0 is left out.
+        The one list: the config's checks (GDPO) and the advantages stage both ask it."""
+        parts = [(f"score_{name}", f.weight) for name, f in {**self.functions, **self.judges}.items()]
+        if self.kind == "model":
+            parts.append(("score_model", self.model_weight))
+        if self.process_model:
+            parts.append(("score_prm", self.process_model.weight))
+        return tuple((column, weight) for column, weight in parts if weight)
+
+    def weighted_step_parts(self) -> tuple[tuple[str, float], ...]:
+        """The process rewards' step-score lists in `scores` (steps_<name>, and the process reward model's steps_prm),
+        with their weights (0 left out)."""
+        parts = [(f"steps_{name}", f.weight) for name, f in self.functions.items() if f.per_step]
+        if self.process_model:
+            parts.append(("steps_prm", self.process_model.weight))
+        return tuple((column, weight) for column, weight in parts if weight)
+
 
 class UserCodeRef(Section):
     """A function or class of yours: a file (`path`) or an importable `module`, and its name there."""
@@ -1380,17 +1399,11 @@ class RunConfig(Section):
         # (distill without a teacher is refused when a run starts: the distill preset leaves the teacher to --set)
         if a.teacher_path and a.estimator != "distill":
             raise ValueError("advantage.teacher_path is only read by advantage.estimator distill")
-        if (
-            a.estimator == "gdpo"
-            and not any(f.weight for f in self.reward.functions.values())
-            and not (self.reward.kind == "model" and self.reward.model_weight)
-        ):
+        if a.estimator == "gdpo" and not self.reward.weighted_parts():
             raise ValueError("advantage.estimator gdpo normalises the reward's weighted parts, and every weight is 0")
         per_step = [name for name, f in self.reward.functions.items() if f.per_step]
         prm = self.reward.process_model
-        if a.estimator == "grpo_process" and not (
-            any(self.reward.functions[n].weight for n in per_step) or (prm and prm.weight)
-        ):
+        if a.estimator == "grpo_process" and not self.reward.weighted_step_parts():
             raise ValueError(
                 "advantage.estimator grpo_process needs a process reward: a reward function with per_step: true "
                 "and a non-zero weight, or reward.process_model"

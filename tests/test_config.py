@@ -235,3 +235,16 @@ def test_sampler_old_logprobs_refuse_a_rollout_correction_and_token_budgets_are_
         build_config({"optim": {"micro_batch_tokens": 8}})
     cfg = build_config({"loss": {"old_logprobs": "sampler"}, "optim": {"micro_batch_tokens": 4096}})
     assert cfg.loss.old_logprobs == "sampler" and cfg.optim.logprob_micro_batch_tokens is None
+
+
+def test_gdpo_takes_a_reward_whose_only_weighted_part_is_a_judge_or_the_process_model():
+    """The GDPO check counted functions and the reward model while the advantages stage's parts also hold judges and
+    the PRM: a judge-only reward was refused. Both now ask reward.weighted_parts()."""
+    judge = {"j": {"base_url": "http://127.0.0.1:9/v1", "model": "m", "weight": 1}}
+    no_function = {"functions": {"accuracy": {"weight": 0}}}
+    only_judge = {"advantage": {"estimator": "gdpo"}, "reward": {**no_function, "judges": judge}}
+    assert build_config(only_judge).reward.weighted_parts() == (("score_j", 1),)
+    only_prm = {"advantage": {"estimator": "gdpo"}, "reward": {"functions": {"accuracy": {"weight": 0}}}}
+    assert build_config(only_prm, ["reward.process_model={path: models/prm, weight: 0.5}"])
+    with pytest.raises(ConfigError, match="gdpo normalises the reward's weighted parts, and every weight is 0"):
+        build_config(only_prm)

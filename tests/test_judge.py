@@ -23,7 +23,6 @@ from tasks.rewards.judge import (
     parse_pointwise,
     render,
 )
-from tasks.stages.advantages import reward_components
 
 URL = {"base_url": "http://127.0.0.1:9/v1", "model": "judge"}
 
@@ -146,7 +145,7 @@ def test_a_judge_is_a_weighted_reward_component_and_cannot_share_a_functions_nam
     path = tmp_path / "c.yaml"
     path.write_text("{}")
     cfg = load_config(path, [f"reward.judges={{helpful: {{weight: 0.5, base_url: '{URL['base_url']}', model: j}}}}"])
-    assert ("score_helpful", 0.5) in reward_components(cfg.reward)
+    assert ("score_helpful", 0.5) in cfg.reward.weighted_parts()
     with pytest.raises(ConfigError, match="names both a reward function and a judge"):
         load_config(path, [f"reward.judges={{accuracy: {{base_url: '{URL['base_url']}', model: j}}}}"])
 

@@ -344,11 +344,11 @@ def test_process_model_held_out_figures_by_hand():
 
 
 def test_a_process_model_joins_the_step_parts_and_grpo_process_accepts_it():
-    from tasks.stages.advantages import outcome_parts, reward_components, step_parts
+    from tasks.stages.advantages import outcome_parts
 
     cfg = build_config({}, ["reward.process_model={path: models/prm, weight: 0.5}", "advantage.estimator=grpo_process"])
-    assert step_parts(cfg.reward) == (("steps_prm", 0.5),)
-    assert ("score_prm", 0.5) in reward_components(cfg.reward)
+    assert cfg.reward.weighted_step_parts() == (("steps_prm", 0.5),)
+    assert ("score_prm", 0.5) in cfg.reward.weighted_parts()
     assert all(c != "score_prm" for c, _ in outcome_parts(cfg.reward))
     with pytest.raises(ConfigError, match="grpo_process needs a process reward"):
         build_config({}, ["advantage.estimator=grpo_process"])

@@ -28,30 +28,10 @@ from tasks.stages.spec import StageSpec
 KEYS = ["prompt_id", "sample_idx"]
 
 
-def reward_components(reward) -> tuple[tuple[str, float], ...]:
-    """The reward's weighted parts as `scores` holds them: each function's and judge's score_<name>, and the reward
-    model's score_model (reward.kind=model); a part of weight 0 is left out."""
-    parts = [(f"score_{name}", f.weight) for name, f in {**reward.functions, **reward.judges}.items()]
-    if reward.kind == "model":
-        parts.append(("score_model", reward.model_weight))
-    if reward.process_model:
-        parts.append(("score_prm", reward.process_model.weight))
-    return tuple((column, weight) for column, weight in parts if weight)
-
-
-def step_parts(reward) -> tuple[tuple[str, float], ...]:
-    """The process rewards' step-score lists in `scores` (steps_<name>, and the process reward model's steps_prm),
-    with their weights (0 left out)."""
-    parts = [(f"steps_{name}", f.weight) for name, f in reward.functions.items() if f.per_step]
-    if reward.process_model:
-        parts.append(("steps_prm", reward.process_model.weight))
-    return tuple((column, weight) for column, weight in parts if weight)
-
-
 def outcome_parts(reward) -> tuple[tuple[str, float], ...]:
     """The reward's parts that score a whole response: every component but the process rewards' aggregates."""
     per_step = {f"score_{name}" for name, f in reward.functions.items() if f.per_step} | {"score_prm"}
-    return tuple((column, weight) for column, weight in reward_components(reward) if column not in per_step)
+    return tuple((column, weight) for column, weight in reward.weighted_parts() if column not in per_step)
 
 
 def advantage_inputs(
@@ -68,14 +48,14 @@ def advantage_inputs(
     components = needs.needs_components if components is None else components
     steps = needs.needs_steps if steps is None else steps
     reward = ctx.cfg.reward
-    parts = [column for column, _ in reward_components(reward)] if components else []
+    parts = [column for column, _ in reward.weighted_parts()] if components else []
     if steps:  # grpo_process: the step ends and scores, and the outcome parts it adds on the last step
-        if not step_parts(reward):
+        if not reward.weighted_step_parts():
             raise AdvantageInputError(
                 f"grpo_process needs process rewards (a reward function with per_step: true, or "
                 f"reward.process_model), and run {ctx.layout.run_id!r} has none"
             )
-        parts += ["step_ends", *(c for c, _ in step_parts(reward)), *(c for c, _ in outcome_parts(reward))]
+        parts += ["step_ends", *(c for c, _ in reward.weighted_step_parts()), *(c for c, _ in outcome_parts(reward))]
         parts = list(dict.fromkeys(parts))
     scores = read_stage(ctx.layout, "scores", iteration).select("iteration", *KEYS, "reward", *parts)
     if kept_only:
@@ -106,8 +86,8 @@ def settings_from(cfg, kl_beta: float = 0.0) -> AdvantageSettings:
         kl_estimator=cfg.kl.estimator,
         pass_k=a.pass_k,
         correct_at=a.correct_at,
-        components=reward_components(cfg.reward),
-        step_parts=step_parts(cfg.reward),
+        components=cfg.reward.weighted_parts(),
+        step_parts=cfg.reward.weighted_step_parts(),
         outcome_parts=outcome_parts(cfg.reward),
     )
 
