@@ -853,7 +853,9 @@ class AdvantageConfig(Section):
 
 
 class LossConfig(Section):
-    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"old_logprobs"})  # added after runs existed
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset(
+        {"old_logprobs", "off_policy_mask_threshold"}
+    )  # added after runs existed
 
     objective: Objective = Field("clip", description="The policy objective (docs/algorithms.md); clip is PPO's.")
     aggregation: Aggregation = Field(
@@ -913,6 +915,13 @@ class LossConfig(Section):
         description="A response with any token whose ratio π_old/π_sampler is below this (e.g. 1e-4: a token the "
         "trainer finds near impossible) gets no policy loss at all; None: off.",
     )
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        gt=0,
+        description="Off-policy sequence masking (DeepSeek-V3.2; TRL's off_policy_mask_threshold), δ: a response with "
+        "negative advantage whose mean per-token log(π_sampler/π_θ) over its tokens exceeds δ gets no policy loss "
+        "(π_θ the policy being trained, detached; TRL suggests δ = 0.5). None: off.",
+    )
     sapo_tau_pos: float = Field(1.0, gt=0, description="SAPO's gate temperature τ for tokens with A > 0.")
     sapo_tau_neg: float = Field(
         1.05, gt=0, description="SAPO's gate temperature τ for tokens with A ≤ 0 (higher: their gradient fades sooner)."
@@ -949,8 +958,13 @@ class LossConfig(Section):
 
     @property
     def corrects_rollout(self) -> bool:
-        """Whether the update reads the sampler's logprobs (rollout correction)."""
+        """Whether the update weighs tokens by π_old against the sampler (rollout correction)."""
         return bool(self.rollout_is or self.rollout_rs or self.rollout_veto_threshold)
+
+    @property
+    def reads_sampler(self) -> bool:
+        """Whether the update reads the sampler's logprobs: a rollout correction, or the off-policy sequence mask."""
+        return self.corrects_rollout or self.off_policy_mask_threshold is not None
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> "LossConfig":

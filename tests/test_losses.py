@@ -492,3 +492,24 @@ def test_kl_cov_loss_value_is_exact_past_a_log_ratio_of_20():
     cfg = LossConfig(objective="kl_cov", kl_cov_coef=0.5)
     loss, _, _ = OBJECTIVES["kl_cov"](logp, old, adv, mask, cfg)
     assert loss.item() == pytest.approx(math.exp(21) + 0.5 * 21, rel=1e-6)
+
+
+def test_off_policy_sequence_mask_drops_negative_responses_the_policy_has_drifted_from():
+    """DeepSeek-V3.2's mask (TRL's off_policy_mask_threshold), δ = 0.5, hand-worked on three 2-token responses with
+    log π_θ = −1: (A −1, sampler −0.4 on both tokens: mean drift 0.6 > δ) masked; (A −1, drift 0.4) kept; (A +1, drift
+    1.0) kept, as its advantage is positive. The masked response's tokens still count in the token-mean normaliser."""
+    from tasks.algos.losses import off_policy_mask
+
+    logp = torch.full((3, 2), -1.0, requires_grad=True)
+    sampler = torch.tensor([[-0.4, -0.4], [-0.6, -0.6], [0.0, 0.0]])
+    adv, mask = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [1.0, 1.0]]), torch.ones(3, 2)
+    assert off_policy_mask(logp, sampler, adv, mask, 0.5).tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    settings = LossSettings(
+        loss=LossConfig(off_policy_mask_threshold=0.5, aggregation="token-mean"), kl=KLConfig(placement="none")
+    )
+    norm = MinibatchNorm(tokens=6.0, sequences=3.0)
+    loss, sums = policy_loss(logp, logp.detach(), logp.detach(), adv, mask, norm, settings, sampler_logp=sampler)
+    # ρ = 1 everywhere: ℓ = −A on the 4 kept tokens (+1, +1, −1, −1), 0 on the masked two; token-mean over 6 tokens.
+    assert loss.item() == pytest.approx(0.0) and sums["off_policy_masked_fraction"].item() == 2.0
+    loss.backward()
+    assert logp.grad[0].abs().sum() == 0 and logp.grad[1].abs().sum() > 0

@@ -43,34 +43,39 @@ for g in range(5):  # 5 groups of 3, responses of 1 to 30 tokens (a long tail)
             "prompt_token_ids": prompt, "token_ids": [rnd.randrange(1, 40) for _ in range(n)],
             "old_logprobs": [-rnd.random() * 3 for _ in range(n)],
             "ref_logprobs": [-rnd.random() * 3 for _ in range(n)],
+            "sampler_logprobs": [-rnd.random() * 3 for _ in range(n)],
             "token_advantages": [rnd.uniform(-1, 1)] * n, "loss_mask": 0.0 if len(rows) == 4 else 1.0,
             "action_mask": [int(j % 5 != 2) for j in range(n)],  # some tokens are context, not actions
         })
 data = pl.DataFrame(rows)
 tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=0)
 out = {}
-for aggregation in sorted(AGGREGATIONS):
-    for budget in (None, 40):
-        settings = EngineSettings(zero_stage=0, lr=1e-3, weight_decay=0.0, grad_clip=1e9, micro_batch_size=2,
-                                  dtype="float32", gradient_checkpointing=False, lora=None, micro_batch_tokens=budget)
-        loss = LossSettings(loss=LossConfig(aggregation=aggregation, clip_eps_high=0.28), kl_beta=0.04,
-                            entropy_coef=0.01, max_tokens=30)
-        update = _Update(SimpleNamespace(loss=loss, engine=settings), tokenizer, data)
-        engine, _ = deepspeed_engine(copy.deepcopy(base), settings, gas=4)
-        grads, step = [], engine.step
+cases = [(aggregation, budget, None) for aggregation in sorted(AGGREGATIONS) for budget in (None, 40)]
+for aggregation, budget, mask_threshold in cases + [("token-mean", 40, 0.3)]:  # the last: off-policy masking on
+    settings = EngineSettings(zero_stage=0, lr=1e-3, weight_decay=0.0, grad_clip=1e9, micro_batch_size=2,
+                              dtype="float32", gradient_checkpointing=False, lora=None, micro_batch_tokens=budget)
+    loss = LossSettings(loss=LossConfig(aggregation=aggregation, clip_eps_high=0.28,
+                                        off_policy_mask_threshold=mask_threshold),
+                        kl_beta=0.04, entropy_coef=0.01, max_tokens=30)
+    update = _Update(SimpleNamespace(loss=loss, engine=settings), tokenizer, data)
+    engine, _ = deepspeed_engine(copy.deepcopy(base), settings, gas=4)
+    grads, step = [], engine.step
 
-        def record():
-            if engine.is_gradient_accumulation_boundary():  # the ranks' averaged gradient, before the step
-                grads.append(torch.cat([p.grad.detach().flatten().clone() for p in engine.module.parameters()]))
-            step()
+    def record():
+        if engine.is_gradient_accumulation_boundary():  # the ranks' averaged gradient, before the step
+            grads.append(torch.cat([p.grad.detach().flatten().clone() for p in engine.module.parameters()]))
+        step()
 
-        engine.step = record
-        minibatch = [i for group in groups_of(list(range(data.height)), update.prompts) for i in group]
-        norm, parts = update.norm(minibatch), update.micro_batches(minibatch, 4)
-        for k, idx, scale in data_parallel.micro_steps(minibatch, parts):
-            engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
-            update.micro_step(engine, idx, norm, None, scale)
-        out[f"{aggregation}/{budget}"] = {"grad": grads[-1].tolist(), "parts": parts, "loss": update.totals["loss"]}
+    engine.step = record
+    minibatch = [i for group in groups_of(list(range(data.height)), update.prompts) for i in group]
+    norm, parts = update.norm(minibatch), update.micro_batches(minibatch, 4)
+    for k, idx, scale in data_parallel.micro_steps(minibatch, parts):
+        engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
+        update.micro_step(engine, idx, norm, None, scale)
+    out[f"{aggregation}/{budget}" + (f"/masked{mask_threshold}" if mask_threshold else "")] = {
+        "grad": grads[-1].tolist(), "parts": parts, "loss": update.totals["loss"],
+        "masked": update.totals.get("off_policy_masked_fraction", 0.0) / update.totals["tokens"],
+    }
 if data_parallel.rank() == 0:
     print("RESULT " + json.dumps(out))
 """
@@ -109,3 +114,7 @@ def test_token_budget_micro_batches_give_the_sample_count_gradient(world, tmp_pa
         a, b = torch.tensor(by_samples["grad"]), torch.tensor(by_tokens["grad"])
         assert a.abs().max() > 0
         assert float((a - b).abs().max() / a.abs().max()) <= 1e-6, aggregation
+    # The off-policy sequence mask through the same loop: some responses masked, so another loss (their tokens are
+    # clipped here, far from π_old, so the gradient is the same).
+    masked = out["token-mean/40/masked0.3"]
+    assert 0 < masked["masked"] < 1 and masked["loss"] != pytest.approx(out["token-mean/40"]["loss"], rel=1e-3)

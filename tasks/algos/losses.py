@@ -339,12 +339,33 @@ def high_entropy_tokens(entropy, mask, quantile: float):
     return valid & (entropy.detach() >= threshold)
 
 
+def off_policy_mask(logp, sampler_logp, adv, mask, threshold: float):
+    """DeepSeek-V3.2's off-policy sequence masking (TRL's off_policy_mask_threshold): 0 on every token of a response
+    whose advantage is negative and whose mean over its tokens of log π_sampler − log π_θ (π_θ detached) exceeds δ =
+    `threshold`, 1 elsewhere, (B, T). A response the policy has already moved away from, and that would be pushed
+    further down, is left out rather than let its stale negative signal dominate."""
+    n = mask.sum(-1, keepdim=True).clamp_min(1.0)
+    drift = ((sampler_logp - logp.detach()) * mask).sum(-1, keepdim=True) / n  # (B, 1)
+    negative = (adv * mask).sum(-1, keepdim=True) < 0  # a response's advantage: its tokens share it (GRPO and kin)
+    return (~(negative & (drift > threshold))).to(mask.dtype).expand_as(mask)
+
+
 def policy_loss(
-    logp, old_logp, ref_logp, adv, mask, norm: MinibatchNorm, s: LossSettings, entropy=None, token_weights=None
+    logp,
+    old_logp,
+    ref_logp,
+    adv,
+    mask,
+    norm: MinibatchNorm,
+    s: LossSettings,
+    entropy=None,
+    token_weights=None,
+    sampler_logp=None,
 ):
-    """Objective (× `token_weights`, e.g. rollout correction's, when given) − c_ent·H (the iteration's coefficient),
-    both only on the highest-entropy tokens with loss.top_entropy_quantile < 1, + β·KL (when KL is in the loss, on
-    every token), aggregated with minibatch normalizers (every token counts in them, as in TRL).
+    """Objective (× `token_weights`, e.g. rollout correction's, when given; × the off-policy sequence mask with
+    loss.off_policy_mask_threshold, from `sampler_logp`) − c_ent·H (the iteration's coefficient), both only on the
+    highest-entropy tokens with loss.top_entropy_quantile < 1, + β·KL (when KL is in the loss, on every token),
+    aggregated with minibatch normalizers (every token counts in them, as in TRL).
 
     Returns (loss, sums): `sums` are masked token sums of diagnostics (detached), for token-weighted
     averaging across micro-batches by the caller.
@@ -353,6 +374,10 @@ def policy_loss(
     pg, clipped_low, clipped_high = OBJECTIVES[s.loss.objective](logp, old_logp, adv, mask, s.loss)
     if token_weights is not None:
         pg = pg * token_weights
+    kept = None
+    if s.loss.off_policy_mask_threshold is not None:
+        kept = off_policy_mask(logp, sampler_logp, adv, mask, s.loss.off_policy_mask_threshold)
+        pg = pg * kept
     trained = mask
     if s.loss.top_entropy_quantile < 1.0 and entropy is not None:
         trained = high_entropy_tokens(entropy, mask, s.loss.top_entropy_quantile).to(mask.dtype)
@@ -370,6 +395,7 @@ def policy_loss(
             "clip_frac_low": (clipped_low.float() * mask).sum(),
             "clip_frac_high": (clipped_high.float() * mask).sum(),
             "entropy_masked_fraction": (mask - trained).sum(),
+            **({"off_policy_masked_fraction": ((1.0 - kept) * mask).sum()} if kept is not None else {}),
             "tokens": mask.sum(),
         }
     return loss, sums

@@ -119,7 +119,7 @@ class _Update:
         self.request, self.pad = request, pad_id(tokenizer)
         self.prompts, self.responses = data["prompt_token_ids"].to_list(), data["token_ids"].to_list()
         columns = ("old_logprobs", "ref_logprobs", "token_advantages") + (
-            ("sampler_logprobs",) if request.loss.loss.corrects_rollout else ()
+            ("sampler_logprobs",) if request.loss.loss.reads_sampler else ()
         )
         self.lists = {c: data[c].to_list() for c in columns}
         self.loss_mask = data["loss_mask"].to_list()
@@ -180,9 +180,10 @@ class _Update:
         # kl_ref metric, which is then left out.
         has_ref = self.lists["ref_logprobs"][idx[0]] is not None
         ref = align_responses([self.lists["ref_logprobs"][i] for i in idx], width) if has_ref else old
-        weights = None
-        if self.settings.loss.corrects_rollout:
+        weights = sampler = None
+        if self.settings.loss.reads_sampler:
             sampler = align_responses([self.lists["sampler_logprobs"][i] for i in idx], width)
+        if self.settings.loss.corrects_rollout:
             weights, correction = rollout_correction(old, sampler, mask, self.settings.loss)  # (B, R)
             for key, value in correction.items():
                 add(key, value)
@@ -190,7 +191,9 @@ class _Update:
         logp, ent = response_logprobs(
             engine, batch, with_entropy=True, entropy_grad=bool(self.settings.entropy_coef)
         )  # (B, R) each
-        loss, sums = policy_loss(logp, old, ref, adv, mask, norm, self.settings, entropy=ent, token_weights=weights)
+        loss, sums = policy_loss(
+            logp, old, ref, adv, mask, norm, self.settings, entropy=ent, token_weights=weights, sampler_logp=sampler
+        )
         total = loss * scale
         if extra_loss is not None:  # PPO-ptx, once per optimizer step, the same batch on every rank (not scaled)
             ptx_loss = extra_loss(engine)
