@@ -108,10 +108,10 @@ def changed_by(layout, cfg) -> list[tuple[str, int]]:
     graph, out = _stages(), []
     for name in layout.stages():
         try:
-            sections = graph.stage(name).sections
+            spec = graph.stage(name)
         except KeyError:
             continue
-        new_hash = cfg.section_hash(*sections)
+        new_hash = cfg.section_hash(*spec.sections, keys=spec.keys)
         for k in layout.iterations(name):
             manifest = read_manifest(layout, name, k, verify=False)
             if manifest and not manifest["config_hash"].startswith(new_hash):

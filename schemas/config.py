@@ -1508,9 +1508,19 @@ class RunConfig(Section):
 
         return ADVANTAGE_ESTIMATORS.entry(self.advantage.estimator).needs_critic
 
-    def section_hash(self, *sections: str) -> str:
-        """A stable hash of some sections: part of a stage's fingerprint."""
+    def section_hash(self, *sections: str, keys: tuple[str, ...] = ()) -> str:
+        """A stable hash of some sections, and of single keys ("section.key") of others where they differ from their
+        default (as HASHED_WHEN_SET: a stage that reads a key it did not read before keeps its runs' fingerprints):
+        part of a stage's fingerprint."""
         payload = {name: _dump(getattr(self, name)) for name in sections if _hashed(getattr(self, name))}
+        set_keys = {}
+        for key in keys:
+            section, _, name = key.partition(".")
+            value = getattr(getattr(self, section), name)
+            if value != type(getattr(self, section)).model_fields[name].get_default(call_default_factory=True):
+                set_keys[key] = value
+        if set_keys:
+            payload["keys"] = set_keys
         payload["seed"] = self.seed
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 import yaml
 
-from schemas.config import RunConfig, dump_config, load_config
+from schemas.config import RunConfig, build_config, dump_config, load_config
 from schemas.tables import TABLES
 from storage import RunLayout
 from tasks.stages import graph
@@ -87,8 +87,8 @@ INVALIDATES = {
     ],
     "batch": ["batch", "logprobs", "advantages", "prompt_stats", "train_metrics", "eval"],
     "advantage": ["logprobs", "advantages", "prompt_stats", "train_metrics", "eval"],
-    "kl": ["advantages", "prompt_stats", "train_metrics", "eval"],
-    "loss": ["train_metrics", "advantages", "prompt_stats", "eval"],
+    "kl": ["logprobs", "advantages", "prompt_stats", "train_metrics", "eval"],  # logprobs: kl.placement alone
+    "loss": ["logprobs", "train_metrics", "advantages", "prompt_stats", "eval"],  # logprobs: loss.old_logprobs alone
     "critic": ["train_metrics", "advantages", "prompt_stats", "eval"],
     "eval": [
         "eval",
@@ -157,6 +157,26 @@ def test_what_each_config_section_invalidates():
         assert sorted(graph.invalidated_by(section)) == sorted(expected), section
     for section in EVERYTHING:
         assert graph.invalidated_by(section) == [s.name for s in graph.STAGES], section
+
+
+def test_a_stage_reads_single_keys_it_declares_and_they_alone_enter_its_fingerprint():
+    """logprobs declares loss.old_logprobs and kl.placement, not the loss and kl sections: it reads those two keys, any
+    other key of those sections is refused, and only those two (when set away from their defaults) change its hash."""
+    spec = graph.stage("logprobs")
+    view = SectionView(build_config({"loss": {"old_logprobs": "sampler"}}), spec)
+    assert view.loss.old_logprobs == "sampler" and view.kl.placement == "loss"
+    with pytest.raises(UndeclaredSection, match="read config key loss.clip_eps_low"):
+        view.loss.clip_eps_low
+
+    def logprobs_hash(**sections):
+        return build_config(sections).section_hash(*spec.sections, keys=spec.keys)
+
+    base = logprobs_hash()
+    assert base == RunConfig().section_hash(*spec.sections)  # at their defaults: the hash runs were written with
+    assert logprobs_hash(loss={"clip_eps_low": 0.1}, kl={"beta": 0.5}) == base
+    assert logprobs_hash(loss={"old_logprobs": "sampler"}) != base != logprobs_hash(kl={"placement": "none"})
+    with pytest.raises(ValueError, match="declares config key 'loss.nope'"):
+        StageSpec("w", (), ("model",), "run", keys=("loss.nope",))
 
 
 def test_every_table_has_one_stage_and_every_stage_one_table():

@@ -89,7 +89,7 @@ def run_stage(
     written last, marks both complete.
     """
     stage = ctx.spec.name
-    sections_hash = ctx.cfg.section_hash(*ctx.spec.sections)
+    sections_hash = ctx.cfg.section_hash(*ctx.spec.sections, keys=ctx.spec.keys)
     config_hash = sections_hash + salt
     fp = fingerprint(stage, config_hash, inputs)
     done = None if recompute else find_complete(ctx.layout, stage, iteration, fp, part)

@@ -107,7 +107,7 @@ def with_readers(names: set[str]) -> set[str]:
 def invalidated_by(section: str) -> list[str]:
     """The stages a change to one config section recomputes: those that declare it, and every stage that reads one of
     them, transitively."""
-    stale = with_readers({s.name for s in STAGES if section in s.sections})
+    stale = with_readers({s.name for s in STAGES if section in s.sections or s.keys_of(section)})
     return [s.name for s in STAGES if s.name in stale]
 
 

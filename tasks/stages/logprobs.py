@@ -90,7 +90,8 @@ SPEC = StageSpec(
     "logprobs",
     reads=("batch",),
     also_reads=("rollouts",),  # the batch's kept samples
-    sections=("optim", "model", "advantage", "loss", "kl"),  # loss.old_logprobs and kl.placement: which passes run
+    sections=("optim", "model", "advantage"),
+    keys=("loss.old_logprobs", "kl.placement"),  # which passes run
     scope="iteration",
     task=logprobs_task,
     rerunnable=True,

@@ -42,6 +42,9 @@ class StageSpec:
     reads_previous: tuple[str, ...] = ()  # the tables it reads from iteration k − 1 (advantages: DCPO's history)
     task: Callable[..., object] | None = field(default=None, compare=False)
     rerunnable: bool = False  # `rlpipe rerun --stage` recomputes it from the cached tables its `reads` name
+    # Single keys ("section.key") of sections it does not declare whole: it may read them, and its fingerprint covers
+    # their values (RunConfig.section_hash), so a change elsewhere in those sections does not recompute it.
+    keys: tuple[str, ...] = ()
 
     @property
     def all_reads(self) -> tuple[str, ...]:
@@ -51,6 +54,16 @@ class StageSpec:
         unknown = set(self.sections) - set(RunConfig.model_fields) - set(GLOBAL_FIELDS)
         if unknown:
             raise ValueError(f"stage {self.name!r} declares unknown config sections {sorted(unknown)}")
+        for key in self.keys:
+            section, _, field_name = key.partition(".")
+            model = RunConfig.model_fields[section].annotation if section in RunConfig.model_fields else None
+            if section in self.sections or field_name not in getattr(model, "model_fields", {}):
+                raise ValueError(f"stage {self.name!r} declares config key {key!r}, which is not a key of a section "
+                                 f"it does not declare whole")  # fmt: skip
+
+    def keys_of(self, section: str) -> frozenset[str]:
+        """The keys of `section` the stage declares one by one."""
+        return frozenset(k.partition(".")[2] for k in self.keys if k.partition(".")[0] == section)
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,23 @@ class AnotherRound:
     samples one round more and asks again."""
 
     why: str
+
+
+class _Keys:
+    """A section of which a stage declares single keys (StageSpec.keys): those read through, any other refused."""
+
+    def __init__(self, section, spec: StageSpec, name: str):
+        object.__setattr__(self, "_section", section)
+        object.__setattr__(self, "_where", (spec, name))
+
+    def __getattr__(self, key: str):
+        spec, name = self._where
+        if key not in spec.keys_of(name):
+            raise UndeclaredSection(f"stage {spec.name!r} read config key {name}.{key}, which it does not declare")
+        return getattr(self._section, key)
+
+    def __setattr__(self, key, value):
+        raise AttributeError("the config is read-only")
 
 
 class UndeclaredSection(AttributeError):
@@ -76,6 +106,8 @@ class SectionView:
     def __getattr__(self, name: str):
         cfg, spec = self._cfg, self._spec
         if name in RunConfig.model_fields and name not in spec.sections and name not in GLOBAL_FIELDS:
+            if spec.keys_of(name):
+                return _Keys(getattr(cfg, name), spec, name)
             raise UndeclaredSection(f"stage {spec.name!r} read config section {name!r}, which it does not declare")
         attr = getattr(type(cfg), name, None)
         if isinstance(attr, property):
