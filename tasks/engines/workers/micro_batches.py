@@ -124,7 +124,7 @@ def token_micro_batches(
     """Every rank's micro-batches of `indices` under a budget of `budget` tokens each (optim.micro_batch_tokens), as
     verl's dynamic batch size: the groups, or their pieces (token_pieces), are dealt to the ranks by tokens
     (karmarkar_karp), then each rank's are packed into as few micro-batches of at most `budget` tokens as first-fit
-    decreasing needs and evened out (balanced_rows). With several ranks every rank gets as many micro-batches as the
+    decreasing needs and evened out (fitted_rows). With several ranks every rank gets as many micro-batches as the
     busiest, an empty one being a dummy step (data_parallel.micro_steps). A pure function of its arguments: every rank
     computes the same partition. Samples stay whole, so every aggregation's minibatch normaliser is unchanged."""
     if not indices:
