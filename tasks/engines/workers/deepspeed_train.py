@@ -190,7 +190,10 @@ class _Update:
         t0 = time.time()
         logp, ent = response_logprobs(
             engine, batch, with_entropy=True, entropy_grad=bool(self.settings.entropy_coef)
-        )  # (B, R) each
+        )  # (B, R) each, on the model's device: the rest of the loss's inputs follow it there
+        old, ref, adv, mask, weights, sampler = (
+            None if t is None else t.to(logp.device) for t in (old, ref, adv, mask, weights, sampler)
+        )
         loss, sums = policy_loss(
             logp, old, ref, adv, mask, norm, self.settings, entropy=ent, token_weights=weights, sampler_logp=sampler
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -83,11 +83,23 @@ class SharedPrefixBatch:
     def on_grid(self, values: torch.Tensor) -> torch.Tensor:
         """(T,) per-token values → the (N, R) response grid, zeros elsewhere (differentiable)."""
         n, r = self.shape
-        return torch.zeros(n * r, dtype=values.dtype).index_copy(0, self.flat, values).view(n, r)
+        return torch.zeros(n * r, dtype=values.dtype, device=values.device).index_copy(0, self.flat, values).view(n, r)
 
     @property
     def mask(self) -> torch.Tensor:
-        return self.on_grid(torch.ones(len(self.flat)))  # (N, R)
+        return self.on_grid(torch.ones(len(self.flat), device=self.flat.device))  # (N, R)
+
+    def to(self, device) -> SharedPrefixBatch:
+        """The batch with every tensor on `device` (the model's): packing runs on the CPU, the forward pass wherever the
+        model is. The same batch where it is there already."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
 
     def counts(self, logits_kept: bool) -> dict[str, float]:
         """What one forward pass over the batch computes, for the throughput figures: real token positions, all
@@ -282,7 +294,8 @@ def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True
     products are skipped. The logprob is the logit less the log-sum-exp, so the backward pass keeps one (tokens ×
     vocabulary) tensor, not log-softmax's second one; the entropy is a metric unless `entropy_grad` (an entropy bonus
     in the loss), and then keeps none. Where the logits would exceed LOGITS_AT_ONCE_BYTES they are computed in chunks
-    (_chunked_logprobs)."""
+    (_chunked_logprobs). The batch goes to the model's device first."""
+    batch = batch.to(model_device(model))
     parts = _output_head(model)
     if parts is not None:
         token_bytes = 4 * parts[3]  # the vocabulary from the config: ZeRO-3 partitions the weight's shape
@@ -308,6 +321,11 @@ def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True
             logp_all = picked - norm.unsqueeze(-1)
             entropy = batch.on_grid(-(logp_all.exp() * logp_all).sum(-1))  # (N, R)
     return batch.on_grid(logp), entropy
+
+
+def model_device(model) -> torch.device:
+    """Where the model's weights are (a DeepSpeed engine's module included): the CPU, or the rank's GPU."""
+    return next(model.parameters()).device
 
 
 def align_responses(values: list[list[float]], width: int) -> torch.Tensor:

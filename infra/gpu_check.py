@@ -1,0 +1,487 @@
+"""The device check: rlpipe's trainer worker on one accelerator, against its own CPU float32 result, and how fast.
+
+    python3 infra/gpu_check.py --device cuda --out gpu_check.json      # on a GPU machine (docs/operations.md)
+    python3 infra/gpu_check.py --device cpu --out gpu_check.json       # the same steps on the CPU (make test runs it)
+
+It needs torch, transformers, DeepSpeed, pydantic and polars, nothing else (no vLLM, Ray or Prefect), so it runs on a
+bare CUDA machine with the wheels it carries (`make gpu-check-wheels`). Models are built here with random weights in
+the shapes of the demo's SmolLM2-135M and of Qwen2.5-0.5B: a real model's weights are too large to carry (64 MiB).
+
+Three measurements, each in its own process (a fresh process group and device state), one JSON file at the end:
+- `equality`: one batch of groups through the trainer's own code (token_batch.batched_responses for the logprobs,
+  deepspeed_train._Update.micro_step for the loss, DeepSpeed's step for one update) on the device in float32 and in
+  bfloat16, and on the CPU in float32; the device's logprobs, loss, gradient and weight update against the CPU's.
+- `throughput`: tokens/s of the update (forward, backward, optimizer step; bfloat16 on a GPU) at both shapes, and the
+  model FLOP utilisation against the card's bfloat16 matrix-product peak, measured in the same run (`peak`).
+- `weight_send`: not run yet (issue 59 item 1: vLLM's weight-transfer API is not wired; vLLM is not on the machine).
+A step that fails is recorded with its error and the others still run; the exit status is non-zero if any failed or
+any tolerance was missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Model shapes (transformers model_type, config). Random weights: the numbers below are the architectures' own.
+SHAPES = {
+    "smollm2-135m": (  # the demo's model (infra/model/smollm2_135m_instruct.yaml)
+        "llama",
+        dict(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            vocab_size=49152,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2.5-0.5b": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "tiny": (  # --device cpu's stand-in, so that the test takes seconds
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+# Tolerances of the device against the CPU in float32, per quantity, and why:
+# - float32 (TF32 off): the same function, summed in another order: logprobs agree to ~1e-5 absolute, the loss and
+#   the gradient to ~1e-5 relative; 1e-3 and 1e-3 leave room for 30 layers of reordering.
+# - bfloat16 (8 significant bits, 2^-9 ≈ 2e-3 relative per rounding, accumulated over the layers): logprobs within
+#   0.05 on average and 1.0 at worst, the loss within 2e-2 and the gradient within 0.1 relative, which is what
+#   bfloat16 training gives and what the sampler-vs-trainer gap of a bfloat16 run shows anyway.
+# The update is Adam's first step, lr × g/(|g| + ε), close to lr × sign(g): weights whose gradient is near zero may
+# flip sign under any rounding, so the update's relative difference is reported, with a bound only on its median
+# agreement (the fraction of weights that moved the same way).
+TOLERANCE = {
+    "float32": {"logprob_max_abs": 1e-3, "logprob_mean_abs": 1e-4, "loss_rel": 1e-3, "grad_rel": 1e-3, "agree": 0.99},
+    "bfloat16": {"logprob_max_abs": 1.0, "logprob_mean_abs": 0.05, "loss_rel": 2e-2, "grad_rel": 0.1, "agree": 0.9},
+}
+LR = 1e-5
+
+
+def build_model(shape: str, out_dir: Path, seed: int = 0) -> Path:
+    """A random model of `shape` saved in Hugging Face format with a character tokenizer (only its pad id is read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tasks.data.model_recipe import char_tokenizer
+
+    arch, kwargs = SHAPES[shape]
+    tok = char_tokenizer()
+    config = AutoConfig.for_model(arch, pad_token_id=tok.pad_token_id, dtype="float32", **kwargs)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def training_rows(vocab: int, groups: int, samples: int, prompt_len: int, max_response: int, seed: int = 0):
+    """A group-structured training frame of random tokens: responses of mixed lengths (a long tail, as long reasoning
+    gives), advantages of mean zero within each group, π_old a fixed random-walk (the ratio is then ≠ 1 somewhere)."""
+    import random
+
+    rnd = random.Random(seed)
+    rows = []
+    for _ in range(groups):
+        prompt = [rnd.randrange(4, vocab) for _ in range(prompt_len)]
+        advantages = [rnd.gauss(0, 1) for _ in range(samples)]
+        mean = sum(advantages) / samples
+        for a in advantages:
+            n = rnd.choice([max_response // 8, max_response // 4, max_response // 2, max_response])
+            rows.append(
+                {
+                    "prompt_token_ids": prompt,
+                    "token_ids": [rnd.randrange(4, vocab) for _ in range(n)],
+                    "old_logprobs": [-rnd.uniform(9.0, 12.0) for _ in range(n)],
+                    "ref_logprobs": [-rnd.uniform(9.0, 12.0) for _ in range(n)],
+                    "token_advantages": [a - mean] * n,
+                    "loss_mask": 1.0,
+                }
+            )
+    return rows
+
+
+def _engine(model_dir: str, dtype: str, budget: int, gas: int):
+    from schemas.requests import EngineSettings
+    from tasks.engines.workers.deepspeed_train import load_policy
+    from tasks.engines.workers.training import deepspeed_engine
+
+    settings = EngineSettings(
+        zero_stage=0,
+        lr=LR,
+        weight_decay=0.0,
+        grad_clip=1e9,  # no clipping: the gradient itself is compared
+        micro_batch_size=1,
+        dtype=dtype,
+        gradient_checkpointing=False,
+        lora=None,
+        micro_batch_tokens=budget,
+    )
+    engine, _ = deepspeed_engine(load_policy(model_dir), settings, gas=gas)
+    return engine, settings
+
+
+def _update(settings, rows, model_dir: str):
+    from types import SimpleNamespace
+
+    import polars as pl
+    from transformers import AutoTokenizer
+
+    from schemas.config import LossConfig
+    from schemas.requests import LossSettings
+    from tasks.engines.workers.deepspeed_train import _Update
+
+    loss = LossSettings(
+        loss=LossConfig(), kl_beta=0.0, entropy_coef=0.0, max_tokens=max(len(r["token_ids"]) for r in rows)
+    )
+    return _Update(
+        SimpleNamespace(loss=loss, engine=settings), AutoTokenizer.from_pretrained(model_dir), pl.DataFrame(rows)
+    )
+
+
+def _one_step(engine, update, n: int, gas: int, keep_grad: bool):
+    """One optimizer step over all `n` rows through the trainer's micro-step; the flattened gradient (float32, on the
+    CPU) read just before the step when `keep_grad`."""
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+
+    from tasks.engines.workers import data_parallel
+
+    minibatch = list(range(n))
+    norm, parts = update.norm(minibatch), update.micro_batches(minibatch, gas)
+    grads, step = [], engine.step
+
+    def record():
+        if keep_grad and engine.is_gradient_accumulation_boundary():
+            grads.append(torch.cat([safe_get_full_grad(p).float().flatten().cpu() for p in engine.module.parameters()]))
+        step()
+
+    engine.step = record
+    for k, idx, scale in data_parallel.micro_steps(minibatch, parts):
+        engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
+        update.micro_step(engine, idx, norm, None, scale)
+    engine.step = step
+    return grads[-1] if grads else None
+
+
+def _master_weights(engine):
+    """The weights the optimizer updates, flattened on the CPU: in bfloat16 DeepSpeed's float32 master copy (a step of
+    lr = 1e-5 does not move most bfloat16 weights at all), else the module's own."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = list(engine.module.parameters())
+    # ZeRO 1-3 and DeepSpeed's bf16 optimizer map each parameter to its master copy; ZeRO 0 in bfloat16 wraps the
+    # optimizer in FP16_UnfusedOptimizer, whose float32 groups mirror its low-precision ones.
+    groups = getattr(engine.optimizer, "fp32_groups", None)
+    mirror = {}
+    if groups is not None and hasattr(engine.optimizer, "fp16_groups"):
+        mirror = {id(p): m for low, high in zip(engine.optimizer.fp16_groups, groups) for p, m in zip(low, high)}
+    master = [mirror.get(id(p), safe_get_full_fp32_param(p)) for p in params]
+    return torch.cat([(p if m is None else m).detach().float().flatten().cpu() for p, m in zip(params, master)])
+
+
+def run_equality(args) -> dict:
+    """One process: logprobs, loss, gradient and updated weights of the batch in `args.dtype` on `args.device`."""
+    import torch
+
+    from tasks.engines.workers.token_batch import batched_responses, eval_mode
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
+    rows = json.loads(Path(args.rows).read_text())
+    engine, settings = _engine(args.model, args.dtype, budget=args.budget, gas=1)
+    before = _master_weights(engine)
+    prompts, responses = [r["prompt_token_ids"] for r in rows], [r["token_ids"] for r in rows]
+    with eval_mode(engine.module):
+        logp, _ = batched_responses(
+            engine.module, prompts, responses, 0, 64, with_entropy=False, micro_tokens=args.budget
+        )
+    update = _update(settings, rows, args.model)
+    grad = _one_step(engine, update, len(rows), gas=1, keep_grad=True)
+    after = _master_weights(engine)
+    torch.save(
+        {
+            "logprobs": [torch.tensor(x) for x in logp],
+            "loss": update.totals["loss"],
+            "grad": grad,
+            "delta": after - before,
+        },
+        args.result + ".pt",
+    )
+    return {"device": str(engine.device)}
+
+
+def _gib(n: float) -> float:
+    return round(n / 2**30, 3)
+
+
+def run_throughput(args) -> dict:
+    """One process: tokens/s and model FLOPs of the update of `args.shape` in `args.dtype` (after a warm-up step)."""
+    import torch
+
+    engine, settings = _engine(args.model, args.dtype, budget=args.budget, gas=1)
+    config = engine.module.config
+    rows = json.loads(Path(args.rows).read_text())
+    update = _update(settings, rows, args.model)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    _one_step(engine, update, len(rows), gas=1, keep_grad=False)  # warm-up: kernels chosen, memory allocated
+    update.counts.clear()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        _one_step(engine, update, len(rows), gas=1, keep_grad=False)
+    sync()
+    seconds = time.perf_counter() - t0
+    flops = train_flops(config, update.counts)
+    peak_mem = torch.cuda.max_memory_allocated() if engine.device.type == "cuda" else 0
+    return {
+        "parameters": sum(p.numel() for p in engine.module.parameters()),
+        "tokens": update.counts["update_tokens"],
+        "seconds": seconds,
+        "tokens_per_s": update.counts["update_tokens"] / seconds,
+        "model_flops": flops,
+        "flops_per_s": flops / seconds,
+        "peak_gpu_gib": _gib(peak_mem),
+    }
+
+
+def train_flops(config, counts: dict[str, float]) -> float:
+    """Model FLOPs of the forward and backward passes counted in `counts` (token_batch.count_into's `update_*`):
+    2 per multiply-add forward, twice that backward, over the useful work only (real tokens, the attention pairs the
+    mask allows, the logits of predicted tokens), as PaLM's model FLOP utilisation counts it."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    per_layer = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * config.intermediate_size  # q,o; k,v; MLP
+    forward = (
+        2 * layers * per_layer * counts["update_tokens"]
+        + 2 * layers * 2 * heads * head_dim * counts["update_attention_pairs"]  # QKᵀ and the weighted sum of V
+        + 2 * d * config.vocab_size * counts["update_logit_positions"]
+    )
+    return 3 * forward
+
+
+def measure_peak(device: str) -> dict:
+    """The bfloat16 matrix-product rate of this device: an 8192³ product on a GPU (1024³ on a CPU), median of ten."""
+    import torch
+
+    n = 8192 if device == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    times = []
+    for i in range(13):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:  # three warm-ups
+            times.append(time.perf_counter() - t0)
+    return {"n": n, "bf16_flops_per_s": 2 * n**3 / sorted(times)[len(times) // 2]}
+
+
+def compare(ref: dict, got: dict, dtype: str) -> dict:
+    import torch
+
+    diffs = torch.cat([(a.float() - b.float()).abs() for a, b in zip(got["logprobs"], ref["logprobs"])])
+    g, gr = got["grad"], ref["grad"]
+    d, dr = got["delta"], ref["delta"]
+    moved = dr != 0
+    out = {
+        "logprob_max_abs": float(diffs.max()),
+        "logprob_mean_abs": float(diffs.mean()),
+        "loss": got["loss"],
+        "loss_rel": abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12),
+        "grad_rel": float((g - gr).norm() / gr.norm()),
+        "update_rel": float((d - dr).norm() / dr.norm()),
+        "agree": float((torch.sign(d[moved]) == torch.sign(dr[moved])).float().mean()),
+    }
+    bounds = TOLERANCE[dtype]
+    failed = [k for k, bound in bounds.items() if (out[k] < bound if k == "agree" else out[k] > bound)]
+    return {**out, "tolerance": bounds, "within": not failed, "missed": failed}
+
+
+def _child(step: str, device: str, dtype: str, work: Path, **extra) -> dict:
+    """Run one step in a fresh process; its dict, or {"error": last line of its output}."""
+    result = work / f"{step}-{device}-{dtype}-{extra.get('shape', '')}"  # .json: the dict; .pt: the tensors
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if device == "cpu":  # the CPU reference on a GPU machine: DeepSpeed and torch must not see the GPU
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    cmd = [sys.executable, __file__, "--step", step, "--device", device, "--dtype", dtype, "--result", str(result)]
+    for key, value in extra.items():
+        cmd += [f"--{key}", str(value)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    if proc.returncode != 0:
+        lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
+        errors = [x for x in lines if "Error" in x or "Exception" in x] or lines or [f"exit {proc.returncode}"]
+        return {"error": errors[-1].removeprefix("[rank0]: "), "log_tail": lines[-15:]}
+    return json.loads(Path(f"{result}.json").read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--step", choices=["equality", "throughput"], help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--rows", help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=int, default=4096, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--shape", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.step:  # a child
+        out = (run_equality if args.step == "equality" else run_throughput)(args)
+        Path(args.result + ".json").write_text(json.dumps(out))
+        return 0
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda, but torch sees no GPU (use --device cpu)", file=sys.stderr)
+        return 2
+    gpu = args.device == "cuda"
+    t_start = time.time()
+    report: dict = {
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import deepspeed
+        import transformers
+
+        report.update(deepspeed=deepspeed.__version__, transformers=transformers.__version__)
+    except ImportError as exc:
+        print(f"gpu_check: {exc} (install the carried wheels first: docs/operations.md)", file=sys.stderr)
+        return 2
+    report["peak"] = measure_peak(args.device)
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        # Equality: the demo's shape on a GPU (the tiny one on a CPU), one batch, three runs.
+        shape = "smollm2-135m" if gpu else "tiny"
+        model = build_model(shape, work / shape)
+        vocab = SHAPES[shape][1]["vocab_size"]
+        rows = training_rows(vocab, groups=4, samples=4, prompt_len=32, max_response=256 if gpu else 64)
+        (work / "eq_rows.json").write_text(json.dumps(rows))
+        common = dict(model=model, rows=work / "eq_rows.json", budget=2048)
+        runs = {"cpu-float32": _child("equality", "cpu", "float32", work, **common)}
+        for dtype in ("float32", "bfloat16"):
+            runs[f"{args.device}-{dtype}"] = _child("equality", args.device, dtype, work, **common)
+        equality: dict = {"shape": shape, "rows": len(rows), "tokens": sum(len(r["token_ids"]) for r in rows)}
+        ref_path = work / "equality-cpu-float32-.pt"
+        for dtype in ("float32", "bfloat16"):
+            name = f"{args.device}-{dtype}"
+            if "error" in runs[name] or "error" in runs["cpu-float32"]:
+                equality[dtype] = runs[name] if "error" in runs[name] else runs["cpu-float32"]
+                ok = False
+                continue
+            got = torch.load(work / f"equality-{args.device}-{dtype}-.pt", weights_only=False)
+            equality[dtype] = compare(torch.load(ref_path, weights_only=False), got, dtype)
+            ok = ok and equality[dtype]["within"]
+        report["equality"] = equality
+        # Throughput: the update in bfloat16 on a GPU (float32 on a CPU, whose bfloat16 is emulated), both shapes.
+        throughput = {}
+        dtype = "bfloat16" if gpu else "float32"
+        for shape in ("smollm2-135m", "qwen2.5-0.5b") if gpu else ("tiny",):
+            model = build_model(shape, work / shape)
+            vocab = SHAPES[shape][1]["vocab_size"]
+            rows = training_rows(
+                vocab,
+                groups=16 if gpu else 2,
+                samples=8 if gpu else 2,
+                prompt_len=128,
+                max_response=1024 if gpu else 64,
+            )
+            path = work / f"tp_rows_{shape}.json"
+            path.write_text(json.dumps(rows))
+            row = _child(
+                "throughput",
+                args.device,
+                dtype,
+                work,
+                shape=shape,
+                model=model,
+                rows=path,
+                budget=16384,
+                steps=3 if gpu else 1,
+            )
+            if "error" not in row:
+                row["mfu"] = row["flops_per_s"] / report["peak"]["bf16_flops_per_s"]
+            else:
+                ok = False
+            throughput[shape] = {"dtype": dtype, **row}
+        report["throughput"] = throughput
+    report["weight_send"] = {
+        "run": False,
+        "why": "vLLM's weight-transfer API is not wired into rlpipe yet (issue 59 item 1); vLLM is not installed here",
+    }
+    report["seconds"] = round(time.time() - t_start, 1)
+    report["ok"] = ok
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(summary(report))
+    return 0 if ok else 1
+
+
+def summary(report: dict) -> str:
+    peak = report["peak"]["bf16_flops_per_s"] / 1e12
+    lines = [f"{report['device']}  torch {report['torch']}  peak bf16 {peak:.1f} TFLOP/s"]
+    for dtype, row in report.get("equality", {}).items():
+        if isinstance(row, dict) and "logprob_max_abs" in row:
+            lines.append(
+                f"equality {dtype:9s} logprob max {row['logprob_max_abs']:.2e} mean {row['logprob_mean_abs']:.2e}  "
+                f"loss {row['loss_rel']:.2e}  grad {row['grad_rel']:.2e}  update {row['update_rel']:.2e}  "
+                f"agree {row['agree']:.4f}  {'ok' if row['within'] else 'MISSED ' + ','.join(row['missed'])}"
+            )
+        elif isinstance(row, dict) and "error" in row:
+            lines.append(f"equality {dtype}: FAILED {row['error']}")
+    for shape, row in report.get("throughput", {}).items():
+        if "error" in row:
+            lines.append(f"throughput {shape}: FAILED {row['error']}")
+        else:
+            lines.append(
+                f"throughput {shape} {row['dtype']}: {row['tokens_per_s']:,.0f} tokens/s  "
+                f"{row['flops_per_s'] / 1e12:.1f} TFLOP/s  MFU {row['mfu']:.3f}  peak mem {row['peak_gpu_gib']} GiB"
+            )
+    lines.append(f"{'ok' if report['ok'] else 'NOT OK'} in {report['seconds']} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
