@@ -439,6 +439,8 @@ class JudgeConfig(Section):
     scores each response (pointwise) or a whole group in one call (group, as ART's RULER); its score, normalised by
     `scale` to [0, 1], is score_<name>, and its prompt and text are judge_prompt_<name> and judge_text_<name>."""
 
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"max_reply_chars", "max_failure_rate", "on_failure"})
+
     weight: float = Field(1.0, description="Its weight in the total reward.")
     model_path: str | None = Field(
         None,
@@ -488,9 +490,31 @@ class JudgeConfig(Section):
     max_tokens: int = Field(64, ge=1, description="The judge's reply limit (tokens).")
     temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature (0: greedy).")
     timeout_s: float = Field(
-        120.0, gt=0, description="base_url: seconds per call; past it that call's samples get an error."
+        120.0,
+        gt=0,
+        description="base_url: the wall-clock deadline of one call, seconds (connecting, waiting and reading "
+        "together: a server that drips its reply is cut off too); past it that call's samples get an error.",
     )
     concurrency: int = Field(8, ge=1, description="base_url: calls in flight at once (the server batches them).")
+    max_reply_chars: int = Field(
+        32768,
+        ge=1,
+        description="A reply longer than this is cut to it before it is parsed and stored; judge_truncated_<name> "
+        "records the cut.",
+    )
+    max_failure_rate: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="base_url: once 8 calls of a stage have ended and more than this fraction of them failed, the "
+        "judge stops calling for the rest of the stage (the rest of its samples get that line as their error) and "
+        "says so in one line; a stage whose samples' judge errors exceed it says so too.",
+    )
+    on_failure: Literal["skip", "stop"] = Field(
+        "skip",
+        description="What a judge past max_failure_rate does: skip (its samples score 0 with the error, the run "
+        "goes on) or stop (the run stops with that line).",
+    )
     kv_cache_gib: float = Field(1.0, gt=0, description="model_path: the engine's KV cache on CPU, GiB.")
     gpu_memory_utilization: float = Field(
         0.2, gt=0, lt=1, description="model_path, on a GPU: the engine's share of the GPU's memory."
@@ -1538,7 +1562,24 @@ def _dump(section):
     at_default = {
         k for k in section.HASHED_WHEN_SET if getattr(section, k) == fields[k].get_default(call_default_factory=True)
     }
-    return section.model_dump(mode="json", exclude=set(section.PLACEMENT_KEYS) | at_default)
+    return _pruned(section, section.model_dump(mode="json", exclude=set(section.PLACEMENT_KEYS) | at_default))
+
+
+def _pruned(section, dumped: dict) -> dict:
+    """`dumped` without the HASHED_WHEN_SET keys at their defaults of the sections nested in `section` (a judge in
+    reward.judges, say), so that the rule holds at every depth."""
+    for name in type(section).model_fields:
+        value, out = getattr(section, name), dumped.get(name)
+        nested = value.items() if isinstance(value, dict) else [(None, value)]
+        for key, item in nested:
+            target = out if key is None else (out or {}).get(key)
+            if isinstance(item, Section) and isinstance(target, dict):
+                fields = type(item).model_fields
+                for k in item.HASHED_WHEN_SET:
+                    if getattr(item, k) == fields[k].get_default(call_default_factory=True):
+                        target.pop(k, None)
+                _pruned(item, target)
+    return dumped
 
 
 def _one_line(err: ValidationError) -> str:

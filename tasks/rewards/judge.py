@@ -132,38 +132,115 @@ def parse_group(text: str, pattern: str | None, n: int, scale: tuple[float, floa
     return [found.get(i, f"no score for response {i} in the judge's reply {text[:120]!r}") for i in range(1, n + 1)]
 
 
-def ask_endpoint(judge: JudgeConfig, prompts: list[str]) -> list[Reply]:
-    """Each prompt sent to the OpenAI-compatible endpoint (judge.concurrency calls in flight, each within
-    judge.timeout_s, no retry): a failed call is its Reply's error."""
-    try:
-        client = _client(judge, judge.timeout_s)
-    except Exception as exc:  # noqa: BLE001  (a URL the client refuses: every call's error)
-        return [Reply(error=f"judge client failed: {type(exc).__name__}: {str(exc)[:200]}")] * len(prompts)
-    want_top = judge.score == "logprobs"
+# The circuit breaker looks at a judge's failure rate only once this many calls of a stage have ended: one early
+# failure among the first few is not a dead judge.
+BREAKER_CALLS = 8
 
-    def one(prompt: str) -> Reply:
-        common = {"model": judge.model, "max_tokens": judge.max_tokens, "temperature": judge.temperature}
-        try:
-            if judge.chat:
-                messages = ([{"role": "system", "content": judge.system}] if judge.system else []) + [
-                    {"role": "user", "content": prompt}
-                ]
-                extra = {"logprobs": True, "top_logprobs": judge.top_logprobs} if want_top else {}
-                choice = client.chat.completions.create(messages=messages, **common, **extra).choices[0]
-                top = choice.logprobs.content[0].top_logprobs if want_top and choice.logprobs.content else []
-                return Reply(choice.message.content or "", tuple((t.token, t.logprob) for t in top))
-            extra = {"logprobs": judge.top_logprobs} if want_top else {}
-            choice = client.completions.create(prompt=prompt, **common, **extra).choices[0]
-            first = choice.logprobs.top_logprobs[0] if want_top and choice.logprobs.top_logprobs else {}
-            return Reply(choice.text or "", tuple(first.items()))
-        except Exception as exc:  # noqa: BLE001  (any failed call, the openai client's or the transport's)
-            detail = str(exc).splitlines()[0][:200] if str(exc) else ""
-            return Reply(error=f"judge call failed: {type(exc).__name__}: {detail}")
 
+def ask_endpoint(judge: JudgeConfig, prompts: list[str], name: str = "judge") -> list[Reply]:
+    """Each prompt sent to the OpenAI-compatible endpoint (judge.concurrency calls in flight, no retry), each within a
+    wall-clock deadline of judge.timeout_s: a failed or late call is its Reply's error. httpx bounds each read, not a
+    call (a server that drips a byte every few seconds holds a call for as long as it likes), so the calls are async
+    and each is cancelled at its deadline, as httpx's documentation recommends. Once BREAKER_CALLS calls have ended
+    and more than judge.max_failure_rate of them failed, the judge stops calling (one line says so); with
+    judge.on_failure=stop that line stops the run (JudgeError)."""
     if not prompts:
         return []
-    with ThreadPoolExecutor(min(judge.concurrency, len(prompts))) as pool:
-        return list(pool.map(one, prompts))
+    breaker = _Breaker(judge, name)
+    replies = _run_async(_ask_all(judge, prompts, breaker))
+    if breaker.tripped and judge.on_failure == "stop":
+        raise JudgeError(breaker.tripped)
+    return replies
+
+
+class _Breaker:
+    """A judge's calls in one stage: counted as they end; tripped (a line naming the judge) past its failure rate."""
+
+    def __init__(self, judge: JudgeConfig, name: str):
+        self.judge, self.name = judge, name
+        self.ended = self.failed = 0
+        self.tripped: str | None = None
+
+    def record(self, reply: Reply) -> None:
+        self.ended += 1
+        self.failed += reply.error is not None
+        if (
+            self.tripped is None
+            and self.ended >= BREAKER_CALLS
+            and self.failed > self.judge.max_failure_rate * self.ended
+        ):
+            self.tripped = (
+                f"judge {self.name} stopped calling {self.judge.base_url}: {self.failed} of its first {self.ended} "
+                f"calls failed (reward.judges.{self.name}.max_failure_rate {self.judge.max_failure_rate:g}); "
+                f"last: {reply.error}"
+            )
+            print(self.tripped, flush=True)
+
+
+async def _ask_all(judge: JudgeConfig, prompts: list[str], breaker: _Breaker) -> list[Reply]:
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    key = os.environ.get(judge.api_key_env or "", "") or "none"  # the client wants a key; a keyless server ignores it
+    try:
+        client = AsyncOpenAI(base_url=judge.base_url, api_key=key, timeout=judge.timeout_s, max_retries=0)
+    except Exception as exc:  # noqa: BLE001  (a URL the client refuses: every call's error)
+        return [Reply(error=f"judge client failed: {type(exc).__name__}: {str(exc)[:200]}")] * len(prompts)
+    gate = asyncio.Semaphore(judge.concurrency)
+
+    async def one(prompt: str) -> Reply:
+        async with gate:
+            if breaker.tripped:
+                return Reply(error=breaker.tripped)
+            try:
+                reply = await asyncio.wait_for(_call(client, judge, prompt), judge.timeout_s)
+            except TimeoutError:
+                reply = Reply(error=f"judge call exceeded its deadline of {judge.timeout_s:g} s")
+            except Exception as exc:  # noqa: BLE001  (any failed call, the openai client's or the transport's)
+                detail = str(exc).splitlines()[0][:200] if str(exc) else ""
+                reply = Reply(error=f"judge call failed: {type(exc).__name__}: {detail}")
+            breaker.record(reply)
+            return reply
+
+    async with client:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def _call(client, judge: JudgeConfig, prompt: str) -> Reply:
+    common = {"model": judge.model, "max_tokens": judge.max_tokens, "temperature": judge.temperature}
+    want_top = judge.score == "logprobs"
+    if judge.chat:
+        messages = ([{"role": "system", "content": judge.system}] if judge.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        extra = {"logprobs": True, "top_logprobs": judge.top_logprobs} if want_top else {}
+        choice = (await client.chat.completions.create(messages=messages, **common, **extra)).choices[0]
+        top = choice.logprobs.content[0].top_logprobs if want_top and choice.logprobs.content else []
+        return Reply(choice.message.content or "", tuple((t.token, t.logprob) for t in top))
+    extra = {"logprobs": judge.top_logprobs} if want_top else {}
+    choice = (await client.completions.create(prompt=prompt, **common, **extra)).choices[0]
+    first = choice.logprobs.top_logprobs[0] if want_top and choice.logprobs.top_logprobs else {}
+    return Reply(choice.text or "", tuple(first.items()))
+
+
+def _run_async(coro):
+    """The coroutine's result, from a thread with no event loop running (a new thread where one runs)."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def cut(reply: Reply, limit: int) -> tuple[Reply, bool]:
+    """The reply with its text cut to `limit` characters, and whether it was (before anything parses or stores it)."""
+    if reply.text is None or len(reply.text) <= limit:
+        return reply, False
+    return Reply(reply.text[:limit], reply.top, reply.error), True
 
 
 def check_endpoint(judge: JudgeConfig, name: str) -> None:
@@ -211,6 +288,12 @@ def judge_columns(judge: JudgeConfig, name: str, samples: list[dict], ask) -> di
     and response): score_<name>, error_<name>, judge_prompt_<name>, judge_text_<name>. `ask` sends judge prompts
     (a list of str) and returns one Reply each, in order. Pointwise, a distinct (prompt, response) is asked once."""
     template = template_of(judge)
+    limit = judge.max_reply_chars
+
+    def ask_cut(prompts: list[str]) -> tuple[list[Reply], list[bool]]:
+        pairs = [cut(reply, limit) for reply in ask(prompts)]
+        return [r for r, _ in pairs], [c for _, c in pairs]
+
     if judge.mode == "pointwise":
         keys = [(s["prompt_id"], s["response"]) for s in samples]
         first = {}
@@ -218,10 +301,10 @@ def judge_columns(judge: JudgeConfig, name: str, samples: list[dict], ask) -> di
             first.setdefault(key, sample)
         distinct = list(first)
         prompts = [render(template, first[k]) for k in distinct]
-        replies = ask(prompts)
-        results = dict(zip(distinct, zip(prompts, replies, scored(judge, replies))))
+        replies, cuts = ask_cut(prompts)
+        results = dict(zip(distinct, zip(prompts, replies, scored(judge, replies), cuts)))
         rows = [results[k] for k in keys]
-        return columns(name, [(p, r.text, s, e) for p, r, (s, e) in rows])
+        return columns(name, [(p, r.text, s, e, c) for p, r, (s, e), c in rows], judge)
     groups: dict = {}
     for i, sample in enumerate(samples):
         groups.setdefault(sample["prompt_id"], []).append(i)
@@ -233,24 +316,36 @@ def judge_columns(judge: JudgeConfig, name: str, samples: list[dict], ask) -> di
         members = [samples[i] for i in groups[pid]]
         fields = {**members[0], "responses": numbered([m["response"] for m in members]), "n": len(members)}
         prompts.append(render(template, fields))
-    replies = ask(prompts)
+    replies, cuts = ask_cut(prompts)
     rows: list = [None] * len(samples)
-    for pid, prompt, reply in zip(order, prompts, replies):
+    for pid, prompt, reply, was_cut in zip(order, prompts, replies, cuts):
         members = groups[pid]
         if reply.error is not None:
             parsed = [reply.error] * len(members)
         else:
             parsed = parse_group(reply.text, judge.score_pattern, len(members), judge.scale)
         for i, value in zip(members, parsed):
-            rows[i] = (prompt, reply.text, *((0.0, value) if isinstance(value, str) else (value, None)))
-    return columns(name, rows)
+            rows[i] = (prompt, reply.text, *((0.0, value) if isinstance(value, str) else (value, None)), was_cut)
+    return columns(name, rows, judge)
 
 
-def columns(name: str, rows: list[tuple]) -> dict[str, list]:
-    """(judge prompt, judge text, score, error) per sample → the scores table's columns for judge `name`."""
+def columns(name: str, rows: list[tuple], judge: JudgeConfig) -> dict[str, list]:
+    """(judge prompt, judge text, score, error, reply cut) per sample → the scores table's columns for judge `name`.
+    Where more of the samples than judge.max_failure_rate got an error (the calls', or replies that could not be read),
+    one line says so; with judge.on_failure=stop it stops the run."""
+    errors = [r[3] for r in rows if r[3] is not None]
+    if rows and len(errors) > judge.max_failure_rate * len(rows):
+        line = (
+            f"judge {name}: {len(errors)} of {len(rows)} samples got no score "
+            f"(reward.judges.{name}.max_failure_rate {judge.max_failure_rate:g}); first: {errors[0]}"
+        )
+        if judge.on_failure == "stop":
+            raise JudgeError(line)
+        print(line, flush=True)
     return {
         f"score_{name}": [r[2] for r in rows],
         f"error_{name}": [r[3] for r in rows],
         f"judge_prompt_{name}": [r[0] for r in rows],
         f"judge_text_{name}": [r[1] for r in rows],
+        f"judge_truncated_{name}": [r[4] for r in rows],
     }

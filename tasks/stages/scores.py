@@ -3,8 +3,8 @@ for every rollout of one round.
 
 Reads `rollouts` and `prompts` (the prompt, ground truth and dataset columns the functions receive) of the round; writes
 `scores`: `score_<fn>` and `error_<fn>` per reward function, `score_model` for the reward model, `score_<judge>`,
-`error_<judge>`, `judge_prompt_<judge>` and `judge_text_<judge>` per judge, the weighted `reward` and a combined
-`error`. The fingerprint includes a hash of the reward functions' source (and the reward model's and local judges'
+`error_<judge>`, `judge_prompt_<judge>`, `judge_text_<judge>` (cut to its max_reply_chars) and `judge_truncated_<judge>`
+per judge, the weighted `reward` and a combined `error`. The fingerprint includes a hash of the reward functions' source (and the reward model's and local judges'
 identities), so fixing a reward function and rerunning re-scores."""
 
 from __future__ import annotations
@@ -100,15 +100,21 @@ def model_and_judges(
     ]
     for judge_name, judge in reward.judges.items():
         ask = partial(ask_local_judge, ctx, judge_name, judge, f"judge-{judge_name}-{name}")
-        cols = judge_columns(judge, judge_name, samples, ask if judge.model_path else partial(ask_endpoint, judge))
-        scores = scores.with_columns(
-            pl.Series(k, v, dtype=pl.Float64 if k.startswith("score_") else pl.Utf8) for k, v in cols.items()
-        )
+        remote = partial(ask_endpoint, judge, name=judge_name)
+        cols = judge_columns(judge, judge_name, samples, ask if judge.model_path else remote)
+        scores = scores.with_columns(pl.Series(k, v, dtype=_judge_dtype(k)) for k, v in cols.items())
         scores = scores.with_columns(
             (pl.col("reward") + judge.weight * pl.col(f"score_{judge_name}")).alias("reward"),
             joined_errors(["error", f"error_{judge_name}"]).alias("error"),
         )
     return scores
+
+
+def _judge_dtype(column: str):
+    """A judge's column's type (tasks/rewards/judge.py, `columns`)."""
+    if column.startswith("judge_truncated_"):
+        return pl.Boolean
+    return pl.Float64 if column.startswith("score_") else pl.Utf8
 
 
 def judge_tokenizer(judge: JudgeConfig, name: str):
