@@ -1,11 +1,12 @@
 """Stage `scores`: rule rewards (and, with reward.kind=model, a trained reward model; with reward.judges, LLM judges)
 for every rollout of one round.
 
-Reads `rollouts` and `prompts` (the prompt, ground truth and dataset columns the functions receive) of the round; writes
-`scores`: `score_<fn>` and `error_<fn>` per reward function, `score_model` for the reward model, `score_<judge>`,
-`error_<judge>`, `judge_prompt_<judge>`, `judge_text_<judge>` (cut to its max_reply_chars) and `judge_truncated_<judge>`
-per judge, the weighted `reward` and a combined `error`. The fingerprint includes a hash of the reward functions' source (and the reward model's and local judges'
-identities), so fixing a reward function and rerunning re-scores."""
+Reads `rollouts` and `prompts` (the prompt, ground truth and dataset columns the functions receive) of the round;
+writes `scores`: `score_<fn>` and `error_<fn>` per reward function, `score_model` for the reward model,
+`score_<judge>`, `error_<judge>`, `judge_prompt_<judge>`, `judge_text_<judge>` (cut to its max_reply_chars) and
+`judge_truncated_<judge>` per judge, the weighted `reward` and a combined `error`. The fingerprint includes a hash of
+the reward functions' source (and the reward model's and local judges' identities), so fixing a reward function and
+rerunning re-scores."""
 
 from __future__ import annotations
 
