@@ -284,3 +284,111 @@ def _expression(statement: str) -> str:
         if match:
             return python[template].format(k=match[1])
     raise AssertionError(f"no INT_OPS statement matches {body!r}")
+
+
+# Programs that try to pass a test without passing it (issue 57 item 1). Each defines nothing the test needs, then
+# attacks whatever could carry the verdict, then exits 0.
+FORGERS = {
+    # Walk up the stack to the launcher's globals and write any secret found there, as a passing launcher would.
+    "stack frames": """
+import os, sys
+frame = sys._getframe()
+while frame is not None:
+    for value in list(frame.f_globals.values()):
+        if isinstance(value, str) and len(value) == 32:
+            sys.stderr.write("\\n" + value + "\\n"); sys.stderr.flush()
+    frame = frame.f_back
+os._exit(0)
+""",
+    "environment and command lines": """
+import os, sys
+for pid in os.listdir('/proc'):
+    for name in ('environ', 'cmdline'):
+        try:
+            for word in open(f'/proc/{pid}/{name}', 'rb').read().replace(b'=', b'\\0').split(b'\\0'):
+                if len(word) == 32:
+                    sys.stderr.write("\\n" + word.decode() + "\\n")
+        except OSError:
+            pass
+sys.stderr.flush()
+os._exit(0)
+""",
+    "the launcher's memory, descriptors and ptrace": """
+import ctypes, os
+parent = os.getppid()
+for path in [f'/proc/{parent}/mem'] + [f'/proc/{parent}/fd/{n}' for n in range(3, 16)]:
+    try:
+        with open(path, 'wb') as f:
+            f.write(b'passed')
+    except OSError:
+        pass
+ctypes.CDLL(None).ptrace(16, parent, 0, 0)  # PTRACE_ATTACH
+os._exit(0)
+""",
+    "killing the launcher": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos._exit(0)",
+    # An object whose == is always True: the test never sees the program's ==.
+    "always equal": "class Anything:\n    def __eq__(self, other):\n        return True\n\n"
+    "def f(x):\n    return Anything()",
+}
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
+def test_a_program_cannot_forge_a_pass(mode):
+    if mode == "bwrap" and shutil.which("bwrap") is None and not os.environ.get("CI"):
+        pytest.skip("bubblewrap is not installed")
+    settings = SandboxConfig(mode=mode, timeout_s=2.0)
+    for name, program in FORGERS.items():
+        out = run_python(program, test="assert f(1) == 2", settings=settings)
+        assert out.status != "passed", (mode, name, out)
+    always = run_python(FORGERS["always equal"], test="assert f(1) == 2", settings=settings)
+    assert always.detail == "TypeError: a Anything object of the program's cannot be compared: return plain data"
+
+
+def test_tests_see_the_programs_values_objects_and_exceptions():
+    """The test runs apart from the program: plain values come back exactly (a tuple stays a tuple), objects can be
+    called, iterated and indexed, and the program's exceptions reach the test by type."""
+    program = """
+import math
+class Counter:
+    def __init__(self, start):
+        self.n = start
+    def bump(self, by=1):
+        self.n += by
+        return self.n
+def pair(x):
+    return (x, [x, {x: {x}}])
+def gen(n):
+    yield from range(n)
+def fail(x):
+    raise ValueError(f"bad {x}")
+def weird():
+    return float('nan')
+LIMIT = 10
+"""
+    test = """
+assert pair(2) == (2, [2, {2: {2}}]) and type(pair(2)) is tuple
+c = Counter(5)
+assert c.bump() == 6 and c.bump(by=4) == 10 and c.n == 10
+assert list(gen(3)) == [0, 1, 2] and sum(x for x in gen(4)) == 6
+assert LIMIT == 10 and math.isnan(weird())
+try:
+    fail(3)
+    raise AssertionError("no exception")
+except ValueError as exc:
+    assert str(exc) == "bad 3"
+"""
+    weak = SandboxConfig(mode="rlimits", timeout_s=5.0)
+    out = run_python(program, test=test, settings=weak)
+    assert out.status == "passed", out
+    wrong = run_python(program, test="assert pair(2) == [2, [2, {2: {2}}]]", settings=weak)  # a list is not a tuple
+    assert (wrong.status, wrong.detail) == ("failed", "AssertionError")
+
+
+def test_a_programs_stand_in_for_a_module_cannot_judge_its_results():
+    fake = "class M:\n    @staticmethod\n    def isclose(*a, **k):\n        return True\n"
+    fake += "math = M()\ndef f(x):\n    return 0.0"
+    out = run_python(fake, test="assert math.isclose(f(1), 2.0)", settings=SandboxConfig(mode="rlimits"))
+    assert (out.status, out.detail) == ("failed", "AssertionError")
+    real = "import math\ndef f(x):\n    return 2.0"
+    out = run_python(real, test="assert math.isclose(f(1), 2.0)", settings=SandboxConfig(mode="rlimits"))
+    assert out.status == "passed", out

@@ -10,20 +10,21 @@ Two modes (reward.sandbox.mode; docs/operations.md, "Security", says what each g
 - `rlimits`: the resource limits alone, on a process group of its own. No filesystem or network isolation, and a
   process that leaves the group outlives the run. rlpipe uses it only when the config names it.
 
-In both modes a launcher sets the limits inside, before any of the program runs: address space (memory), CPU
-seconds, the size of any file written (stdout and stderr are files: gigabytes of output end at the limit), open
-files, no core dumps, and the number of processes. The wall-clock timeout kills it from outside.
+In both modes a launcher (tasks/rewards/sandbox_launcher.py, copied beside the program) sets the limits inside,
+before any of the program runs: address space (memory), CPU seconds, the size of any file written (stdout and stderr
+are files: gigabytes of output end at the limit), open files, no core dumps, and the number of processes. The
+wall-clock timeout kills it from outside.
 
-The program runs as the launcher's `__main__`, then the test code in the same namespace; only when both return does
-the launcher write a per-run token to stderr. A program that exits early (`exit(0)` before the tests) has no token
-and fails, whatever its exit status.
+With a test (assert statements), the program runs in a child process of the launcher and the test in the launcher,
+which reads the program's results as plain data and gives the verdict as its exit status: nothing the program can
+reach says that the test passed (the launcher's docstring says how). A program that exits before its tests (`exit(0)`)
+fails, whatever its exit status.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -51,21 +52,8 @@ class Outcome:
     seconds: float
 
 
-# Runs inside the sandbox as `python -I -S -c LAUNCHER`: limits first, then the program and its test in one namespace.
-LAUNCHER = """
-import os, resource, runpy, sys
-token = os.environ.pop("RLPIPE_TOKEN")
-limits = [int(x) for x in os.environ.pop("RLPIPE_LIMITS").split(",")]
-names = ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_NPROC")
-for name, value in zip(names, limits):
-    resource.setrlimit(getattr(resource, name), (value, value))
-sys.argv = ["solution.py"]
-namespace = runpy.run_path("{src}/solution.py", run_name="__main__")
-if os.path.exists("{src}/test.py"):
-    exec(compile(open("{src}/test.py").read(), "test.py", "exec"), namespace)
-sys.stdout.flush()
-sys.stderr.write("\\n" + token + "\\n")
-"""
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")  # runs inside: `python -I -S launcher.py SRC`
+TEST_FAILED = 1  # the launcher's exit status when the test raised AssertionError (0: passed; 2: any other error)
 SRC = "/sandbox"  # where the program and its test are, read-only, inside a bwrap sandbox
 
 
@@ -175,12 +163,12 @@ def run_python(
     """Run `program` (then `test`, Python in the same namespace) under `settings`, with `stdin` as its input. Its
     stdout (the first keep_chars) and the last line of its stderr come back in the Outcome."""
     python, prefix = interpreter(settings.python)
-    token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="rlpipe-sandbox-") as tmp:
         src, work = Path(tmp, "src"), Path(tmp, "work")
         src.mkdir()
         work.mkdir()
         (src / "solution.py").write_text(program)
+        shutil.copyfile(LAUNCHER, src / "launcher.py")
         if test is not None:
             (src / "test.py").write_text(test)
         # The sandbox's user (nobody, when rlpipe is root) reads the program and, in rlimits mode, writes in work:
@@ -189,13 +177,13 @@ def run_python(
         for path in (src, *src.iterdir()):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         os.chown(work, _user(), -1)
-        env = {"RLPIPE_TOKEN": token, "RLPIPE_LIMITS": _limits(settings), "PATH": "/usr/bin:/bin", "HOME": "/work"}
+        env = {"RLPIPE_LIMITS": _limits(settings), "PATH": "/usr/bin:/bin", "HOME": "/work"}
         if settings.mode == "bwrap":
             command, where, cwd = _bwrap_command(settings, str(src), env, prefix), SRC, "/"
         else:
             command, where, cwd = [], str(src), str(work)
             env["HOME"] = str(work)
-        command += [python, "-I", "-S", "-c", LAUNCHER.replace("{src}", where)]
+        command += [python, "-I", "-S", f"{where}/launcher.py", where]
         (Path(tmp) / "stdin").write_text(stdin)
         with (
             open(Path(tmp, "stdin"), "rb") as fin,
@@ -216,18 +204,17 @@ def run_python(
             seconds = time.perf_counter() - start
         stdout = _head(Path(tmp, "out"), keep_chars)
         stderr = _tail(Path(tmp, "err"), 64 * 1024)
-    finished = f"\n{token}\n" in stderr
-    stderr = stderr.replace(f"\n{token}\n", "")
     if timed_out:
         return Outcome("timeout", f"no exit after {settings.timeout_s:g}s", stdout, seconds)
     if code in (-25, 128 + 25) or "File too large" in stderr:  # SIGXFSZ, or EFBIG where the signal is ignored
         return Outcome("output_limit", f"wrote more than {settings.max_output_kb} KiB to a file", stdout, seconds)
-    if code in (-24, 128 + 24, -9, 128 + 9) and not finished:  # SIGXCPU, then SIGKILL past the hard CPU limit
+    if code in (-24, 128 + 24, -9, 128 + 9):  # SIGXCPU, then SIGKILL past the hard CPU limit
         return Outcome("timeout", f"used more than {int(settings.timeout_s) + 1} CPU seconds", stdout, seconds)
-    if code == 0 and finished:
+    if code == 0:
         return Outcome("passed", "", stdout, seconds)
-    detail = _last_line(stderr) or (f"exit status {code}" if code else "exited before the tests ran")
-    return Outcome("failed" if detail.startswith("AssertionError") else "error", detail, stdout, seconds)
+    detail = _last_line(stderr) or f"exit status {code}"
+    failed = code == TEST_FAILED if test is not None else detail.startswith("AssertionError")
+    return Outcome("failed" if failed else "error", detail, stdout, seconds)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
