@@ -69,11 +69,30 @@ def pin_to_loopback() -> None:
         ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def own_auth_token() -> None:
+    """The embedded instance's token authentication, on a token of its own in its session folder. Ray 2.60 turns token
+    auth on for a new local instance and writes ~/.ray/auth_token; after that, on the same machine, the user's own
+    `ray start --head` turned auth on and their second node, `ray status` and `--set engines.ray_address` were
+    refused. Here RAY_AUTH_TOKEN_PATH points into the folder removed with the instance, so nothing of ~/.ray is read
+    or written; the instance keeps authentication (another user of the machine cannot drive it over loopback). The
+    variables are inherited by every process the instance starts."""
+    import secrets
+
+    folder = Path(temp_dir_for(os.getpid()))
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    token = folder / "auth_token"
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_hex(32))
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # a token in the environment would win over the path
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+
+
 def _init(address: str | None) -> None:
     import logging
 
     if not address:
         pin_to_loopback()
+        own_auth_token()
     import ray
     import ray._private.ray_constants
 
@@ -107,7 +126,13 @@ def _owner(address: str | None) -> None:
         _init(address)
     except Exception as exc:  # noqa: BLE001  (any failure to start or join is the user's one line)
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"
-        _STATE["error"] = f"could not start or join {where}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        line = f"could not start or join {where}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        if address and (isinstance(exc, ConnectionError) or "auth" in str(exc).lower()):
+            line += (
+                " (a cluster with token authentication on needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN "
+                "or RAY_AUTH_TOKEN_PATH: docs/operations.md, 'Scale out')"
+            )
+        _STATE["error"] = line
     _STATE["done"].set()
     threading.Event().wait()
 
