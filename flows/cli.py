@@ -374,12 +374,12 @@ def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
     _stop_on_signals()
 
     def go():
+        from flows.deployments import check_then_start
         from storage.lock import acquire_run_lock
         from tasks.stages.common import load_run
-        from tasks.stages.start_engines import start_engines
 
         acquire_run_lock(load_run(root, run_id).layout, "resume")  # a missing run fails here, before a flow starts
-        start_engines(root, run_id)  # the engines load while Prefect starts its temporary API
+        check_then_start(root, run_id)  # the run's preflight, then the engines load while Prefect starts its API
         from flows.rl import rl_run  # after the engines' spawn (FLOWS)
 
         with local_flow_settings():

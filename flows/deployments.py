@@ -139,23 +139,30 @@ def prepare_checked_run(
     The seconds of those checks are not idle: a local command's Prefect API starts meanwhile, and an RL run's engine
     processes import their libraries, spawned held (they start no engine and write no log until the checks pass, and
     are ended if one fails). Then the engines load while the first stages run."""
+    cfg, _ = prepare_run(config, overrides, run_id, algo, reconfigure, command=flow)
+    check_then_start(cfg.storage_root, run_id, flow)
+    return cfg.storage_root
+
+
+def check_then_start(root: str, run_id: str, flow: str = "rl") -> None:
+    """A saved run's checks (preflight) while its engines import their libraries, held; then the engines load.
+    `run` and `resume` both start so: a reward, judge or model that broke since the run began stops `resume` with
+    the same line as `run`, before any engine starts."""
     from flows.local_prefect import start_local_api, wait_for_local_api
     from tasks.stages.preflight import preflight
     from tasks.stages.start_engines import end_held, start_engines
 
-    cfg, _ = prepare_run(config, overrides, run_id, algo, reconfigure, command=flow)
     if flow == "rl":
-        start_engines(cfg.storage_root, run_id, held=True)
+        start_engines(root, run_id, held=True)
     start_local_api()
     try:
-        preflight(cfg.storage_root, run_id, flow)
+        preflight(root, run_id, flow)
     except BaseException:
         end_held()  # no engine started, no log written
         raise
     if flow == "rl":
-        start_engines(cfg.storage_root, run_id)
+        start_engines(root, run_id)
     wait_for_local_api()
-    return cfg.storage_root
 
 
 @flow(name="rlpipe-sft", flow_run_name="{run_id}")

@@ -214,13 +214,10 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
     ):
         raise NotFound(f"run {run_id!r} has no iteration {iteration} to rerun")
     cfg = build_config(yaml.safe_load(src.config_path.read_text()), overrides)
-    if "reward" in _stages().stage(stage).sections:  # the judges and the PRM, as a run's start checks them
-        from tasks.stages.preflight import check_judges, check_process_model, dataset_columns
+    if "reward" in _stages().stage(stage).sections:  # everything the scores call, as a run's start checks it
+        from tasks.stages.preflight import check_reward, dataset_columns
 
-        if cfg.reward.judges:
-            check_judges(cfg.reward, dataset_columns(src))
-        if cfg.reward.process_model:
-            check_process_model(cfg.reward.process_model.path, cfg.model.path)
+        check_reward(cfg, dataset_columns(src))
     if fork_id is None:
         acquire_run_lock(src, "rerun")
         record = supersede(src, stage, iteration, overrides)

@@ -81,11 +81,11 @@ def cli_env(cwd: Path, **extra: str) -> dict:
     }
 
 
-def rlpipe(*args, cwd: Path, check=True, **kw) -> subprocess.CompletedProcess:
+def rlpipe(*args, cwd: Path, check=True, extra_env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", *args],
         cwd=cwd,
-        env=cli_env(cwd),
+        env=cli_env(cwd, **(extra_env or {})),
         capture_output=True,
         text=True,
         **kw,

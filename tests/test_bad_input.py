@@ -1,5 +1,7 @@
 """Bad input fails with one clear line and a non-zero exit, and nothing is marked complete."""
 
+import json
+
 import polars as pl
 import pytest
 
@@ -169,3 +171,21 @@ def test_a_broken_agent_section_is_one_line_before_any_engine_starts(base_model,
     assert not list((workspace / "runs" / "agent-bad").glob("*/iter=*/_manifest.json")) or all(
         m.parts[-3] == "dataset" for m in (workspace / "runs" / "agent-bad").glob("*/iter=*/_manifest.json")
     )
+
+
+def test_resume_checks_the_run_as_run_does(base_model):
+    """A run whose reward file is broken stops at its start with one line; `resume` of it stops with the same line,
+    before any engine starts (issue 57 item 5: resume ran no preflight and went on to the engines)."""
+    workspace, cfg = base_model
+    reward = workspace / "my_reward.py"
+    reward.write_text("def score(response, answer, **kw):\n    return 1.0 +\n")  # a syntax error
+    functions = json.dumps({"mine": {"path": str(reward), "function": "score", "weight": 1.0}})
+    run = rlpipe(
+        "run", str(cfg), "--run-id", "broken", "--set", f"model.path={workspace}/models/base",
+        "--set", f"reward.functions={functions}", "--set", "eval.judge=mine", cwd=workspace, check=False,
+    )  # fmt: skip
+    first = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 1 and len(first) == 1 and "my_reward.py" in first[0], run.stderr
+    resume = rlpipe("resume", "broken", cwd=workspace, check=False, timeout=300)
+    again = [line for line in resume.stderr.splitlines() if line.strip()]
+    assert resume.returncode == 1 and again == first, resume.stderr[-2000:]

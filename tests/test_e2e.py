@@ -404,6 +404,17 @@ def check_judges_from_saved_rollouts(workspace, layout: RunLayout):
     text judge's score is its reply's first number, and a reply without one is that sample's error, never the run's;
     the judge's prompt and text are stored, and each judge is weighted into the reward."""
     model, root = workspace / "models/sft", str(workspace / "runs")
+    # A rerun of the scores checks the reward as a run's start does: the code reward on a machine without bubblewrap
+    # is one line and no fork, not a fork whose every sample scored 0 (issue 57 item 5).
+    code = json.dumps({"code_tests": {"weight": 1.0}})
+    nobwrap = rlpipe(
+        "rerun", layout.run_id, "--iteration", "1", "--stage", "scores", "--fork", "nobwrap", "--root", root,
+        "--set", f"reward.functions={code}", "--set", "eval.judge=code_tests", cwd=workspace, check=False,
+        extra_env={"PATH": "/nonexistent"},
+    )  # fmt: skip
+    lines = [line for line in nobwrap.stderr.splitlines() if line.strip()]
+    assert nobwrap.returncode == 1 and len(lines) == 1 and "bubblewrap is not installed" in lines[0], nobwrap.stderr
+    assert not (workspace / "runs" / "nobwrap").exists()
     common = {"chat": False, "template": "{prompt}{response}", "dtype": "float32", "max_tokens": 8}  # context: 64
     logprobs = {"score": "logprobs", "scale": [0, 9], "top_logprobs": 16}
     with vllm_serve(model, "tiny", workspace / "serve.log", max_logprobs=16) as url:

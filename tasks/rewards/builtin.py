@@ -122,10 +122,10 @@ def _code_tests_preflight(reward, kwargs: dict, columns: set[str]) -> None:
     """Before any engine starts: the tests column exists, and the sandbox runs a program on this machine."""
     from tasks.rewards.sandbox import SandboxError, check_sandbox
 
+    check_sandbox(reward.sandbox)
     column = kwargs.get("column", "tests")
     if column not in columns:
         raise SandboxError(f"reward function code_tests: the dataset has no column {column!r} (its kwargs.column)")
-    check_sandbox(reward.sandbox)
 
 
 code_tests.preflight = _code_tests_preflight

@@ -131,6 +131,19 @@ def check_judges(reward, columns: set[str]) -> None:
             check_endpoint(judge, name)
 
 
+def check_reward(cfg, columns: set[str], process_model: bool = True) -> None:
+    """Everything the scores stage will call, before it runs: the reward functions load (a built-in's own check: the
+    code reward's sandbox), each judge, the reward model's and the process reward model's folders (not when a run
+    trains that PRM: `process_model` False). The run's start, `rerun` of a stage that scores and `resume` ask this."""
+    reward = cfg.reward
+    if reward.kind == "model":
+        model_fingerprint(reward.model_path)
+    if reward.process_model and process_model:
+        check_process_model(reward.process_model.path, cfg.model.path)
+    reward_preflight(reward, columns)
+    check_judges(reward, columns)
+
+
 def dataset_columns(layout) -> set[str]:
     """The dataset's own columns the reward functions receive (the fields of its `extra` struct)."""
     table = read_stage(layout, "dataset", 0)
@@ -152,17 +165,13 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         check_lora(cfg, cfg.model.path)
     else:
         check_trainable_layers(cfg.model.path, cfg.reward_model.trainable_layers)
-    if cfg.reward.kind == "model":
-        model_fingerprint(cfg.reward.model_path)
-    if cfg.reward.process_model and not (flow == "rm" and cfg.reward_model.objective == "process"):
-        check_process_model(cfg.reward.process_model.path, cfg.model.path)  # (training one does not read it)
     if flow == "rl" and cfg.advantage.estimator == "distill":
         check_teacher(cfg.advantage.teacher_path, cfg.model.path)
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None
     if needs_prompts:
         dataset = dataset_task.fn(storage_root, run_id)
-        reward_preflight(cfg.reward, dataset_columns(ctx.layout))
-        check_judges(cfg.reward, dataset_columns(ctx.layout))
+        trains_the_prm = flow == "rm" and cfg.reward_model.objective == "process"  # (it does not read it)
+        check_reward(cfg, dataset_columns(ctx.layout), process_model=not trains_the_prm)
         check_context(cfg.model.path, dataset.extra["longest_prompt_tokens"], cfg.rollout.max_tokens)
         if flow == "rl":
             check_agent(cfg, cfg.model.path, dataset.extra["longest_prompt_tokens"])
