@@ -507,6 +507,9 @@ def test_multi_turn_figures_per_iteration_by_hand():
         "iteration": 2, "turns": 2.0, "tool_call_rate": 1.0, "calls": 2.0, "call_errors": 0.75, "env_reward": 0.5,
         "max_turns": 0.0, "truncated": 0.5, "failed": 0.5,
     }  # fmt: skip
+    # A trajectory the environment never stepped earned 0 from it, as the reward counts it (it was left out: 1.0).
+    once = rollouts.filter(pl.col("iteration") == 2).with_columns(env_reward=pl.Series([1.0, None]))
+    assert per_iteration(once)["env_reward"].to_list() == [0.5]
     assert per_iteration(rollouts.drop("action_mask")) is None  # single-turn rollouts
 
 
@@ -517,6 +520,8 @@ class Quiz:
     def reset(self, row):
         if row.get("level") == "broken":
             raise KeyError("level")
+        if "qid" in row:  # data.prompt_key question, data.id_key qid: both columns by their own names too
+            return [{"role": "user", "content": f"{row['question']} (id {row['qid']}, level {row['level']})"}]
         assert row["extra"]["question"] == row["question"]  # also kept nested, as before
         self.answer = row["answer"]
         return [{"role": "user", "content": f"{row['question']} (level {row['level']})"}]
@@ -526,7 +531,19 @@ class Quiz:
 '''
 
 
-def agent_play(tmp_path, tok, rows: list[dict], script: list[str]):
+CHATTY_ENV = '''
+class Chatty:
+    """Never done: each step says "again" and pays 0.5."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": "start"}]
+
+    def step(self, messages):
+        return [{"role": "user", "content": "again"}], 0.5, False
+'''
+
+
+def agent_play(tmp_path, tok, rows: list[dict], script: list[str], data=None, env=("Quiz", ROW_ENV)):
     """The rollouts stage's multi-turn path (agent_rollouts.play) on prompts read by the dataset loader from a JSONL
     file, with the environment above in its worker processes and generation scripted (each trajectory says the next
     line of `script`)."""
@@ -539,17 +556,18 @@ def agent_play(tmp_path, tok, rows: list[dict], script: list[str]):
     (tmp_path / "model").mkdir()
     tok.save_pretrained(tmp_path / "model")
     (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "env.py").write_text(ROW_ENV)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prompts = prompt_rows([str(data)], DataConfig(), "data.train_files", "train").with_columns(
+    (tmp_path / "env.py").write_text(env[1])
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = data or DataConfig()
+    prompts = prompt_rows([str(path)], data, "data.train_files", "train").with_columns(
         text=pl.col("prompt"),
         messages=pl.col("prompt").map_elements(lambda p: [{"role": "user", "content": p}], return_dtype=pl.Object),
         prompt_token_ids=pl.lit([1, 2], dtype=pl.List(pl.Int32)),
     )
-    agent = AgentConfig(environment={"path": str(tmp_path / "env.py"), "function": "Quiz"}, max_turns=2)
+    agent = AgentConfig(environment={"path": str(tmp_path / "env.py"), "function": env[0]}, max_turns=2)
     rollout, engines = SimpleNamespace(max_tokens=8), SimpleNamespace(agent_workers=1)
-    ctx = SimpleNamespace(cfg=SimpleNamespace(agent=agent, rollout=rollout, engines=engines))
+    ctx = SimpleNamespace(cfg=SimpleNamespace(agent=agent, rollout=rollout, engines=engines, data=data))
     said = iter(script)
 
     def generate_frames(frame, job, name):
@@ -573,6 +591,25 @@ def test_an_environments_reset_gets_the_dataset_columns_at_the_top_of_the_row(tm
     assert frame["env_reward"].to_list() == [1.0, 0.0]
     opening = turns.filter(pl.col("role") == "user")["text"].to_list()
     assert opening == ["add 2 3 (level 1)", "add 4 5 (level 2)"]
+
+
+def test_reset_gets_the_prompt_and_id_columns_by_their_own_names(tmp_path, chatml_tokenizer):
+    from schemas.config import DataConfig
+
+    rows = [{"question": "add 2 3", "answer": "5", "qid": 17, "level": 1}]
+    data = DataConfig(prompt_key="question", id_key="qid")
+    _, turns, _, _ = agent_play(tmp_path, chatml_tokenizer, rows, ["5"], data=data)
+    assert turns.filter(pl.col("role") == "user")["text"].to_list() == ["add 2 3 (id 17, level 1)"]
+
+
+def test_after_the_last_turn_the_environments_feedback_is_not_a_turn(tmp_path, chatml_tokenizer):
+    """max_turns 2: the environment steps after each model turn (its rewards summed), but the feedback after the
+    last one is never read by the model, so it is not in the trajectory's turns (issue 57 item 9)."""
+    rows = [{"prompt": "p", "answer": "5"}]
+    frame, turns, _, _ = agent_play(tmp_path, chatml_tokenizer, rows, ["a", "b"], env=("Chatty", CHATTY_ENV))
+    assert frame["finish_reason"].to_list() == ["max_turns"] and frame["env_reward"].to_list() == [1.0]
+    assert turns.filter(pl.col("role") == "user")["text"].to_list() == ["start", "again"]
+    assert turns.filter(pl.col("role") == "assistant").height == 2
 
 
 def test_every_episode_ending_before_the_first_turn_is_one_line_with_an_example_error(tmp_path, chatml_tokenizer):

@@ -277,6 +277,8 @@ def _observe(answered: list[Trajectory], tokenizer, settings: LoopSettings, work
                 t.end("error")
             elif step.done:
                 t.end("stop")
+            elif t.index in last:  # its reply was the last turn: no model turn would read the feedback, not kept
+                t.end("max_turns")
             else:
                 new[t.index] = step.messages
                 for m in step.messages:

@@ -47,7 +47,7 @@ def play(
         max_tool_output_tokens=agent.max_tool_output_tokens,
     )
     starts = branching.initial if branching else group_size
-    rows = [episode_row(row) for row in prompts.iter_rows(named=True) for _ in range(starts)]
+    rows = [episode_row(row, ctx.cfg.data) for row in prompts.iter_rows(named=True) for _ in range(starts)]
     trajectories = [
         Trajectory(
             i,
@@ -125,11 +125,16 @@ def no_turn_line(played: list[Trajectory]) -> str:
     )
 
 
-def episode_row(prompt: dict) -> dict:
+def episode_row(prompt: dict, data) -> dict:
     """The row an environment's `reset` gets: the dataset's own columns at the top level, as the docs promise
-    (`row["question"]`), then rlpipe's (prompt_id, prompt, messages, answer, text, ...), which win on a clash; the
-    dataset's columns also stay nested under `extra`."""
-    return {**(prompt.get("extra") or {}), **prompt, "prompt": prompt["text"]}
+    (`row["question"]`), the prompt's and the id's columns (data.prompt_key, data.id_key) included, then rlpipe's
+    (prompt_id, prompt, messages, answer, text, ...), which win on a clash; the dataset's other columns also stay
+    nested under `extra`. The id comes as text (rlpipe's ids are strings); a dotted prompt_key's value comes under
+    its own dotted name."""
+    own = {data.prompt_key: prompt["prompt"]}
+    if data.id_key:
+        own[data.id_key] = prompt["prompt_id"]
+    return {**own, **(prompt.get("extra") or {}), **prompt, "prompt": prompt["text"]}
 
 
 def rollout_row(t: Trajectory, tree: bool = False) -> dict:
