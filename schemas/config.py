@@ -1142,6 +1142,13 @@ class EnginesConfig(Section):
         description="The Ray resources each vLLM replica reserves, e.g. {GPU: 2} for tensor_parallel_size 2. Empty: "
         "none reserved.",
     )
+    placement_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="An engine's placement group that Ray has not placed by then fails in one line naming what it "
+        "needs and what the nodes have free (one the nodes could never hold fails at once). Raise it on a cluster "
+        "that adds nodes on demand.",
+    )
     collective_timeout_s: float = Field(
         600.0,
         gt=0,

@@ -1,6 +1,7 @@
 """Bad input fails with one clear line and a non-zero exit, and nothing is marked complete."""
 
 import json
+import time
 
 import polars as pl
 import pytest
@@ -189,3 +190,18 @@ def test_resume_checks_the_run_as_run_does(base_model):
     resume = rlpipe("resume", "broken", cwd=workspace, check=False, timeout=300)
     again = [line for line in resume.stderr.splitlines() if line.strip()]
     assert resume.returncode == 1 and again == first, resume.stderr[-2000:]
+
+
+def test_an_engine_the_cluster_cannot_place_is_one_line_at_once(base_model):
+    """A bundle no node has (a GPU on this CPU machine): one line naming it, within seconds, not a placement group
+    left pending for the start's 600 s (issue 57 item 8)."""
+    workspace, cfg = base_model
+    started = time.time()
+    proc = rlpipe(
+        "run", str(cfg), "--run-id", "gpu", "--set", f"model.path={workspace}/models/base",
+        "--set", "engines.trainer_bundle={GPU: 1}", cwd=workspace, check=False, timeout=300,
+    )  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert "cannot be placed on this Ray cluster: no node has GPU 1 (the nodes have GPU 0)" in lines[0]
+    assert time.time() - started < 120

@@ -85,6 +85,12 @@ def own_auth_token() -> None:
     token.write_text(secrets.token_hex(32))
     os.environ.pop("RAY_AUTH_TOKEN", None)  # a token in the environment would win over the path
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    # Ray reads the variables into its config and caches the token once it is imported: read them again now (as
+    # Ray's own tests do when they change them), for a process that imported Ray before starting the instance.
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _init(address: str | None) -> None:
@@ -240,6 +246,7 @@ class Placement:
     bundle: tuple[tuple[str, float], ...] = ()
     strategy: str = "PACK"
     collective_timeout_s: float = DEFAULT_TIMEOUT_S
+    placement_timeout_s: float = 60.0
     # Engines that share one placement group (the vLLM replicas, so that SPREAD spreads them): its key, how many engines
     # share it, and which of them this is. Unshared ("") an engine has a group of its own, removed with it.
     share: str = ""
@@ -253,4 +260,45 @@ class Placement:
             bundle=tuple(sorted(bundle.items())),
             strategy=engines.placement_strategy,
             collective_timeout_s=engines.collective_timeout_s,
+            placement_timeout_s=engines.placement_timeout_s,
         )
+
+
+def why_unplaceable(bundle: dict[str, float], count: int, strategy: str, nodes: list[dict[str, float]]) -> str | None:
+    """Why `count` bundles of `bundle` can never be placed with `strategy` on nodes with these resources (each node's,
+    as `ray.nodes()` reports them: totals, or what is free), or None when they can. Ray itself keeps an unplaceable
+    group pending without a word."""
+    need = {k: v for k, v in bundle.items() if v > 0}
+    if not need:
+        return None
+
+    def fits(node: dict[str, float]) -> int:  # how many bundles one node holds
+        return min(int(node.get(k, 0.0) // v) for k, v in need.items())
+
+    def have(k: str) -> str:
+        return "/".join(f"{node.get(k, 0.0):g}" for node in nodes) or "none"
+
+    wanted = ", ".join(f"{k} {v:g}" for k, v in sorted(need.items()))
+    lacking = [k for k, v in need.items() if not any(node.get(k, 0.0) >= v for node in nodes)]
+    if lacking:
+        return f"no node has {lacking[0]} {need[lacking[0]]:g} (the nodes have {lacking[0]} {have(lacking[0])})"
+    held = [fits(node) for node in nodes]
+    if strategy == "STRICT_PACK" and max(held) < count:
+        return f"no node holds all {count} bundles of {{{wanted}}} together (at most {max(held)} on one)"
+    if strategy == "STRICT_SPREAD" and sum(h > 0 for h in held) < count:
+        return f"{count} bundles of {{{wanted}}} need {count} nodes that each hold one; {sum(h > 0 for h in held)} do"
+    if sum(held) < count:
+        per = ", ".join(f"{k} {have(k)}" for k in sorted(need))
+        return f"{count} bundles of {{{wanted}}} need more than the nodes have: at most {sum(held)} fit ({per})"
+    return None
+
+
+def node_resources(free: bool = False) -> list[dict[str, float]]:
+    """Each live node's resources (`free`: what is not reserved now), for why_unplaceable."""
+    import ray
+
+    if not free:
+        return [dict(n["Resources"]) for n in ray.nodes() if n["Alive"]]
+    from ray._private.state import available_resources_per_node  # the one per-node view Ray has without a dashboard
+
+    return [dict(r) for r in available_resources_per_node().values()]

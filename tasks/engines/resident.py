@@ -74,6 +74,7 @@ class ResidentProcess:
         self.name = module.rsplit(".", 1)[-1]
         self.actors: list = []
         self.group = None  # the placement group
+        self.placed = None  # (its group, the group's ready() ref, its bundles) until Ray has placed it
         self.starting = None  # the start's ObjectRefs, until the first request waits for them
         self.released = False
         self.nodes: list[dict] = []
@@ -152,12 +153,17 @@ class ResidentProcess:
         if not p.bundle:
             return lambda r: reserve
         bundles = [dict(p.bundle)] * (self.ranks * p.replicas)
+        if not p.share or p.share not in _SHARED_GROUPS:
+            reason = ray_cluster.why_unplaceable(dict(p.bundle), len(bundles), p.strategy, ray_cluster.node_resources())
+            if reason:  # Ray would keep it pending, and the engine would wait START_DEADLINE_S for nothing
+                raise WorkerError(f"{self.name} cannot be placed on this Ray cluster: {reason} ({p.strategy})")
         if not p.share:
             self.group = group = placement_group(bundles, strategy=p.strategy)
         elif p.share not in _SHARED_GROUPS:
             group = _SHARED_GROUPS[p.share] = placement_group(bundles, strategy=p.strategy)
         else:
             group = _SHARED_GROUPS[p.share]
+        self.placed = (group, group.ready(), bundles)
         return lambda r: {
             **reserve,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -251,9 +257,39 @@ class ResidentProcess:
                 break
             if deadline is not None and time.time() > deadline:
                 raise self._ended(what, f"not started within {START_DEADLINE_S}s", rank=min(pending.values()))
+            if deadline is not None:
+                self._check_placed()
             if deadline is not None and time.time() - self.spawned >= 10:
                 self._note_starting()
         return results
+
+    def _check_placed(self) -> None:
+        """While the actors wait for their placement group: once Ray has placed it, nothing more; past
+        engines.placement_timeout_s, one line naming what the group needs and what the nodes have free (other engines'
+        groups may hold the rest), and the engine ended."""
+        import ray
+
+        if self.placed is None:
+            return
+        group, ready, bundles = self.placed
+        if ray.wait([ready], timeout=0)[0]:
+            self.placed = None
+            return
+        if time.time() - self.spawned < self.placement.placement_timeout_s:
+            return
+        free = ray_cluster.node_resources(free=True)
+        reason = ray_cluster.why_unplaceable(bundles[0], len(bundles), self.placement.strategy, free)
+        wanted = ", ".join(f"{k} {v:g}" for k, v in sorted(bundles[0].items()))
+        self.kill()
+        raise WorkerError(
+            f"{self.name} was not placed within {self.placement.placement_timeout_s:g}s "
+            f"(engines.placement_timeout_s): {len(bundles)} bundles of {{{wanted}}} ({self.placement.strategy}); "
+            + (
+                f"free now (other engines' groups hold the rest): {reason}"
+                if reason
+                else "it would fit what is free now"
+            )
+        )
 
     def _died(self, what: str, rank: int, cause: str, pending: dict) -> WorkerError:
         """Rank `rank`'s actor died. Its peers, in a collective with it, may die or fail a moment later, and the first
@@ -346,6 +382,7 @@ class ResidentProcess:
         if self.rendezvous is not None:
             self.rendezvous.unlink(missing_ok=True)
         self.actors, self.group, self.starting, self.released, self.rendezvous = [], None, None, False, None
+        self.placed = None
 
 
 class _LogTail:
