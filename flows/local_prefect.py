@@ -123,7 +123,9 @@ def use_local_api_settings() -> None:
 
 @contextmanager
 def local_flow_settings() -> Iterator[None]:
-    """Flow runs started inside run without heartbeats when no server is configured (see the module docstring)."""
+    """Flow runs started inside run without heartbeats when no server is configured (see the module docstring); in
+    either case a stage's error meant for the user is the command's one line alone (_UserErrorsOnce)."""
+    quiet_user_errors()
     if not is_local():
         yield
         return
@@ -148,6 +150,43 @@ class _QuietTemporaryServer(logging.Filter):
 
 
 _QUIET = _QuietTemporaryServer()
+
+
+class _UserErrorsOnce(logging.Filter):
+    """Drops the task and flow runs' error records about an error meant for the user (schemas.errors.UserError): the
+    command prints it as one line (flows/cli.py `_guard`), and Prefect's own records of it were three tracebacks, some
+    170 lines, in front of that line. Its records that carry no exception ("Finished in state Failed(...)") follow
+    the one that does and repeat its message, so they go too. Any other error keeps Prefect's tracebacks."""
+
+    RUN_LOGGERS = ("prefect.task_runs", "prefect.flow_runs", "prefect.task_engine", "prefect.flow_engine")
+
+    def __init__(self):
+        super().__init__()
+        self.messages: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from schemas.errors import UserError
+
+        if record.levelno < logging.ERROR or not record.name.startswith(self.RUN_LOGGERS):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, UserError):
+            self.messages.add((str(exc).splitlines() or [type(exc).__name__])[0])
+            return False
+        text = record.getMessage()
+        return not any(message in text for message in self.messages)
+
+
+def quiet_user_errors() -> None:
+    """Install _UserErrorsOnce on the handlers that print Prefect's records (once per process)."""
+    if any(isinstance(f, _UserErrorsOnce) for h in logging.getLogger("prefect").handlers for f in h.filters):
+        return
+    quiet = _UserErrorsOnce()
+    for name in ("prefect", ""):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(quiet)
+
+
 _API_START: list[threading.Thread] = []  # the one background start of this process's temporary API, once begun
 
 
