@@ -655,23 +655,17 @@ class RewardConfig(Section):
         return self
 
     def weighted_parts(self) -> tuple[tuple[str, float], ...]:
-        """The reward's weighted parts as `scores` holds them: each function's and judge's score_<name>, the reward
-        model's score_model (kind=model) and the process reward model's score_prm; a part of weight 0 is left out.
-        The one list: the config's checks (GDPO) and the advantages stage both ask it."""
-        parts = [(f"score_{name}", f.weight) for name, f in {**self.functions, **self.judges}.items()]
-        if self.kind == "model":
-            parts.append(("score_model", self.model_weight))
-        if self.process_model:
-            parts.append(("score_prm", self.process_model.weight))
-        return tuple((column, weight) for column, weight in parts if weight)
+        """The reward's weighted score columns (weight 0 left out), as the reward-source family lists them
+        (tasks/rewards/sources.py): the one list the config's checks (GDPO) and the advantages stage ask."""
+        from tasks.rewards.sources import weighted_parts
+
+        return weighted_parts(self)
 
     def weighted_step_parts(self) -> tuple[tuple[str, float], ...]:
-        """The process rewards' step-score lists in `scores` (steps_<name>, and the process reward model's steps_prm),
-        with their weights (0 left out)."""
-        parts = [(f"steps_{name}", f.weight) for name, f in self.functions.items() if f.per_step]
-        if self.process_model:
-            parts.append(("steps_prm", self.process_model.weight))
-        return tuple((column, weight) for column, weight in parts if weight)
+        """The process rewards' step-score lists (steps_<name>, steps_prm) with their weights (0 left out)."""
+        from tasks.rewards.sources import weighted_step_parts
+
+        return weighted_step_parts(self)
 
 
 class UserCodeRef(Section):
@@ -1485,9 +1479,9 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _judge_is_scored(self) -> "RunConfig":
-        judges = {*self.reward.functions, *self.reward.judges, "reward"} | (
-            {"model"} if self.reward.kind == "model" else set()
-        )
+        from tasks.rewards.sources import score_columns
+
+        judges = {column.removeprefix("score_") for column in score_columns(self.reward)} | {"reward"}
         if self.eval.judge not in judges:
             raise ValueError(
                 f"eval.judge {self.eval.judge!r} is not scored by this run: choose one of {', '.join(sorted(judges))}"

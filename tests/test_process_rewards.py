@@ -344,7 +344,7 @@ def test_process_model_held_out_figures_by_hand():
 
 
 def test_a_process_model_joins_the_step_parts_and_grpo_process_accepts_it():
-    from tasks.stages.advantages import outcome_parts
+    from tasks.rewards.sources import outcome_parts
 
     cfg = build_config({}, ["reward.process_model={path: models/prm, weight: 0.5}", "advantage.estimator=grpo_process"])
     assert cfg.reward.weighted_step_parts() == (("steps_prm", 0.5),)

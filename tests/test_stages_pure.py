@@ -122,13 +122,22 @@ def test_artifact_markdown_summarises_rewards_and_shows_samples():
 
 
 def test_the_reward_model_column_adds_to_the_rule_reward_and_must_be_finite():
-    from tasks.stages.scores import add_model_score
+    """The reward-model source, its engine call handed in (a stand-in for the torch worker)."""
+    from tasks.rewards.sources import Calls, RewardModel
+
+    def calls(model_scores):
+        rollouts = pl.DataFrame({"prompt_token_ids": [[1], [1]], "token_ids": [[2], [3]]})
+        return Calls(
+            rollouts=rollouts, prompts=pl.DataFrame(), turns=None, max_tokens=8, answer_key=None,
+            step_ends=None, reward_model=lambda data: pl.Series(model_scores), process_model=None, local_judge=None,
+        )  # fmt: skip
 
     scores = pl.DataFrame({"reward": [1.0, 0.0]})
-    out = add_model_score(scores, pl.Series([0.5, -2.0]), 2.0)
+    reward = RewardConfig(kind="model", model_path="rm", model_weight=2.0)
+    out = RewardModel().add(reward, scores, calls([0.5, -2.0]), "t")
     assert out["score_model"].to_list() == [0.5, -2.0] and out["reward"].to_list() == [2.0, -4.0]
     with pytest.raises(RewardError, match="non-finite"):
-        add_model_score(scores, pl.Series([0.5, math.nan]), 1.0)
+        RewardModel().add(reward, scores, calls([0.5, math.nan]), "t")
 
 
 def test_reward_model_rule_spearman_is_recorded_when_both_columns_exist():

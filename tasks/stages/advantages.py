@@ -21,17 +21,12 @@ from tasks.algos.advantages import (
     tree_mean_advantages,
     update_prompt_stats,
 )
+from tasks.rewards.sources import outcome_parts
 from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
 from tasks.stages.kl_control import kl_beta
 from tasks.stages.spec import StageSpec
 
 KEYS = ["prompt_id", "sample_idx"]
-
-
-def outcome_parts(reward) -> tuple[tuple[str, float], ...]:
-    """The reward's parts that score a whole response: every component but the process rewards' aggregates."""
-    per_step = {f"score_{name}" for name, f in reward.functions.items() if f.per_step} | {"score_prm"}
-    return tuple((column, weight) for column, weight in reward.weighted_parts() if column not in per_step)
 
 
 def advantage_inputs(

@@ -16,13 +16,12 @@ import polars as pl
 from storage import StageOutput
 from tasks.algos.metrics import spearman
 from tasks.rewards.loader import source_hash, specs_from_config
-from tasks.rewards.scoring import score_frame
 from tasks.stages import agent_rollouts
 from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
 from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.prompts import split_of
 from tasks.stages.rollouts import generate, one_job, sampling_job
-from tasks.stages.scores import model_and_judges, reward_models
+from tasks.stages.scores import reward_models, scored
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import weights_after, weights_fingerprint
 
@@ -50,13 +49,11 @@ def judged(
     stamp = (pl.lit(0, pl.Int32).alias("iteration"), pl.lit(0, pl.Int32).alias("round"))
     frame = responses.with_columns(*stamp)
     turns = turns.with_columns(*stamp) if turns is not None else None
-    r = ctx.cfg
-    scores = score_frame(frame, held_out, r.reward, r.rollout.max_tokens, r.data.answer_key, turns)
-    scores = model_and_judges(ctx, scores, responses, held_out, name)
+    scores = scored(ctx, frame, held_out, name, turns)
     e = ctx.cfg.eval
     judge = "reward" if e.judge == "reward" else f"score_{e.judge}"
-    scored = responses.with_columns(scores.select(pl.exclude("iteration", "round", "prompt_id", "sample_idx")))
-    return scored.with_columns((pl.col(judge) >= e.judge_threshold).alias("correct"))
+    out = responses.with_columns(scores.select(pl.exclude("iteration", "round", "prompt_id", "sample_idx")))
+    return out.with_columns((pl.col(judge) >= e.judge_threshold).alias("correct"))
 
 
 def eval_table(

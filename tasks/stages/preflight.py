@@ -15,7 +15,7 @@ from storage import read_stage
 from tasks.data.example_tasks import ensure_task_files
 from tasks.data.formatting import model_context
 from tasks.rewards.judge import check_endpoint, check_template
-from tasks.rewards.loader import preflight as reward_preflight
+from tasks.rewards.sources import check_all
 from tasks.stages.common import load_run
 from tasks.stages.dataset import dataset_task
 from tasks.stages.sft import sft_data_task
@@ -131,17 +131,12 @@ def check_judges(reward, columns: set[str]) -> None:
             check_endpoint(judge, name)
 
 
-def check_reward(cfg, columns: set[str], process_model: bool = True) -> None:
-    """Everything the scores stage will call, before it runs: the reward functions load (a built-in's own check: the
-    code reward's sandbox), each judge, the reward model's and the process reward model's folders (not when a run
-    trains that PRM: `process_model` False). The run's start, `rerun` of a stage that scores and `resume` ask this."""
-    reward = cfg.reward
-    if reward.kind == "model":
-        model_fingerprint(reward.model_path)
-    if reward.process_model and process_model:
-        check_process_model(reward.process_model.path, cfg.model.path)
-    reward_preflight(reward, columns)
-    check_judges(reward, columns)
+def check_reward(cfg, columns: set[str], trains_the_prm: bool = False) -> None:
+    """Everything the scores stage will call, before it runs: each reward source's own check (tasks/rewards/sources.py:
+    the functions load and the built-ins check themselves, the code reward its sandbox; each judge; the reward
+    model's and the process reward model's folders, not when the run trains that PRM). The run's start, `rerun` of a
+    stage that scores and `resume` ask this."""
+    check_all(cfg, columns, trains_the_prm)
 
 
 def dataset_columns(layout) -> set[str]:
@@ -170,8 +165,8 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None
     if needs_prompts:
         dataset = dataset_task.fn(storage_root, run_id)
-        trains_the_prm = flow == "rm" and cfg.reward_model.objective == "process"  # (it does not read it)
-        check_reward(cfg, dataset_columns(ctx.layout), process_model=not trains_the_prm)
+        trains_the_prm = flow == "rm" and cfg.reward_model.objective == "process"
+        check_reward(cfg, dataset_columns(ctx.layout), trains_the_prm)
         check_context(cfg.model.path, dataset.extra["longest_prompt_tokens"], cfg.rollout.max_tokens)
         if flow == "rl":
             check_agent(cfg, cfg.model.path, dataset.extra["longest_prompt_tokens"])

@@ -21,10 +21,10 @@ from storage import StageOutput, read_stage
 from tasks.data.formatting import load_tokenizer, model_context
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.vllm_client import resident_engine
-from tasks.rewards.judge import JudgeError, Reply, ask_endpoint, judge_columns
+from tasks.rewards.judge import JudgeError, Reply
 from tasks.rewards.loader import source_hash, specs_from_config
-from tasks.rewards.scoring import RewardError, joined_errors, prompt_arguments, score_frame
-from tasks.rewards.steps import aggregate_steps, step_ends_column
+from tasks.rewards.sources import Calls, add_all, identities
+from tasks.rewards.steps import step_ends_column
 from tasks.stages.common import (
     Computed,
     RunContext,
@@ -50,12 +50,7 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, ups
             if "conversation" in rollouts.columns
             else None
         )
-        scores = score_frame(
-            rollouts, prompts, ctx.cfg.reward, ctx.cfg.rollout.max_tokens, ctx.cfg.data.answer_key, turns
-        )
-        if any(f.per_step for f in ctx.cfg.reward.functions.values()):
-            scores = scores.with_columns(step_ends(ctx, rollouts))
-        return Computed(model_and_judges(ctx, scores, rollouts, prompts, f"{iteration:05d}-{round_}"))
+        return Computed(scored(ctx, rollouts, prompts, f"{iteration:05d}-{round_}", turns))
 
     return run_stage(
         ctx,
@@ -68,54 +63,38 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, ups
 
 
 def reward_models(reward) -> dict[str, str]:
-    """The identities of the models the reward reads (the reward model's; each local judge's, with its tokenizer, whose
-    chat template writes the judge's prompts), for a fingerprint."""
-    out = {"reward_model": model_fingerprint(reward.model_path)} if reward.kind == "model" else {}
-    if reward.process_model:
-        out["process_model"] = model_fingerprint(reward.process_model.path)
-    for name, judge in reward.judges.items():
-        if judge.model_path:
-            out[f"judge_{name}"] = model_fingerprint(judge.model_path) + tokenizer_fingerprint(judge.model_path)
-    return out
+    """The identities of the models the reward reads (the reward-source family's: the reward model's, the PRM's, each
+    local judge's with its tokenizer, whose chat template writes the judge's prompts), for a fingerprint."""
+    return identities(reward, model_fingerprint, tokenizer_fingerprint)
 
 
-def model_and_judges(
-    ctx: RunContext, scores: pl.DataFrame, rollouts: pl.DataFrame, prompts: pl.DataFrame, name: str
+def scored(
+    ctx: RunContext, rollouts: pl.DataFrame, prompts: pl.DataFrame, name: str, turns: pl.DataFrame | None = None
 ) -> pl.DataFrame:
-    """The rule scores with the reward model's column (reward.kind=model) and each judge's columns added, weighted
-    into `reward` (a judge's errors join `error`)."""
+    """The rollouts scored by every source of the run's reward (tasks/rewards/sources.py), with the engines they ask
+    for handed in; `name` tells this call's worker files and engine logs apart."""
+    worker = partial(score_frame_worker, ctx, micro_batch_size=ctx.cfg.optim.micro_batch_size)
     reward = ctx.cfg.reward
-    if reward.kind == "model":
-        scores = add_model_score(scores, reward_model_scores(ctx, rollouts, f"rm-score-{name}"), reward.model_weight)
-    if reward.process_model:
-        scores = add_process_model_scores(ctx, scores, rollouts, f"prm-score-{name}")
-    if not reward.judges:
-        return scores
-    shared = prompt_arguments(prompts, ctx.cfg.data.answer_key)
-    for fields in shared.values():  # a judge reads the question, not the policy's chat markup around it
-        users = [m["content"] for m in fields["messages"] if m["role"] == "user"]
-        fields["prompt"] = users[-1] if fields["chat"] and users else fields["prompt"]
-    samples = [
-        {**shared[pid], "prompt_id": pid, "sample_idx": k, "response": text}
-        for pid, k, text in rollouts.select("prompt_id", "sample_idx", "text").iter_rows()
-    ]
-    for judge_name, judge in reward.judges.items():
-        ask = partial(ask_local_judge, ctx, judge_name, judge, f"judge-{judge_name}-{name}")
-        remote = partial(ask_endpoint, judge, name=judge_name)
-        cols = judge_columns(judge, judge_name, samples, ask if judge.model_path else remote)
-        scores = scores.with_columns(pl.Series(k, v, dtype=_judge_dtype(k)) for k, v in cols.items())
-        scores = scores.with_columns(
-            (pl.col("reward") + judge.weight * pl.col(f"score_{judge_name}")).alias("reward"),
-            joined_errors(["error", f"error_{judge_name}"]).alias("error"),
-        )
-    return scores
-
-
-def _judge_dtype(column: str):
-    """A judge's column's type (tasks/rewards/judge.py, `columns`)."""
-    if column.startswith("judge_truncated_"):
-        return pl.Boolean
-    return pl.Float64 if column.startswith("score_") else pl.Utf8
+    calls = Calls(
+        rollouts=rollouts,
+        prompts=prompts,
+        turns=turns,
+        max_tokens=ctx.cfg.rollout.max_tokens,
+        answer_key=ctx.cfg.data.answer_key,
+        step_ends=partial(step_ends, ctx, rollouts),
+        reward_model=lambda data: worker(
+            kind="rm_score", model_path=reward.model_path, frame=data, name=f"rm-score-{name}", log="rm_score"
+        )["score"],
+        process_model=lambda data: worker(
+            kind="prm_score",
+            model_path=reward.process_model.path,
+            frame=data,
+            name=f"prm-score-{name}",
+            log="prm_score",
+        )["step_scores"],
+        local_judge=partial(ask_local_judge, ctx),
+    )
+    return add_all(ctx.cfg.reward, calls, name)
 
 
 def judge_tokenizer(judge: JudgeConfig, name: str):
@@ -210,44 +189,6 @@ def step_ends(ctx: RunContext, rollouts: pl.DataFrame) -> pl.Series:
         ctx.cfg.reward.steps,
     )
     return pl.Series("step_ends", ends, dtype=pl.List(pl.Int32))
-
-
-def reward_model_scores(ctx: RunContext, rollouts: pl.DataFrame, name: str) -> pl.Series:
-    """The reward model's score of each rollout, on exactly the tokens sampled (prompt, then the response with its
-    EOS when it stopped), in batches in a torch worker."""
-    data = rollouts.select("prompt_token_ids", pl.col("token_ids").alias("response_token_ids"))
-    return score_frame_worker(
-        ctx, "rm_score", ctx.cfg.reward.model_path, ctx.cfg.optim.micro_batch_size, data, name, log="rm_score"
-    )["score"]
-
-
-def add_process_model_scores(ctx: RunContext, scores: pl.DataFrame, rollouts: pl.DataFrame, name: str) -> pl.DataFrame:
-    """The process reward model's columns: `steps_prm`, its probability that each step (reward.steps) is right, read
-    at the step's last token of exactly the tokens sampled; `score_prm`, their step_aggregate, weighted into `reward`;
-    and the steps' `step_ends`, when no per_step function has placed them."""
-    pm = ctx.cfg.reward.process_model
-    ends = scores["step_ends"] if "step_ends" in scores.columns else step_ends(ctx, rollouts)
-    data = rollouts.select("prompt_token_ids", pl.col("token_ids").alias("response_token_ids")).with_columns(
-        ends.alias("step_ends")
-    )
-    steps = score_frame_worker(ctx, "prm_score", pm.path, ctx.cfg.optim.micro_batch_size, data, name, log="prm_score")[
-        "step_scores"
-    ]
-    if not steps.explode().drop_nulls().is_finite().all():
-        raise RewardError("the process reward model returned a non-finite step score")
-    score = pl.Series("score_prm", [aggregate_steps(v, pm.step_aggregate) for v in steps.to_list()], pl.Float64)
-    return scores.with_columns(ends.alias("step_ends"), steps.alias("steps_prm"), score).with_columns(
-        (pl.col("reward") + pm.weight * pl.col("score_prm")).alias("reward")
-    )
-
-
-def add_model_score(scores: pl.DataFrame, model_scores: pl.Series, weight: float) -> pl.DataFrame:
-    """The reward model's column, added (weighted) to the rule reward; a non-finite score is refused."""
-    if not model_scores.is_finite().all():
-        raise RewardError("the reward model returned a non-finite score")
-    return scores.with_columns(model_scores.alias("score_model")).with_columns(
-        (pl.col("reward") + weight * pl.col("score_model")).alias("reward")
-    )
 
 
 SPEC = StageSpec(
