@@ -646,11 +646,15 @@ class RewardConfig(Section):
             raise ValueError(f"{shared[0]!r} names both a reward function and a judge: their score columns would clash")
         if self.kind == "model" and not self.model_path:
             raise ValueError("reward.kind=model needs reward.model_path (a model trained by `rlpipe rm-train`)")
-        runs_code = any(n == "code_tests" and not (f.path or f.module) for n, f in self.functions.items())
-        if runs_code and self.timeout_s <= self.sandbox.timeout_s:
+        from tasks.rewards.builtin import BUILTIN_REWARDS
+
+        code = [
+            n for n, f in self.functions.items() if not (f.path or f.module) and BUILTIN_REWARDS.entry(n).runs_code
+        ]  # (a name that is not a built-in was refused by _names_and_builtins)
+        if code and self.timeout_s <= self.sandbox.timeout_s:
             raise ValueError(
                 f"reward.timeout_s ({self.timeout_s:g}) must exceed reward.sandbox.timeout_s "
-                f"({self.sandbox.timeout_s:g}): code_tests runs all of a sample's tests within it"
+                f"({self.sandbox.timeout_s:g}): {code[0]} runs all of a sample's tests within it"
             )
         return self
 
@@ -1435,16 +1439,23 @@ class RunConfig(Section):
                 f"advantage.pass_k ({a.pass_k}) exceeds rollout.group_size ({self.rollout.group_size}): pass@k needs "
                 f"groups of at least k responses"
             )
+        # What the estimator reads, asked of its registry entry (its capabilities), never of its name.
+        from tasks.algos.advantages import ADVANTAGE_ESTIMATORS
+
+        needs = ADVANTAGE_ESTIMATORS.entry(a.estimator)
         # (distill without a teacher is refused when a run starts: the distill preset leaves the teacher to --set)
-        if a.teacher_path and a.estimator != "distill":
-            raise ValueError("advantage.teacher_path is only read by advantage.estimator distill")
-        if a.estimator == "gdpo" and not self.reward.weighted_parts():
-            raise ValueError("advantage.estimator gdpo normalises the reward's weighted parts, and every weight is 0")
+        if a.teacher_path and not needs.needs_teacher:
+            readers = [n for n in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.entry(n).needs_teacher]
+            raise ValueError(f"advantage.teacher_path is only read by advantage.estimator {' or '.join(readers)}")
+        if needs.needs_components and not self.reward.weighted_parts():
+            raise ValueError(
+                f"advantage.estimator {a.estimator} normalises the reward's weighted parts, and every weight is 0"
+            )
         per_step = [name for name, f in self.reward.functions.items() if f.per_step]
         prm = self.reward.process_model
-        if a.estimator == "grpo_process" and not self.reward.weighted_step_parts():
+        if needs.needs_steps and not self.reward.weighted_step_parts():
             raise ValueError(
-                "advantage.estimator grpo_process needs a process reward: a reward function with per_step: true "
+                f"advantage.estimator {a.estimator} needs a process reward: a reward function with per_step: true "
                 "and a non-zero weight, or reward.process_model"
             )
         if prm and self.agent.enabled:

@@ -9,7 +9,8 @@ import polars as pl
 import pytest
 
 from schemas.config import ConfigError, JudgeConfig, load_config
-from tasks.analysis.judge_agreement import agreement_table, auc
+from tasks.algos.metrics import auc
+from tasks.analysis.judge_agreement import agreement_table
 from tasks.rewards.judge import (
     JudgeError,
     Reply,

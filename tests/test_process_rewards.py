@@ -325,7 +325,7 @@ def test_process_model_step_logits_are_the_heads_reading_at_each_steps_last_toke
 
 
 def test_process_model_held_out_figures_by_hand():
-    from tasks.analysis.prm_figures import prm_summary
+    from tasks.algos.metrics import prm_summary
 
     df = pl.DataFrame(
         {

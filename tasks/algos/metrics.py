@@ -1,4 +1,5 @@
-"""Per-iteration training metrics computed from the stage tables (pure Polars)."""
+"""Per-iteration training metrics computed from the stage tables, and a process reward model's held-out figures (the
+prm_eval stage's manifest): pure Polars, no I/O. A stage reads its metrics here, never from tasks/analysis."""
 
 from __future__ import annotations
 
@@ -59,3 +60,34 @@ def explained_variance(advantages: pl.DataFrame, logprobs: pl.DataFrame) -> floa
     if not var_r:
         return float("nan")
     return float(1.0 - (tokens["returns"] - tokens["values"]).var() / var_r)
+
+
+def auc(scores: pl.Series, labels: pl.Series) -> float | None:
+    """P(score of a positive > score of a negative), ties ½ (Mann–Whitney U over n₊·n₋, from average ranks); None when
+    one class is empty."""
+    positives = int(labels.sum())
+    negatives = labels.len() - positives
+    if not positives or not negatives:
+        return None
+    ranks = scores.rank("average")
+    rank_sum = float(ranks.filter(labels).sum())
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+
+
+def prm_summary(df: pl.DataFrame) -> dict:
+    """Held-out figures of a PRM: per step, accuracy at 0.5 against always answering the majority label, and AUC; per
+    response, right meaning every step right, the AUC of its weakest step's score and its accuracy at 0.5."""
+    flat = df.select(pl.col("step_labels").explode().alias("y"), pl.col("step_scores").explode().alias("p"))
+    per = df.select(
+        pl.col("step_labels").list.min().alias("y"), pl.col("step_scores").list.min().alias("p")
+    ).drop_nulls()
+    majority = float(max(flat["y"].mean(), 1 - flat["y"].mean())) if flat.height else None
+    return {
+        "steps": flat.height,
+        "step_accuracy": float(((flat["p"] >= 0.5).cast(pl.Float64) == flat["y"]).mean()) if flat.height else None,
+        "step_majority_accuracy": majority,
+        "step_auc": auc(flat["p"], flat["y"] >= 0.5),
+        "responses": per.height,
+        "response_accuracy": float(((per["p"] >= 0.5).cast(pl.Float64) == per["y"]).mean()) if per.height else None,
+        "response_auc": auc(per["p"], per["y"] >= 0.5),
+    }

@@ -16,18 +16,7 @@ from rich.table import Table
 
 from schemas.errors import NotFound
 from storage import read_manifest, read_stage
-
-
-def auc(scores: pl.Series, labels: pl.Series) -> float | None:
-    """P(score of a positive > score of a negative), ties ½ (Mann–Whitney U over n₊·n₋, from average ranks); None when
-    one class is empty."""
-    positives = int(labels.sum())
-    negatives = labels.len() - positives
-    if not positives or not negatives:
-        return None
-    ranks = scores.rank("average")
-    rank_sum = float(ranks.filter(labels).sum())
-    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+from tasks.algos.metrics import auc
 
 
 def agreement_table(scores: pl.DataFrame, judges: list[str], label: str, threshold: float) -> pl.DataFrame:

@@ -16,10 +16,17 @@ import functools
 import logging
 import math
 import re
+from dataclasses import dataclass
 
 from tasks.registry import Registry
 
-BUILTIN_REWARDS: Registry = Registry("reward function")
+
+@dataclass(frozen=True)
+class BuiltinNeeds:
+    runs_code: bool = False  # runs model-written programs in reward.sandbox (its timeout must fit in reward.timeout_s)
+
+
+BUILTIN_REWARDS: Registry = Registry("reward function", BuiltinNeeds)
 
 # math-verify warns on every call that its timeouts are off; they are off on purpose (see accuracy()).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -101,7 +108,7 @@ def soft_overlong(length: int, max_tokens: int, max_len: int | None = None, cach
     return -1.0
 
 
-@BUILTIN_REWARDS.register("code_tests")
+@BUILTIN_REWARDS.register("code_tests", runs_code=True)
 def code_tests(response: str, sandbox, column: str = "tests", **row) -> dict:
     """The fraction of the row's tests that the response's program passes, run in reward.sandbox; the program, and
     each test's status, detail, stdout and seconds, come back beside the score (scores.info_<name>). The tests are

@@ -12,6 +12,7 @@ from typing import Literal
 
 from schemas.errors import UserError
 from storage import read_stage
+from tasks.algos.advantages import ADVANTAGE_ESTIMATORS
 from tasks.data.example_tasks import ensure_task_files
 from tasks.data.formatting import model_context
 from tasks.rewards.judge import check_endpoint, check_template
@@ -160,7 +161,7 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         check_lora(cfg, cfg.model.path)
     else:
         check_trainable_layers(cfg.model.path, cfg.reward_model.trainable_layers)
-    if flow == "rl" and cfg.advantage.estimator == "distill":
+    if flow == "rl" and ADVANTAGE_ESTIMATORS.entry(cfg.advantage.estimator).needs_teacher:
         check_teacher(cfg.advantage.teacher_path, cfg.model.path)
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None
     if needs_prompts:

@@ -16,7 +16,7 @@ import polars as pl
 from schemas.config import step_label_function
 from schemas.errors import UserError
 from storage import StageOutput, read_stage
-from tasks.analysis.prm_figures import prm_summary
+from tasks.algos.metrics import prm_summary
 from tasks.data.preferences import assign_splits
 from tasks.rewards.loader import source_hash, specs_from_config
 from tasks.rewards.scoring import score_frame
