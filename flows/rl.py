@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 
 from storage import StageOutput
 from tasks.stages.artifacts import artifacts_task
-from tasks.stages.common import plan_task
+from tasks.stages.common import RunPlan, plan_task
 from tasks.stages.dataset import dataset_task
 from tasks.stages.evaluate import eval_task
 from tasks.stages.graph import GENERATION_TASKS, ITERATION_TASKS, task_arguments
@@ -67,13 +67,13 @@ def generation_ahead(storage_root: str, run_id: str, iteration: int) -> int:
     return run_iteration_stages(storage_root, run_id, iteration, GENERATION_TASKS)["rounds"]
 
 
-def iterations(run_id: str, storage_root: str, plan: dict):
+def iterations(run_id: str, storage_root: str, plan: RunPlan):
     """Run every iteration, each with its eval when one is due (every N and the last), yielding k after iteration k. One
     step off-policy (rl.max_staleness 1), iteration k + 1's generation runs while iteration k trains, once the sampler
     holds the weights it samples with (sample_ahead_task)."""
-    n, every = plan["iterations"], plan["eval_every"]
+    n, every = plan.iterations, plan.eval_every
     for k in range(1, n + 1):
-        ahead = plan["max_staleness"] and k < n and sample_ahead_task(storage_root, run_id, k + 1)
+        ahead = plan.max_staleness and k < n and sample_ahead_task(storage_root, run_id, k + 1)
         running = generation_ahead.submit(storage_root, run_id, k + 1) if ahead else None
         rl_iteration(run_id, k, storage_root)
         if running is not None:
@@ -91,16 +91,16 @@ def rl_run(run_id: str, storage_root: str = "runs") -> dict:
     )  # the engines load while the first stages run (a no-op if the command started them)
     plan = plan_task(storage_root, run_id)
     dataset_task(storage_root, run_id)
-    if plan["ptx"]:  # PPO-ptx: the sft section's demonstrations, formatted with the policy's tokenizer
-        sft_data_task(storage_root, run_id, plan["model_path"])
+    if plan.ptx:  # PPO-ptx: the sft section's demonstrations, formatted with the policy's tokenizer
+        sft_data_task(storage_root, run_id, plan.model_path)
     try:
         eval_task(storage_root, run_id, 0)
         for _ in iterations(run_id, storage_root, plan):
-            if plan["tracking"]:
+            if plan.tracking:
                 track_task(storage_root, run_id)  # iteration k's figures, with its eval
     finally:
         release_engines_task()
     summary = summary_task(storage_root, run_id)
-    if plan["tracking"]:
+    if plan.tracking:
         track_task(storage_root, run_id, summary)
     return summary

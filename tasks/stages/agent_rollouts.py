@@ -32,20 +32,11 @@ def play(
     of each prompt. `generate_frames(frame, job, name)` runs the vLLM engines (rollouts.generate); `job_for(seed)` is a
     turn's sampling job (one sample per trajectory). `branching` (agent.branching, training rollouts only): ARPO's
     tree, each prompt starting `branching.initial` trajectories."""
-    agent, r = ctx.cfg.agent, ctx.cfg.rollout
+    agent = ctx.cfg.agent
     tokenizer = load_tokenizer(model_path)
     specs = tool_specs(agent)
     schemas = [t.schema for t in load_tools(specs).values()] or None
-    settings = LoopSettings(
-        max_turns=agent.max_turns,
-        max_total_tokens=agent.max_total_tokens,
-        max_tokens_per_turn=r.max_tokens,
-        tool_call_format=agent.tool_call_format if specs else None,
-        environment=agent.environment is not None,
-        tools=schemas,
-        chat=bool(getattr(tokenizer, "chat_template", None)),
-        max_tool_output_tokens=agent.max_tool_output_tokens,
-    )
+    settings = loop_settings(agent, ctx.cfg.rollout, tokenizer, schemas, bool(specs))
     starts = branching.initial if branching else group_size
     rows = [episode_row(row, ctx.cfg.data) for row in prompts.iter_rows(named=True) for _ in range(starts)]
     trajectories = [
@@ -58,21 +49,59 @@ def play(
         )
         for i, row in enumerate(rows)
     ]
-    first: dict = {}
-    totals = {"generate_seconds": 0.0, "tokens": 0, "turns": 0}
+    turns = Turns(generate_frames, job_for, seed, log_name, branching)
+    workers = AgentWorkers(
+        specs, environment_spec(agent), agent.environment.kwargs if agent.environment else {},
+        ctx.cfg.engines.agent_workers, agent.tool_timeout_s, agent.step_timeout_s,
+    )  # fmt: skip
+    tree = branching_tree(branching, group_size, len(tokenizer), seed) if branching else None
+    try:
+        played = run_episodes(trajectories, rows, tokenizer, settings, turns.generate, workers, tree)
+    finally:
+        workers.close()
+    order = {pid: k for k, pid in enumerate(prompts["prompt_id"].to_list())}
+    played = sorted(played, key=lambda t: (order[t.prompt_id], t.sample_idx))  # a prompt's group together
+    if turns.first is None:
+        raise NoTurnError(no_turn_line(played))
+    return (*tables(played, tree=branching is not None), turns.first, turns.totals)
 
-    def generate(items: list[tuple[int, list[int]]], max_tokens: int) -> list[Sampled]:
+
+def loop_settings(agent, rollout, tokenizer, schemas, with_tools: bool) -> LoopSettings:
+    return LoopSettings(
+        max_turns=agent.max_turns,
+        max_total_tokens=agent.max_total_tokens,
+        max_tokens_per_turn=rollout.max_tokens,
+        tool_call_format=agent.tool_call_format if with_tools else None,
+        environment=agent.environment is not None,
+        tools=schemas,
+        chat=bool(getattr(tokenizer, "chat_template", None)),
+        max_tool_output_tokens=agent.max_tool_output_tokens,
+    )
+
+
+class Turns:
+    """One generation per turn for every live trajectory, through the stage's engines: each turn's job seeded from
+    the run's seed and the turn's number; the first turn's engine response and the totals kept."""
+
+    def __init__(self, generate_frames, job_for, seed: int, log_name: str, branching):
+        self.generate_frames, self.job_for, self.seed, self.log_name = generate_frames, job_for, seed, log_name
+        self.branching = branching
+        self.first = None
+        self.totals = {"generate_seconds": 0.0, "tokens": 0, "turns": 0}
+
+    def generate(self, items: list[tuple[int, list[int]]], max_tokens: int) -> list[Sampled]:
         frame = pl.DataFrame(
             {
                 "prompt_id": [str(i) for i, _ in items],
                 "prompt_token_ids": pl.Series([ids for _, ids in items], dtype=LIST_I32),
             }
         )
-        job = {**job_for(seed + 7919 * totals["turns"]), "max_tokens": max_tokens}
-        if branching:  # the entropy of each turn's start
-            job.update(top_logprobs=branching.top_logprobs, entropy_tokens=branching.entropy_tokens)
-        df, resp = generate_frames(frame, job, f"{log_name}-turn{totals['turns']}")
-        first.setdefault("resp", resp)
+        totals = self.totals
+        job = {**self.job_for(self.seed + 7919 * totals["turns"]), "max_tokens": max_tokens}
+        if self.branching:  # the entropy of each turn's start
+            job.update(top_logprobs=self.branching.top_logprobs, entropy_tokens=self.branching.entropy_tokens)
+        df, resp = self.generate_frames(frame, job, f"{self.log_name}-turn{totals['turns']}")
+        self.first = resp if self.first is None else self.first
         totals["turns"] += 1
         totals["generate_seconds"] += resp["jobs"][0]["generate_seconds"]
         totals["tokens"] += resp["jobs"][0]["tokens"]
@@ -82,34 +111,25 @@ def play(
             for o in (by_id[str(i)] for i, _ in items)
         ]
 
-    workers = AgentWorkers(
-        specs, environment_spec(agent), agent.environment.kwargs if agent.environment else {},
-        ctx.cfg.engines.agent_workers, agent.tool_timeout_s, agent.step_timeout_s,
+
+def branching_tree(b, group_size: int, vocab_size: int, seed: int) -> Branching:
+    return Branching(
+        group_size=group_size, initial=b.initial, alpha=b.alpha, beta=b.beta, copies=b.copies,
+        vocab_size=vocab_size, draw=random.Random(seed).random,
     )  # fmt: skip
-    tree = None
-    if branching:
-        b = branching
-        tree = Branching(
-            group_size=group_size, initial=b.initial, alpha=b.alpha, beta=b.beta, copies=b.copies,
-            vocab_size=len(tokenizer), draw=random.Random(seed).random,
-        )  # fmt: skip
-    try:
-        played = run_episodes(trajectories, rows, tokenizer, settings, generate, workers, tree)
-    finally:
-        workers.close()
-    order = {pid: k for k, pid in enumerate(prompts["prompt_id"].to_list())}
-    played = sorted(played, key=lambda t: (order[t.prompt_id], t.sample_idx))  # a prompt's group together
-    if "resp" not in first:
-        raise NoTurnError(no_turn_line(played))
-    rollouts = [rollout_row(t, tree=branching is not None) for t in played]
+
+
+def tables(played: list[Trajectory], tree: bool) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The rollouts rows (one per trajectory) and the turns rows of the played trajectories."""
+    rollouts = [rollout_row(t, tree=tree) for t in played]
     schema = {**ROLLOUTS.columns, **ROLLOUTS.optional}
     frame = pl.DataFrame(rollouts, schema_overrides={k: v for k, v in schema.items() if k in rollouts[0]}, strict=False)
     turns = pl.DataFrame(
-        [turn for t in played for turn in turn_rows(t, tree=branching is not None)],
+        [turn for t in played for turn in turn_rows(t, tree=tree)],
         schema_overrides={k: v for k, v in TURNS.columns.items() if k not in ("iteration", "round")},
         strict=False,
     )
-    return frame, turns, first["resp"], totals
+    return frame, turns
 
 
 class NoTurnError(UserError, RuntimeError):

@@ -200,15 +200,26 @@ def score_frame_worker(
     return out
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """A run's loop bounds, read from its saved config (flows stay free of data code)."""
+
+    iterations: int
+    eval_every: int
+    max_staleness: int
+    ptx: bool  # PPO-ptx: the SFT demonstrations are formatted first
+    model_path: str
+    tracking: bool
+
+
 @stage_task("plan")
-def plan_task(storage_root: str, run_id: str) -> dict:
-    """The loop bounds of a run, read from its saved config (flows stay free of data code)."""
+def plan_task(storage_root: str, run_id: str) -> RunPlan:
     cfg = load_run(storage_root, run_id).cfg
-    return {
-        "iterations": cfg.rl.iterations,
-        "eval_every": cfg.rl.eval_every,
-        "max_staleness": cfg.rl.max_staleness,
-        "ptx": cfg.loss.ptx_coef > 0,
-        "model_path": cfg.model.path,
-        "tracking": bool(cfg.tracking),
-    }
+    return RunPlan(
+        iterations=cfg.rl.iterations,
+        eval_every=cfg.rl.eval_every,
+        max_staleness=cfg.rl.max_staleness,
+        ptx=cfg.loss.ptx_coef > 0,
+        model_path=cfg.model.path,
+        tracking=bool(cfg.tracking),
+    )
