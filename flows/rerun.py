@@ -16,8 +16,6 @@ resume`'s checks and the deployments' config checks do not need.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from schemas.config import ConfigError, build_config, dump_config
 from schemas.errors import AlreadyExists, NotFound
 from storage import RunLayout, read_manifest, write_json_atomic
 from storage.lock import acquire_run_lock
+from storage.moves import link_tree, move_aside
 from storage.stage_io import write_bytes_atomic
 
 
@@ -71,34 +70,12 @@ def affected(layout, stage: str, iteration: int) -> list[Path]:
 
 def supersede(layout, stage: str, iteration: int, overrides: list[str]) -> dict:
     """Move what recomputing `stage` at `iteration` makes stale under `_superseded/{n}/` and log the move."""
-    return _move_aside(
+    return move_aside(
         layout,
         stale_stages(layout, stage, iteration),
         affected(layout, stage, iteration),
         {"iteration": iteration, "stage": stage, "overrides": overrides},
     )
-
-
-def _move_aside(layout, stages: list[tuple[str, int]], paths: list[Path], note: dict) -> dict:
-    """Move `paths` under `_superseded/{n}/` (same relative layout), never deleting, and log it in superseded.json."""
-
-    history = json.loads(layout.superseded_log.read_text()) if layout.superseded_log.exists() else []
-    target = layout.superseded_dir(len(history))
-    moved = []
-    for path in paths:
-        rel = path.relative_to(layout.run_dir)
-        (target / rel).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target / rel)
-        moved.append(str(rel))
-    record = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        **note,
-        "kept_in": str(target.relative_to(layout.run_dir)),
-        "moved": moved,
-        "stages": [[name, k] for name, k in stages],
-    }
-    write_json_atomic(layout.superseded_log, history + [record])
-    return record
 
 
 def changed_by(layout, cfg) -> list[tuple[str, int]]:
@@ -136,22 +113,7 @@ def supersede_changed(layout, changed: list[tuple[str, int]], note: dict) -> dic
     if "sft_metrics" in readers and layout.sft_checkpoint_dir.exists():
         paths.append(layout.sft_checkpoint_dir)
     paths += [layout.summary_path] if layout.summary_path.exists() else []
-    return _move_aside(layout, stale, paths, note)
-
-
-def _link_tree(src: Path, dst: Path) -> int:
-    """Hard-link every file of src under dst (a file, or a folder recursively); returns the file count."""
-    if src.is_file():
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        os.link(src, dst)
-        return 1
-    count = 0
-    for f in src.rglob("*"):
-        if f.is_file():
-            (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
-            os.link(f, dst / f.relative_to(src))
-            count += 1
-    return count
+    return move_aside(layout, stale, paths, note)
 
 
 def fork(src_layout, dst_layout, stage: str, iteration: int) -> int:
@@ -162,10 +124,10 @@ def fork(src_layout, dst_layout, stage: str, iteration: int) -> int:
     for name in src_layout.stages():
         for k in src_layout.iterations(name):
             if (name, k) not in stale:
-                linked += _link_tree(src_layout.stage_dir(name, k), dst_layout.stage_dir(name, k))
+                linked += link_tree(src_layout.stage_dir(name, k), dst_layout.stage_dir(name, k))
     for k in src_layout.checkpoint_iterations():
         if k not in stale_ckpts:
-            linked += _link_tree(src_layout.checkpoint_dir(k), dst_layout.checkpoint_dir(k))
+            linked += link_tree(src_layout.checkpoint_dir(k), dst_layout.checkpoint_dir(k))
     return linked
 
 
