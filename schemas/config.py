@@ -1433,16 +1433,16 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _estimator_fits(self) -> "RunConfig":
+        # What the estimator reads, asked of its registry entry (its capabilities), never of its name.
+        from tasks.algos.advantages import ADVANTAGE_ESTIMATORS
+
         a = self.advantage
-        if a.estimator == "passk" and a.pass_k > self.rollout.group_size:
+        needs = ADVANTAGE_ESTIMATORS.entry(a.estimator)
+        if needs.needs_k and a.pass_k > self.rollout.group_size:
             raise ValueError(
                 f"advantage.pass_k ({a.pass_k}) exceeds rollout.group_size ({self.rollout.group_size}): pass@k needs "
                 f"groups of at least k responses"
             )
-        # What the estimator reads, asked of its registry entry (its capabilities), never of its name.
-        from tasks.algos.advantages import ADVANTAGE_ESTIMATORS
-
-        needs = ADVANTAGE_ESTIMATORS.entry(a.estimator)
         # (distill without a teacher is refused when a run starts: the distill preset leaves the teacher to --set)
         if a.teacher_path and not needs.needs_teacher:
             readers = [n for n in ADVANTAGE_ESTIMATORS.names() if ADVANTAGE_ESTIMATORS.entry(n).needs_teacher]

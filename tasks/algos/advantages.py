@@ -61,6 +61,7 @@ class EstimatorNeeds:
     needs_components: bool = False  # reads each reward component's column (AdvantageSettings.components)
     needs_teacher: bool = False  # reads the teacher's logprobs (advantage.teacher_path)
     needs_steps: bool = False  # reads the process rewards' step scores and step ends (AdvantageSettings.step_parts)
+    needs_k: bool = False  # reads advantage.pass_k: groups must hold at least k responses
 
 
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", EstimatorNeeds)
@@ -223,7 +224,7 @@ def passk_advantages(n: int, c: int, k: int, eps: float) -> tuple[float, float]:
     return (1.0 - rho) / (sigma + eps), neg / (sigma + eps)
 
 
-@register("passk")
+@register("passk", needs_k=True)
 def passk(df: pl.DataFrame, s: AdvantageSettings, history=None) -> pl.DataFrame:
     """Pass@k training: each response's advantage is its share of the group's pass@k (`passk_advantages`), correct
     meaning reward ≥ advantage.correct_at; computed once per distinct (group size, correct count)."""
