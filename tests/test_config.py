@@ -248,3 +248,9 @@ def test_gdpo_takes_a_reward_whose_only_weighted_part_is_a_judge_or_the_process_
     assert build_config(only_prm, ["reward.process_model={path: models/prm, weight: 0.5}"])
     with pytest.raises(ConfigError, match="gdpo normalises the reward's weighted parts, and every weight is 0"):
         build_config(only_prm)
+
+
+def test_an_estimator_that_reads_k_needs_groups_of_k():
+    with pytest.raises(ConfigError, match=r"advantage.pass_k \(9\) exceeds rollout.group_size \(8\)"):
+        build_config({"advantage": {"estimator": "passk", "pass_k": 9}, "rollout": {"group_size": 8}})
+    build_config({"advantage": {"estimator": "grpo", "pass_k": 9}, "rollout": {"group_size": 8}})  # not read: fine
