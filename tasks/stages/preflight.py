@@ -27,6 +27,10 @@ class ContextLengthError(UserError, ValueError):
     """A setting the data or the model cannot meet (the context window, the number of prompts)."""
 
 
+class PlatformError(UserError, RuntimeError):
+    """A setting this machine's libraries cannot honour."""
+
+
 def check_context(model_path: str, longest_prompt: int, max_tokens: int, what: str = "rollout.max_tokens") -> None:
     """Refuse a generation limit that cannot fit the model's context after the longest prompt."""
     context = model_context(model_path)
@@ -132,6 +136,19 @@ def check_judges(reward, columns: set[str]) -> None:
             check_endpoint(judge, name)
 
 
+def check_sleep(cfg) -> None:
+    """engines.colocate_sleep needs vLLM's sleep mode, which vLLM offers on CUDA and ROCm GPUs only."""
+    if not cfg.engines.colocate_sleep:
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_sleep_mode_available():
+        raise PlatformError(
+            f"engines.colocate_sleep: vLLM's sleep mode needs a CUDA or ROCm GPU; vLLM here runs on "
+            f"{current_platform.device_name or current_platform.device_type} (set it to false)"
+        )
+
+
 def check_reward(cfg, columns: set[str], trains_the_prm: bool = False) -> None:
     """Everything the scores stage will call, before it runs: each reward source's own check (tasks/rewards/sources.py:
     the functions load and the built-ins check themselves, the code reward its sandbox; each judge; the reward
@@ -161,6 +178,8 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         check_lora(cfg, cfg.model.path)
     else:
         check_trainable_layers(cfg.model.path, cfg.reward_model.trainable_layers)
+    if flow == "rl":
+        check_sleep(cfg)
     if flow == "rl" and ADVANTAGE_ESTIMATORS.entry(cfg.advantage.estimator).needs_teacher:
         check_teacher(cfg.advantage.teacher_path, cfg.model.path)
     needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None

@@ -160,7 +160,8 @@ def sampler_settings(ctx: RunContext, model_path: str) -> VLLMSettings:
     sends its weights, engines.weight_sync collective), from the run's starting model (the same architecture), to be
     synced before it generates."""
     start = model_path if has_weight_files(model_path) else ctx.cfg.model.path
-    return VLLMSettings.from_config(start, ctx.cfg.model, ctx.cfg.rollout, ctx.cfg.seed, ctx.cfg.lora)
+    cfg = ctx.cfg
+    return VLLMSettings.from_config(start, cfg.model, cfg.rollout, cfg.seed, cfg.lora, cfg.engines.colocate_sleep)
 
 
 def merge_engine_responses(resps: list[dict]) -> dict:

@@ -88,6 +88,8 @@ def _start_engine(settings: VLLMSettings):
             from tasks.engines.workers.vllm_cpu_lora import install
 
             install()  # its LoRA products, one matmul per adapter (tasks/engines/workers/vllm_cpu_lora.py)
+    if settings.sleep:  # engines.colocate_sleep: vLLM allocates through its own allocator to release it later
+        extra["enable_sleep_mode"] = True
     return LLM(
         model=settings.model_path,
         dtype=settings.dtype,
@@ -321,7 +323,16 @@ def make_answer(settings: VLLMSettings):
     state = {"current": base, "start_seconds": time.time() - t0, "lora": None}
     state["gap"] = sampler_probe_gap(llm, state["current"])
 
+    def awake() -> None:
+        """engines.colocate_sleep: the engine back on its GPU (weights restored, KV cache reallocated) before anything
+        reads or writes its weights; the probe after the next sync checks they are the trainer's (TRL #5312: after a
+        sleep, the weights once silently never reached the sampler)."""
+        if state.get("asleep"):
+            llm.wake_up()
+            state["asleep"] = False
+
     def receive(request: ReceiveWeightsRequest) -> dict:
+        awake()
         state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
         t1 = time.time()
         state["lora"], received = receive_weights(llm, request, adapters)
@@ -333,6 +344,7 @@ def make_answer(settings: VLLMSettings):
         request = from_wire(msg["request"])
         if isinstance(request, ReceiveWeightsRequest):
             return receive(request)
+        awake()
         sync_seconds = 0.0
         if request.model_path != state["current"]:
             state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
@@ -344,6 +356,9 @@ def make_answer(settings: VLLMSettings):
             sync_seconds, state["current"] = time.time() - t1, request.model_path
             state["gap"] = sampler_probe_gap(llm, state["current"], state["lora"])
         timings = _run_jobs(llm, request.jobs, state["lora"])
+        if settings.sleep:  # the trainer, colocated, may run next: its GPU memory back until the next request
+            llm.sleep(level=1)
+            state["asleep"] = True
         resp = {
             "engine_start_seconds": state["start_seconds"],
             "sync_seconds": sync_seconds,
