@@ -149,9 +149,11 @@ def episode_row(prompt: dict, data) -> dict:
     """The row an environment's `reset` gets: the dataset's own columns at the top level, as the docs promise
     (`row["question"]`), the prompt's and the id's columns (data.prompt_key, data.id_key) included, then rlpipe's
     (prompt_id, prompt, messages, answer, text, ...), which win on a clash; the dataset's other columns also stay
-    nested under `extra`. The id comes as text (rlpipe's ids are strings); a dotted prompt_key's value comes under
-    its own dotted name."""
-    own = {data.prompt_key: prompt["prompt"]}
+    nested under `extra`. The prompt's column holds the question as the dataset gave it (the last user message: the
+    prompts table keeps the formatted text and the messages, not the raw column); the id comes as text (rlpipe's ids
+    are strings); a dotted prompt_key's value comes under its own dotted name."""
+    users = [m["content"] for m in prompt.get("messages") or [] if m["role"] == "user"]
+    own = {data.prompt_key: users[-1] if users else prompt["text"]}  # the question as the dataset gave it
     if data.id_key:
         own[data.id_key] = prompt["prompt_id"]
     return {**own, **(prompt.get("extra") or {}), **prompt, "prompt": prompt["text"]}

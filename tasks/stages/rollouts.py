@@ -294,10 +294,11 @@ SPEC = StageSpec(
     "rollouts",
     reads=("prompts",),
     sections=("rollout", "model", "lora", "agent"),
+    keys=("data.prompt_key", "data.id_key"),  # an environment's reset(row) gets those columns by their names
     scope="round",
     also_writes=("turns",),
     task=rollouts_task,
     rerunnable=True,  # every round again, from the saved prompts
 )
 # Multi-turn rollouts' messages, the rollouts task's second table (written only under the agent section).
-TURNS_SPEC = StageSpec("turns", reads=("rollouts",), sections=SPEC.sections, scope="round")
+TURNS_SPEC = StageSpec("turns", reads=("rollouts",), sections=SPEC.sections, keys=SPEC.keys, scope="round")
