@@ -54,7 +54,7 @@ def fake_run(tmp_path, iterations=2, run_id="r") -> tuple[RunLayout, RunConfig]:
                 frame,
                 fp=f"{spec.name}{k}",
                 inputs={},
-                config_hash=cfg.section_hash(*spec.sections),
+                config_hash=cfg.section_hash(*spec.sections, keys=spec.keys),
                 started=time.time(),
                 table=table,
             )
