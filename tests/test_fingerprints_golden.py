@@ -5,7 +5,6 @@ section's HASHED_WHEN_SET, so a run that never set it keeps its fingerprints (ne
 in reward.judges); a new section sets OMITTED_AT_DEFAULT. `engines` is left out: no stage reads it."""
 
 import pytest
-
 from pydantic import BaseModel
 
 from schemas.config import RunConfig, build_config
