@@ -1560,7 +1560,7 @@ class RunConfig(Section):
         for key in keys:
             section, _, name = key.partition(".")
             value = getattr(getattr(self, section), name)
-            if value != type(getattr(self, section)).model_fields[name].get_default(call_default_factory=True):
+            if not _at_default(getattr(self, section), name):
                 set_keys[key] = value
         if set_keys:
             payload["keys"] = set_keys
@@ -1577,11 +1577,14 @@ def _hashed(section) -> bool:
 def _dump(section):
     if section is None:
         return None
-    fields = type(section).model_fields  # a default_factory's default is made, not stored: get_default calls it
-    at_default = {
-        k for k in section.HASHED_WHEN_SET if getattr(section, k) == fields[k].get_default(call_default_factory=True)
-    }
+    at_default = {k for k in section.HASHED_WHEN_SET if _at_default(section, k)}
     return _pruned(section, section.model_dump(mode="json", exclude=set(section.PLACEMENT_KEYS) | at_default))
+
+
+def _at_default(section, key: str) -> bool:
+    """Whether `section.key` holds its field's default (a default_factory's default is made, not stored: get_default
+    calls it)."""
+    return getattr(section, key) == type(section).model_fields[key].get_default(call_default_factory=True)
 
 
 def _pruned(section, dumped: dict) -> dict:
@@ -1593,9 +1596,8 @@ def _pruned(section, dumped: dict) -> dict:
         for key, item in nested:
             target = out if key is None else (out or {}).get(key)
             if isinstance(item, Section) and isinstance(target, dict):
-                fields = type(item).model_fields
                 for k in item.HASHED_WHEN_SET:
-                    if getattr(item, k) == fields[k].get_default(call_default_factory=True):
+                    if _at_default(item, k):
                         target.pop(k, None)
                 _pruned(item, target)
     return dumped

@@ -278,19 +278,24 @@ def why_unplaceable(bundle: dict[str, float], count: int, strategy: str, nodes: 
     def have(k: str) -> str:
         return "/".join(f"{node.get(k, 0.0):g}" for node in nodes) or "none"
 
-    wanted = ", ".join(f"{k} {v:g}" for k, v in sorted(need.items()))
+    wanted = bundle_text(need)
     lacking = [k for k, v in need.items() if not any(node.get(k, 0.0) >= v for node in nodes)]
     if lacking:
         return f"no node has {lacking[0]} {need[lacking[0]]:g} (the nodes have {lacking[0]} {have(lacking[0])})"
     held = [fits(node) for node in nodes]
     if strategy == "STRICT_PACK" and max(held) < count:
-        return f"no node holds all {count} bundles of {{{wanted}}} together (at most {max(held)} on one)"
+        return f"no node holds all {count} bundles of {wanted} together (at most {max(held)} on one)"
     if strategy == "STRICT_SPREAD" and sum(h > 0 for h in held) < count:
-        return f"{count} bundles of {{{wanted}}} need {count} nodes that each hold one; {sum(h > 0 for h in held)} do"
+        return f"{count} bundles of {wanted} need {count} nodes that each hold one; {sum(h > 0 for h in held)} do"
     if sum(held) < count:
         per = ", ".join(f"{k} {have(k)}" for k in sorted(need))
-        return f"{count} bundles of {{{wanted}}} need more than the nodes have: at most {sum(held)} fit ({per})"
+        return f"{count} bundles of {wanted} need more than the nodes have: at most {sum(held)} fit ({per})"
     return None
+
+
+def bundle_text(bundle: dict[str, float]) -> str:
+    """A bundle as the one-line errors name it: {CPU 2, GPU 1}."""
+    return "{" + ", ".join(f"{k} {v:g}" for k, v in sorted(bundle.items())) + "}"
 
 
 def node_resources(free: bool = False) -> list[dict[str, float]]:

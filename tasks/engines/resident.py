@@ -279,11 +279,11 @@ class ResidentProcess:
             return
         free = ray_cluster.node_resources(free=True)
         reason = ray_cluster.why_unplaceable(bundles[0], len(bundles), self.placement.strategy, free)
-        wanted = ", ".join(f"{k} {v:g}" for k, v in sorted(bundles[0].items()))
         self.kill()
+        p = self.placement
         raise WorkerError(
-            f"{self.name} was not placed within {self.placement.placement_timeout_s:g}s "
-            f"(engines.placement_timeout_s): {len(bundles)} bundles of {{{wanted}}} ({self.placement.strategy}); "
+            f"{self.name} was not placed within {p.placement_timeout_s:g}s (engines.placement_timeout_s): "
+            f"{len(bundles)} bundles of {ray_cluster.bundle_text(bundles[0])} ({p.strategy}); "
             + (
                 f"free now (other engines' groups hold the rest): {reason}"
                 if reason

@@ -182,9 +182,8 @@ async def _ask_all(judge: JudgeConfig, prompts: list[str], breaker: _Breaker) ->
 
     from openai import AsyncOpenAI
 
-    key = os.environ.get(judge.api_key_env or "", "") or "none"  # the client wants a key; a keyless server ignores it
     try:
-        client = AsyncOpenAI(base_url=judge.base_url, api_key=key, timeout=judge.timeout_s, max_retries=0)
+        client = AsyncOpenAI(base_url=judge.base_url, api_key=_api_key(judge), timeout=judge.timeout_s, max_retries=0)
     except Exception as exc:  # noqa: BLE001  (a URL the client refuses: every call's error)
         return [Reply(error=f"judge client failed: {type(exc).__name__}: {str(exc)[:200]}")] * len(prompts)
     gate = asyncio.Semaphore(judge.concurrency)
@@ -260,8 +259,12 @@ def check_endpoint(judge: JudgeConfig, name: str) -> None:
 def _client(judge: JudgeConfig, timeout_s: float):
     from openai import OpenAI
 
-    key = os.environ.get(judge.api_key_env or "", "") or "none"  # the client wants a key; a keyless server ignores it
-    return OpenAI(base_url=judge.base_url, api_key=key, timeout=timeout_s, max_retries=0)
+    return OpenAI(base_url=judge.base_url, api_key=_api_key(judge), timeout=timeout_s, max_retries=0)
+
+
+def _api_key(judge: JudgeConfig) -> str:
+    """The client wants a key; a keyless server ignores it."""
+    return os.environ.get(judge.api_key_env or "", "") or "none"
 
 
 def scored(judge: JudgeConfig, replies: list[Reply]) -> list[tuple[float, str | None]]:
