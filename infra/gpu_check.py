@@ -266,6 +266,7 @@ def run_throughput(args) -> dict:
     sync()
     seconds = time.perf_counter() - t0
     flops = train_flops(config, update.counts)
+    profile = _profiled_step(engine, update, len(rows)) if args.profile else None
     peak_mem = torch.cuda.max_memory_allocated() if engine.device.type == "cuda" else 0
     return {
         "parameters": sum(p.numel() for p in engine.module.parameters()),
@@ -275,6 +276,46 @@ def run_throughput(args) -> dict:
         "model_flops": flops,
         "flops_per_s": flops / seconds,
         "peak_gpu_gib": _gib(peak_mem),
+        **({"profile": profile} if profile else {}),
+    }
+
+
+def _profiled_step(engine, update, n: int) -> dict:
+    """One more step under torch's profiler: the operators that took the most device time and the most host time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tasks.engines.workers import deepspeed_train
+
+    packing = [0.0]
+    pack = deepspeed_train.pack_shared
+
+    def timed_pack(*a, **k):  # packing runs on the host, in Python: the profiler's operator tables do not see it
+        t = time.perf_counter()
+        out = pack(*a, **k)
+        packing[0] += time.perf_counter() - t
+        return out
+
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    deepspeed_train.pack_shared = timed_pack
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        _one_step(engine, update, n, gas=1, keep_grad=False)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    deepspeed_train.pack_shared = pack
+    table = prof.key_averages()
+    device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, device_key) for e in table) / 1e6
+    print(f"profiled step: {wall:.3f} s wall (profiler on), device busy {busy:.3f} s, packing {packing[0]:.3f} s")
+    return {
+        "wall_s": wall,
+        "device_busy_s": busy,
+        "packing_s": packing[0],
+        "device": table.table(sort_by=device_key, row_limit=25, max_name_column_width=60),
+        "host": table.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60),
     }
 
 
@@ -342,7 +383,7 @@ def _child(step: str, device: str, dtype: str, work: Path, **extra) -> dict:
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     cmd = [sys.executable, __file__, "--step", step, "--device", device, "--dtype", dtype, "--result", str(result)]
     for key, value in extra.items():
-        cmd += [f"--{key}", str(value)]
+        cmd += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
     if proc.returncode != 0:
         lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
@@ -363,6 +404,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=4096, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--shape", default="", help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help="profile one more update step of each throughput shape")
     args = p.parse_args(argv)
     if args.step:  # a child
         out = (run_equality if args.step == "equality" else run_throughput)(args)
@@ -392,30 +434,32 @@ def main(argv=None) -> int:
         return 2
     report["peak"] = measure_peak(args.device)
     ok = True
+
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        # Equality: the demo's shape on a GPU (the tiny one on a CPU), one batch, three runs.
-        shape = "smollm2-135m" if gpu else "tiny"
-        model = build_model(shape, work / shape)
-        vocab = SHAPES[shape][1]["vocab_size"]
-        rows = training_rows(vocab, groups=4, samples=4, prompt_len=32, max_response=256 if gpu else 64)
-        (work / "eq_rows.json").write_text(json.dumps(rows))
-        common = dict(model=model, rows=work / "eq_rows.json", budget=2048)
-        runs = {"cpu-float32": _child("equality", "cpu", "float32", work, **common)}
-        for dtype in ("float32", "bfloat16"):
-            runs[f"{args.device}-{dtype}"] = _child("equality", args.device, dtype, work, **common)
-        equality: dict = {"shape": shape, "rows": len(rows), "tokens": sum(len(r["token_ids"]) for r in rows)}
-        ref_path = work / "equality-cpu-float32-.pt"
-        for dtype in ("float32", "bfloat16"):
-            name = f"{args.device}-{dtype}"
-            if "error" in runs[name] or "error" in runs["cpu-float32"]:
-                equality[dtype] = runs[name] if "error" in runs[name] else runs["cpu-float32"]
-                ok = False
-                continue
-            got = torch.load(work / f"equality-{args.device}-{dtype}-.pt", weights_only=False)
-            equality[dtype] = compare(torch.load(ref_path, weights_only=False), got, dtype)
-            ok = ok and equality[dtype]["within"]
-        report["equality"] = equality
+        if not args.profile:  # --profile: the throughput steps only
+            # Equality: the demo's shape on a GPU (the tiny one on a CPU), one batch, three runs.
+            shape = "smollm2-135m" if gpu else "tiny"
+            model = build_model(shape, work / shape)
+            vocab = SHAPES[shape][1]["vocab_size"]
+            rows = training_rows(vocab, groups=4, samples=4, prompt_len=32, max_response=256 if gpu else 64)
+            (work / "eq_rows.json").write_text(json.dumps(rows))
+            common = dict(model=model, rows=work / "eq_rows.json", budget=2048)
+            runs = {"cpu-float32": _child("equality", "cpu", "float32", work, **common)}
+            for dtype in ("float32", "bfloat16"):
+                runs[f"{args.device}-{dtype}"] = _child("equality", args.device, dtype, work, **common)
+            equality: dict = {"shape": shape, "rows": len(rows), "tokens": sum(len(r["token_ids"]) for r in rows)}
+            ref_path = work / "equality-cpu-float32-.pt"
+            for dtype in ("float32", "bfloat16"):
+                name = f"{args.device}-{dtype}"
+                if "error" in runs[name] or "error" in runs["cpu-float32"]:
+                    equality[dtype] = runs[name] if "error" in runs[name] else runs["cpu-float32"]
+                    ok = False
+                    continue
+                got = torch.load(work / f"equality-{args.device}-{dtype}-.pt", weights_only=False)
+                equality[dtype] = compare(torch.load(ref_path, weights_only=False), got, dtype)
+                ok = ok and equality[dtype]["within"]
+            report["equality"] = equality
         # Throughput: the update in bfloat16 on a GPU (float32 on a CPU, whose bfloat16 is emulated), both shapes.
         throughput = {}
         dtype = "bfloat16" if gpu else "float32"
@@ -441,6 +485,7 @@ def main(argv=None) -> int:
                 rows=path,
                 budget=16384,
                 steps=3 if gpu else 1,
+                **({"profile": True} if args.profile else {}),
             )
             if "error" not in row:
                 row["mfu"] = row["flops_per_s"] / report["peak"]["bf16_flops_per_s"]
@@ -452,6 +497,14 @@ def main(argv=None) -> int:
         "run": False,
         "why": "vLLM's weight-transfer API is not wired into rlpipe yet (issue 59 item 1); vLLM is not installed here",
     }
+    for shape, row in throughput.items():
+        prof = row.pop("profile", {})
+        for kind in ("device", "host"):
+            if kind in prof:
+                print(f"--- {shape}: the most {kind} time\n{prof.pop(kind)}")
+        if prof:
+            row["profile"] = prof
+            print(f"--- {shape}: {prof}")
     report["seconds"] = round(time.time() - t_start, 1)
     report["ok"] = ok
     Path(args.out).write_text(json.dumps(report, indent=2))
