@@ -73,7 +73,7 @@ def iterations(run_id: str, storage_root: str, plan: RunPlan):
     holds the weights it samples with (sample_ahead_task)."""
     n, every = plan.iterations, plan.eval_every
     for k in range(1, n + 1):
-        ahead = plan.max_staleness and k < n and sample_ahead_task(storage_root, run_id, k + 1)
+        ahead = plan.ahead and k < n and sample_ahead_task(storage_root, run_id, k + 1)
         running = generation_ahead.submit(storage_root, run_id, k + 1) if ahead else None
         rl_iteration(run_id, k, storage_root)
         if running is not None:

@@ -812,8 +812,19 @@ class RolloutConfig(Section):
         1, ge=1, le=1024, description="vLLM replicas, each its own resident Ray actor; prompts are shared among them."
     )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM replica (vLLM's tensor parallelism).")
+    partial_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1_048_576,
+        description="Partial rollouts (docs/long_responses.md): each sampling round, every sequence in flight "
+        "generates at most this many tokens, then stops; one that has not ended (EOS, a stop, max_tokens) is carried "
+        "(the `carry` table) and continued from its prefix in the next round, with the next iteration's weights once "
+        "an update ran. A round admits new prompts while fewer than prompts_per_round groups are in flight; an "
+        "iteration trains on the groups whose every sample has ended. Each token's policy version is a column "
+        "(`token_versions`); rl.max_staleness bounds a sample's age. None: every response is generated whole.",
+    )
     PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset({"engines", "tensor_parallel_size"})
-    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"min_tokens"})
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"min_tokens", "partial_tokens"})
 
     @model_validator(mode="after")
     def _min_within_max(self) -> "RolloutConfig":
@@ -1217,15 +1228,18 @@ class RLConfig(Section):
     max_staleness: int = Field(
         0,
         ge=0,
-        le=1,
-        description="0: on-policy, iteration k samples with the weights after update k−1. 1: one-step off-policy (as "
+        le=1024,
+        description="How many updates a sample may be behind the one that trains on it. Without partial rollouts, 0 "
+        "or 1: 0 is on-policy (iteration k samples with the weights after update k−1); 1 is one-step off-policy (as "
         "verl's and prime-rl's async trainers): iteration k samples with the weights after update k−2, and its "
-        "generation (rollouts, scores, batch) runs while update k−1 trains; the schedule is fixed by this number, not "
-        "by timing, so a run is reproducible and resumes exactly. Pair it with a rollout correction (loss.rollout_is, "
-        "e.g. --algo grpo,token_is): π_old is still the weights before the update, and the sampler's logprobs are the "
-        "behaviour policy's. It pays where the sampler and the trainer have devices of their own; where they share "
-        "CPU cores it is slower (make bench ARGS=async: 1.51x the seconds an iteration on 2 cores). Deeper staleness "
-        "would need the trainer to keep older weights than its last update's.",
+        "generation (rollouts, scores, batch) runs while update k−1 trains. It pays where the sampler and the trainer "
+        "have devices of their own; where they share CPU cores it is slower (make bench ARGS=async: 1.51x the seconds "
+        "an iteration on 2 cores). With rollout.partial_tokens, generation never runs ahead, and any N bounds the "
+        "carried samples: a group whose oldest token was sampled more than N updates before the weights the update "
+        "starts from is dropped before its next round (counted as `stale_groups` in train_metrics). The schedule is "
+        "fixed by the config, not by timing, so a run is reproducible and resumes exactly. Pair it with a rollout "
+        "correction (loss.rollout_is, e.g. --algo grpo,token_is): π_old is the weights before the update, the "
+        "sampler's logprobs are the behaviour policy's.",
     )
 
 
@@ -1428,6 +1442,23 @@ class RunConfig(Section):
         description="MLflow's tracking URI (a server, or sqlite:///path.db); default: "
         "$MLFLOW_TRACKING_URI, else SQLite in the run folder, runs/RUN/mlflow.db.",
     )
+
+    @property
+    def generation_ahead(self) -> int:
+        """How many updates ahead of the trainer generation runs: rl.max_staleness without partial rollouts, else 0
+        (rl.max_staleness then bounds the carried samples' age)."""
+        return 0 if self.rollout.partial_tokens else self.rl.max_staleness
+
+    @model_validator(mode="after")
+    def _staleness_fits(self) -> "RunConfig":
+        if self.rl.max_staleness > 1 and not self.rollout.partial_tokens:
+            raise ValueError(
+                f"rl.max_staleness {self.rl.max_staleness}: generation runs at most one update ahead of the trainer; "
+                "deeper staleness bounds partial rollouts (set rollout.partial_tokens)"
+            )
+        if self.rollout.partial_tokens and self.agent.enabled:
+            raise ValueError("rollout.partial_tokens: multi-turn rollouts (the agent section) are not carried yet")
+        return self
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "RunConfig":

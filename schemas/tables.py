@@ -134,7 +134,33 @@ ROLLOUTS = _table(
         # how many of `token_ids` it shares with the parent (the branch point)
         "parent_sample_idx": I32,
         "branch_point": I32,
+        # Partial rollouts (rollout.partial_tokens): the update whose weights sampled each token (`policy_version` is
+        # then the oldest), and the iteration whose prompts table holds the group's prompt
+        "token_versions": LIST_I32,
+        "prompt_iteration": I32,
     },
+)
+
+# Partial rollouts' sequences in flight after a sampling round (the rollouts stage's second table, one part per
+# round; tasks/stages/partial_rollouts.py): a group stays, its ended samples included, until its last sample ends.
+CARRY = _table(
+    "carry",
+    1,
+    {
+        "iteration": I32,
+        "round": I32,
+        "prompt_id": STR,
+        "sample_idx": I32,
+        "prompt_iteration": I32,
+        "prompt_token_ids": LIST_I32,
+        "token_ids": LIST_I32,
+        "text": STR,
+        "sampler_logprobs": LIST_F32,
+        "token_versions": LIST_I32,
+        "finish_reason": STR,
+        "ended": BOOL,
+    },
+    unique=("prompt_id", "sample_idx"),
 )
 
 # Multi-turn rollouts, one row per message of each trajectory (the rollouts stage's second table). `turn` counts the
@@ -364,6 +390,7 @@ TABLES: dict[str, TableSchema] = {
         PROMPTS,
         ROLLOUTS,
         TURNS,
+        CARRY,
         SCORES,
         BATCH,
         LOGPROBS,

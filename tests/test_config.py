@@ -47,8 +47,9 @@ def test_resolved_config_round_trips():
 
 
 def test_a_key_added_later_enters_the_fingerprint_only_when_set():
-    # rollout.min_tokens came after runs existed: at its default the rollout hash is the one written without the key
-    # (the section dumped by hand, as the hash was computed before), so their stages are not recomputed.
+    # rollout.min_tokens and partial_tokens came after runs existed: at their defaults the rollout hash is the one
+    # written without the keys (the section dumped by hand, as the hash was computed before), so their stages are not
+    # recomputed.
     import hashlib
     import json
 
@@ -56,13 +57,14 @@ def test_a_key_added_later_enters_the_fingerprint_only_when_set():
     legacy = {
         k: v
         for k, v in cfg.rollout.model_dump(mode="json").items()
-        if k not in {"min_tokens", "engines", "tensor_parallel_size"}
+        if k not in {"min_tokens", "partial_tokens", "engines", "tensor_parallel_size"}
     }
     expected = hashlib.sha256(json.dumps({"rollout": legacy, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()[
         :16
     ]
     assert cfg.section_hash("rollout") == expected
     assert build_config({"rollout": {"min_tokens": 4}}).section_hash("rollout") != expected
+    assert build_config({"rollout": {"partial_tokens": 4}}).section_hash("rollout") != expected
     with pytest.raises(ConfigError, match="rollout.min_tokens=9 exceeds rollout.max_tokens=8"):
         build_config({"rollout": {"min_tokens": 9, "max_tokens": 8}})
 

@@ -20,6 +20,7 @@ from tasks.engines.workers.engine_cache import state_pending
 from tasks.rewards.judge import POINTWISE_PATTERN
 from tasks.rewards.steps import split_steps
 from tasks.stages import graph
+from tasks.stages.partial_rollouts import carry_before
 from tests.conftest import cli_env, read_table, rlpipe, run_until_killed, vllm_serve, write_rankings
 
 pytestmark = pytest.mark.e2e
@@ -202,6 +203,48 @@ def test_sparse_checkpoints_and_one_step_off_policy_resume_to_the_same_bytes(tin
     # the sync probe its update recorded, with its weight files though its update wrote none
     rlpipe("export", "sparse", str(workspace / "sparse-1"), "--iteration", "1", cwd=workspace)
     assert (workspace / "sparse-1" / "model.safetensors").exists() and layout.checkpoint_iterations() == [1, 2, 4]
+
+
+PARTIAL = ("--set", "rollout.partial_tokens=2", "--set", "rl.max_staleness=1")
+PARTIAL_RUN = (*PARTIAL, "--set", "rl.iterations=3", "--set", "rl.eval_every=3")
+
+
+def test_partial_rollouts_carry_sequences_across_updates_and_resume_after_a_kill_mid_carry(tiny_sft):
+    """rollout.partial_tokens 2 with responses of up to 4 tokens: a sequence gets 2 tokens a round, so a group ends in
+    its second round at the earliest. A round admits new groups while fewer than 16 are in flight; those admitted in
+    iteration 2's last round are still in flight when its batch is full: carried into iteration 3 and continued with
+    update 2's weights. Every token's version and sampler logprob is a column; no sample is more than rl.max_staleness
+    (1) updates old. A run SIGKILLed in iteration 3's first round, its carry table written and its rollouts not,
+    resumes to the uninterrupted run's tables and weights."""
+    workspace, cfg = tiny_sft
+    rlpipe("run", str(cfg), "--run-id", "partial", *PARTIAL_RUN, cwd=workspace)
+    layout = RunLayout(workspace / "runs", "partial")
+    for it in (1, 2, 3):
+        rows = read_table(layout, "rollouts", it)
+        assert rows.height and (rows["token_versions"].list.len() == rows["length"]).all()
+        assert (rows["sampler_logprobs"].list.len() == rows["length"]).all()
+        assert rows["policy_version"].equals(rows["token_versions"].list.min().alias("policy_version"))
+        assert rows["token_versions"].list.max().max() == it - 1  # sampled with the weights after update k − 1
+        assert (it - 1) - rows["policy_version"].min() <= 1  # rl.max_staleness
+        assert rows.group_by("prompt_id").len()["len"].unique().to_list() == [4]  # whole groups only
+    carried, _ = carry_before(layout, 3, 0)  # in flight after iteration 2's last round
+    assert carried.height and not carried["ended"].all()
+    assert carried["token_versions"].explode().unique().to_list() == [1]
+    mixed = read_table(layout, "rollouts", 3).filter(pl.col("token_versions").list.n_unique() > 1)
+    assert mixed["prompt_id"].unique().sort().equals(carried["prompt_id"].unique().sort())  # ended in 3
+    assert mixed["prompt_iteration"].unique().to_list() == [2]
+    assert set(mixed["token_versions"].explode().to_list()) == {1, 2}
+    metrics = read_table(layout, "train_metrics", 2).row(0, named=True)
+    assert metrics["stale_groups"] == 0 and metrics["carried_sequences"] == carried.height
+    run_until_killed(workspace, cfg, "partial-killed", "rollouts:3", "run", *PARTIAL_RUN)
+    killed = RunLayout(workspace / "runs", "partial-killed")
+    assert killed.manifest_path("carry", 3).exists() and not killed.manifest_path("rollouts", 3).exists()
+    rlpipe("resume", "partial-killed", "--root", str(workspace / "runs"), cwd=workspace)
+    for stage in ("prompts", "rollouts", "carry", "scores", "batch", "logprobs", "advantages"):
+        for it in (1, 2, 3):
+            assert read_table(killed, stage, it).equals(read_table(layout, stage, it)), (stage, it)
+    f = "model.safetensors"
+    assert (killed.checkpoint_dir(3) / f).read_bytes() == (layout.checkpoint_dir(3) / f).read_bytes()
 
 
 TRACKING = ("--set", "tracking=[tensorboard, mlflow]")

@@ -26,6 +26,7 @@ INVALIDATES = {
         "prompts",
         "rollouts",
         "turns",
+        "carry",
         "scores",
         "batch",
         "logprobs",
@@ -48,6 +49,7 @@ INVALIDATES = {
         "prompts",
         "rollouts",
         "turns",
+        "carry",
         "scores",
         "batch",
         "logprobs",
@@ -138,6 +140,7 @@ INVALIDATES = {
     "agent": [
         "rollouts",
         "turns",
+        "carry",
         "scores",
         "batch",
         "logprobs",
@@ -279,6 +282,7 @@ def test_the_iteration_order_is_a_topological_order_of_the_declared_reads():
     assert [s.name for s in graph.in_data_order(shuffled)] == [
         "prompts",
         "rollouts",
+        "carry",
         "turns",
         "scores",
         "batch",

@@ -8,6 +8,7 @@ import polars as pl
 
 from storage import read_stage
 from tasks.stages.common import load_run, stage_task
+from tasks.stages.partial_rollouts import source_prompts
 
 
 def reward_summary_markdown(scores: pl.DataFrame) -> str:
@@ -56,9 +57,9 @@ def artifacts_task(storage_root: str, run_id: str, iteration: int) -> None:
     key = f"{run_id}-iter-{iteration}".lower().replace("_", "-").replace(".", "-")
     metrics = read_stage(layout, "train_metrics", iteration).row(0, named=True)
     scores = read_stage(layout, "scores", iteration)
-    samples = samples_markdown(
-        read_stage(layout, "prompts", iteration), read_stage(layout, "rollouts", iteration), scores
-    )
+    rollouts = read_stage(layout, "rollouts", iteration)
+    prompts = source_prompts(layout, rollouts, read_stage(layout, "prompts", iteration), iteration)
+    samples = samples_markdown(prompts, rollouts, scores)
     body = "\n\n".join(
         [
             "## Metrics",

@@ -206,7 +206,7 @@ class RunPlan:
 
     iterations: int
     eval_every: int
-    max_staleness: int
+    ahead: int  # how many updates ahead of the trainer generation runs (RunConfig.generation_ahead)
     ptx: bool  # PPO-ptx: the SFT demonstrations are formatted first
     model_path: str
     tracking: bool
@@ -218,7 +218,7 @@ def plan_task(storage_root: str, run_id: str) -> RunPlan:
     return RunPlan(
         iterations=cfg.rl.iterations,
         eval_every=cfg.rl.eval_every,
-        max_staleness=cfg.rl.max_staleness,
+        ahead=cfg.generation_ahead,
         ptx=cfg.loss.ptx_coef > 0,
         model_path=cfg.model.path,
         tracking=bool(cfg.tracking),

@@ -45,6 +45,7 @@ def in_data_order(specs: tuple[StageSpec, ...]) -> tuple[StageSpec, ...]:
 
 PROMPT_STATS = advantages.STATS_SPEC
 TURNS = rollouts.TURNS_SPEC
+CARRY = rollouts.CARRY_SPEC
 
 # Once per run, before any iteration (iteration 0).
 RUN_STAGES = (dataset.SPEC, sft.SPEC, sft.TRAIN_SPEC)
@@ -54,6 +55,7 @@ RL_ITERATION = in_data_order(
         prompts.SPEC,
         rollouts.SPEC,
         TURNS,
+        CARRY,
         scores.SPEC,
         batch.SPEC,
         logprobs.SPEC,

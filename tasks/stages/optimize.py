@@ -139,7 +139,17 @@ def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
         "sampler_kv_cache_gib": float(rounds[0].get("sampler_kv_cache_gib") or float("nan"))
         if rounds
         else float("nan"),
+        **partial_metrics(rounds),
     }
+
+
+def partial_metrics(rounds: list[dict]) -> dict[str, float]:
+    """Partial rollouts' pool over the iteration's rounds (none without them): groups dropped for their age, admitted
+    and ended, and the sequences still in flight after the last round."""
+    if not rounds or "carried_sequences" not in rounds[-1]:
+        return {}
+    out = {k: float(sum(r[k] for r in rounds)) for k in ("stale_groups", "admitted_groups", "ended_groups")}
+    return {**out, "carried_sequences": float(rounds[-1]["carried_sequences"])}
 
 
 def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:

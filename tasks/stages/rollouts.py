@@ -29,6 +29,7 @@ from tasks.stages.common import (
     scratch_file,
     stage_task,
 )
+from tasks.stages.partial_rollouts import advance, carry_before, empty_carry, plan_round, split_ended
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import Weights, sampling_version, weights_after, weights_fingerprint
 
@@ -77,7 +78,8 @@ def generate(
     calls = []
     for k, (start, end) in enumerate(shard_bounds(prompts.height, len(engines))):
         inp = scratch_file(ctx, f"{log_name}.prompts{k}.parquet")
-        prompts.slice(start, end - start).select("prompt_id", "prompt_token_ids").write_parquet(inp)
+        own = [c for c in ("seed", "max_tokens", "min_tokens") if c in prompts.columns]  # a row's own (partial)
+        prompts.slice(start, end - start).select("prompt_id", "prompt_token_ids", *own).write_parquet(inp)
         outs = [scratch_file(ctx, f"{log_name}.out{i}-{k}.parquet") for i in range(len(jobs))]
         request = GenerateRequest(
             model_path=model_path,
@@ -238,7 +240,12 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
             pl.lit(iteration, pl.Int32).alias("iteration"),
             pl.lit(round_, pl.Int32).alias("round"),
         )
-        if ctx.cfg.agent.enabled:
+        tables = {}
+        if r.partial_tokens:
+            df, left, resp, timing = partial_round(ctx, policy, prompts, carry, iteration, round_, seed, name)
+            tables["carry"] = left.with_columns(*stamp)
+            turns = None
+        elif ctx.cfg.agent.enabled:
             df, turns, resp, timing = multi_turn(ctx, policy.path, prompts, seed, name)
             present = [c for c in TURNS.optional if c in turns.columns]
             turns = turns.with_columns(*stamp).select(*TURNS.columns, *present)  # validated as it is written
@@ -246,10 +253,14 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
             job = sampling_job(ctx, r.group_size, r.temperature, seed, r.top_p)
             (df,), resp = generate(ctx, policy.path, prompts, [job], name)
             timing, turns = resp["jobs"][0], None
-        df = df.with_columns(*stamp, pl.lit(policy.version, pl.Int32).alias("policy_version"))
+        df = df.with_columns(*stamp)
+        if "policy_version" not in df.columns:  # partial rollouts': the oldest of their tokens' versions
+            df = df.with_columns(pl.lit(policy.version, pl.Int32).alias("policy_version"))
+        if turns is not None:
+            tables["turns"] = turns
         return Computed(
             df,
-            tables={"turns": turns} if turns is not None else {},
+            tables=tables,
             engines={"vllm": resp["vllm_version"]},
             extra={
                 f"round{round_}": {
@@ -265,7 +276,68 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
             },
         )
 
-    return run_stage(ctx, iteration, part=round_, inputs={**upstream, "policy": policy_fp}, compute=compute)
+    carry, carried = empty_carry(), {}
+    if r.partial_tokens:  # the sequences this round continues, and the bound that drops the stale ones
+        carry, fp = carry_before(ctx.layout, iteration, round_)
+        carried = {"carry": fp, "max_staleness": str(ctx.cfg.rl.max_staleness)}
+    inputs = {**upstream, "policy": policy_fp, **carried}
+    return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
+
+
+def partial_round(ctx: RunContext, policy: Weights, prompts, carry, iteration: int, round_: int, seed: int, name: str):
+    """One round of partial rollouts (tasks/stages/partial_rollouts.py): the pool's unfinished sequences each get at
+    most rollout.partial_tokens more tokens. Returns the groups that ended (rollouts rows), the next carry table, the
+    engines' response and the generation totals with the round's pool figures."""
+    r = ctx.cfg.rollout
+    taken = (
+        read_stage(ctx.layout, "rollouts", iteration).filter(pl.col("round") < round_)["prompt_id"].unique()
+        if round_
+        else None
+    )
+    plan = plan_round(
+        carry,
+        prompts,
+        iteration=iteration,
+        version=policy.version,
+        group_size=r.group_size,
+        prompts_per_round=r.prompts_per_round,
+        partial_tokens=r.partial_tokens,
+        max_tokens=r.max_tokens,
+        min_tokens=r.min_tokens,
+        max_staleness=ctx.cfg.rl.max_staleness,
+        seed=seed,
+        taken=taken,
+    )
+    job = sampling_job(ctx, 1, r.temperature, seed, r.top_p)  # n = 1: each sequence is its own request
+    if plan.requests.height:
+        (generated,), resp = generate(ctx, policy.path, plan.requests, [job], name)
+    else:  # nothing in flight and every prompt of the round taken already: an empty round
+        generated = plan.requests.select("prompt_id").with_columns(
+            pl.lit(None, pl.List(pl.Int32)).alias("token_ids"),
+            pl.lit(None, pl.Utf8).alias("text"),
+            pl.lit(None, pl.List(pl.Float32)).alias("sampler_logprobs"),
+            pl.lit(None, pl.Utf8).alias("finish_reason"),
+        )
+        resp = {
+            "engine_start_seconds": 0.0,
+            "sync_seconds": 0.0,
+            "sync_logprob_gap": None,
+            "jobs": [{"generate_seconds": 0.0, "tokens": 0}],
+            "vllm_version": "",
+            "per_engine": [],
+            "peak_rss_gib": 0.0,
+            "kv_cache_gib": None,
+        }
+    pool = advance(plan.pool, generated, version=policy.version, max_tokens=r.max_tokens)
+    rows, left = split_ended(pool)
+    timing = {
+        **resp["jobs"][0],
+        "stale_groups": plan.stale_groups,
+        "admitted_groups": plan.admitted_groups,
+        "ended_groups": rows["prompt_id"].n_unique(),
+        "carried_sequences": left.height,
+    }
+    return rows, left, resp, timing
 
 
 @stage_task("sample_ahead")
@@ -296,9 +368,11 @@ SPEC = StageSpec(
     sections=("rollout", "model", "lora", "agent"),
     keys=("data.prompt_key", "data.id_key"),  # an environment's reset(row) gets those columns by their names
     scope="round",
-    also_writes=("turns",),
+    also_writes=("turns", "carry"),
     task=rollouts_task,
     rerunnable=True,  # every round again, from the saved prompts
 )
 # Multi-turn rollouts' messages, the rollouts task's second table (written only under the agent section).
 TURNS_SPEC = StageSpec("turns", reads=("rollouts",), sections=SPEC.sections, keys=SPEC.keys, scope="round")
+# Partial rollouts' sequences in flight after each round (rollout.partial_tokens), the rollouts task's third table.
+CARRY_SPEC = StageSpec("carry", reads=("rollouts",), sections=SPEC.sections, keys=SPEC.keys, scope="round")

@@ -34,6 +34,7 @@ from tasks.stages.common import (
     scratch_file,
     stage_task,
 )
+from tasks.stages.partial_rollouts import source_prompts
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import model_fingerprint, tokenizer_fingerprint
 
@@ -44,7 +45,8 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, ups
 
     def compute():
         rollouts = read_stage(ctx.layout, "rollouts", iteration).filter(pl.col("round") == round_)
-        prompts = read_stage(ctx.layout, "prompts", iteration)
+        # the prompts of groups carried from an earlier iteration (partial rollouts) are in that iteration's table
+        prompts = source_prompts(ctx.layout, rollouts, read_stage(ctx.layout, "prompts", iteration), iteration)
         turns = (  # multi-turn rollouts: their turns table, for the reward functions that take `turns`
             read_stage(ctx.layout, "turns", iteration).filter(pl.col("round") == round_)
             if "conversation" in rollouts.columns

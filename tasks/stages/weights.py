@@ -54,8 +54,9 @@ def starting_weights(ctx: RunContext) -> Weights:
 
 def sampling_version(cfg, iteration: int) -> int:
     """The update whose weights iteration `iteration` samples with: k − 1, or k − 2 one step off-policy
-    (rl.max_staleness 1), never before the starting model. Fixed by the config, never by timing."""
-    return max(0, iteration - 1 - cfg.rl.max_staleness)
+    (rl.max_staleness 1 without partial rollouts), never before the starting model. Fixed by the config, never by
+    timing."""
+    return max(0, iteration - 1 - cfg.generation_ahead)
 
 
 def weights_after(ctx: RunContext, iteration: int, stage: str = "train_metrics", files: bool = False) -> Weights:

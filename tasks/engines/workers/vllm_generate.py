@@ -2,9 +2,9 @@
 
 Started by tasks/engines/vllm_client.py as a Ray actor (tasks/engines/resident.py).
 A job is {prompts_path, out_path, n, temperature, top_p, max_tokens, seed, stop, stop_token_ids, min_tokens}; it reads
-Parquet (prompt_id,
-prompt_token_ids) and writes Parquet with one row per sample: prompt_id, sample_idx, token_ids (EOS
-included when it stopped), text, sampler_logprobs, finish_reason, truncated, length.
+Parquet (prompt_id, prompt_token_ids, and optionally a row's own seed, max_tokens and min_tokens) and writes Parquet
+with one row per sample: prompt_id, sample_idx, token_ids (EOS included when it stopped), text, sampler_logprobs,
+finish_reason, truncated, length.
 No Prefect import: this runs in its own process.
 Imports: vLLM (3.5 s of imports) is imported inside functions: a held server imports it while the command checks its
 input, and the settings set its environment (threads, KV-cache space) before it is imported.
@@ -133,15 +133,21 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
     timings = []
     for job in jobs:
         prompts = pl.read_parquet(job.prompts_path)
+        # A prompt file may set a row's own seed and token limits (partial rollouts continue each sequence from its
+        # prefix, with what is left of its budget): columns named as the job's fields, else the job's.
+        per_row = {
+            key: prompts[key].to_list() if key in prompts.columns else None
+            for key in ("seed", "max_tokens", "min_tokens")
+        }
         params = [
             SamplingParams(
                 n=job.n,
                 temperature=job.temperature,
                 top_p=job.top_p,
-                max_tokens=job.max_tokens,
-                min_tokens=job.min_tokens,
+                max_tokens=per_row["max_tokens"][i] if per_row["max_tokens"] else job.max_tokens,
+                min_tokens=per_row["min_tokens"][i] if per_row["min_tokens"] else job.min_tokens,
                 logprobs=job.top_logprobs,
-                seed=job.seed + i,
+                seed=per_row["seed"][i] if per_row["seed"] else job.seed + i,
                 stop=list(job.stop) or None,
                 stop_token_ids=list(job.stop_token_ids) or None,
             )

@@ -1,0 +1,109 @@
+"""Partial rollouts' pure steps (tasks/stages/partial_rollouts.py), against values worked out by hand: the pool a round
+plans, what it asks of the sampler, how a chunk extends a sequence, which groups leave, which carried groups are too
+old. The stage itself, with vLLM and the trainer, is test_e2e.py's test_partial_rollouts_*."""
+
+import polars as pl
+
+from tasks.stages.partial_rollouts import CARRY_COLUMNS, advance, plan_round, split_ended
+
+
+def carry_rows(rows: list[dict]) -> pl.DataFrame:
+    base = {"prompt_iteration": 1, "prompt_token_ids": [7, 8], "text": "", "finish_reason": "length", "ended": False}
+    full = [{**base, **r, "sampler_logprobs": [-1.0] * len(r["token_ids"])} for r in rows]
+    return pl.DataFrame(full, schema=CARRY_COLUMNS)
+
+
+def prompts(ids: list[str]) -> pl.DataFrame:
+    return pl.DataFrame({"prompt_id": ids, "prompt_token_ids": [[1, i] for i in range(len(ids))]})
+
+
+def plan(carry, new, **kw):
+    args = dict(
+        iteration=3,
+        version=2,
+        group_size=2,
+        prompts_per_round=3,
+        partial_tokens=4,
+        max_tokens=10,
+        min_tokens=0,
+        max_staleness=1,
+        seed=100,
+    )
+    return plan_round(carry, new, **{**args, **kw})
+
+
+def test_a_round_keeps_fresh_carried_groups_drops_stale_ones_and_fills_the_pool():
+    carry = carry_rows(
+        [
+            # group a: started at version 1 (age 1 at version 2: kept), one sample ended already
+            {"prompt_id": "a", "sample_idx": 0, "token_ids": [5, 5, 5], "token_versions": [1, 1, 2], "ended": True},
+            {"prompt_id": "a", "sample_idx": 1, "token_ids": [6, 6, 6, 6, 6, 6, 6], "token_versions": [1] * 7},
+            # group b: a token of version 0 (age 2 > 1): dropped, both samples
+            {"prompt_id": "b", "sample_idx": 0, "token_ids": [4], "token_versions": [0]},
+            {"prompt_id": "b", "sample_idx": 1, "token_ids": [4, 4], "token_versions": [1, 1]},
+        ]
+    )
+    p = plan(carry, prompts(["a", "c", "d", "e"]))
+    assert p.stale_groups == 1
+    # 3 groups at most: a (carried), then c and d (a is in flight already, so skipped among the new ones; e waits)
+    assert p.admitted_groups == 2
+    assert p.pool["prompt_id"].to_list() == ["a", "a", "c", "c", "d", "d"]
+    assert p.pool["sample_idx"].to_list() == [0, 1, 0, 1, 0, 1]
+    assert p.pool["prompt_iteration"].to_list() == [1, 1, 3, 3, 3, 3]
+    # a's ended sample asks for nothing; its other one continues its prefix with 10 − 7 = 3 tokens (< 4); the new
+    # ones get 4; each request's seed is the seed plus its row in the pool
+    r = p.requests
+    assert r["prompt_id"].to_list() == ["1", "2", "3", "4", "5"]
+    assert r["prompt_token_ids"].to_list() == [[7, 8, 6, 6, 6, 6, 6, 6, 6], [1, 1], [1, 1], [1, 2], [1, 2]]
+    assert r["max_tokens"].to_list() == [3, 4, 4, 4, 4]
+    assert r["seed"].to_list() == [101, 102, 103, 104, 105]
+    assert r["min_tokens"].to_list() == [0] * 5
+
+
+def test_staleness_zero_drops_every_group_from_an_older_version_and_taken_prompts_are_not_admitted_again():
+    carry = carry_rows([{"prompt_id": "a", "sample_idx": k, "token_ids": [5], "token_versions": [1]} for k in (0, 1)])
+    p = plan(carry, prompts(["a", "b", "c"]), max_staleness=0, taken=pl.Series(["b"]))
+    assert p.stale_groups == 1 and p.pool["prompt_id"].unique(maintain_order=True).to_list() == ["a", "c"]
+    same_version = plan(carry, prompts(["x"]), max_staleness=0, version=1)  # no update between: age 0
+    assert same_version.stale_groups == 0 and same_version.pool.height == 4
+
+
+def test_min_tokens_counts_the_prefix():
+    carry = carry_rows([{"prompt_id": "a", "sample_idx": 0, "token_ids": [5, 5], "token_versions": [2, 2]}])
+    p = plan(carry, prompts([]), group_size=1, min_tokens=5, partial_tokens=2)
+    assert p.requests["min_tokens"].to_list() == [2]  # min(5 − 2, the chunk of 2)
+    assert p.requests["max_tokens"].to_list() == [2]
+
+
+def test_a_chunk_extends_its_sequence_and_ended_groups_leave_the_pool():
+    pool = carry_rows(
+        [
+            {"prompt_id": "a", "sample_idx": 0, "token_ids": [5], "token_versions": [1], "text": "x", "ended": True}
+            | {"finish_reason": "stop"},
+            {"prompt_id": "a", "sample_idx": 1, "token_ids": [6], "token_versions": [1], "text": "y"},
+            {"prompt_id": "b", "sample_idx": 0, "token_ids": [], "token_versions": []},
+        ]
+    )
+    generated = pl.DataFrame(
+        {
+            "prompt_id": ["1", "2"],
+            "token_ids": [[9, 2], [3, 3]],
+            "text": ["zz", "ww"],
+            "sampler_logprobs": [[-0.5, -0.25], [-2.0, -3.0]],
+            "finish_reason": ["stop", "length"],
+        },
+        schema_overrides={"token_ids": pl.List(pl.Int32), "sampler_logprobs": pl.List(pl.Float32)},
+    )
+    grown = advance(pool, generated, version=2, max_tokens=10)
+    assert grown["token_ids"].to_list() == [[5], [6, 9, 2], [3, 3]]
+    assert grown["token_versions"].to_list() == [[1], [1, 2, 2], [2, 2]]
+    assert grown["sampler_logprobs"].to_list() == [[-1.0], [-1.0, -0.5, -0.25], [-2.0, -3.0]]
+    assert grown["text"].to_list() == ["x", "yzz", "ww"]
+    assert grown["ended"].to_list() == [True, True, False]  # a stop ends a sequence; a chunk's length does not
+    rows, left = split_ended(grown)
+    assert rows["prompt_id"].to_list() == ["a", "a"] and left["prompt_id"].to_list() == ["b"]
+    assert rows["length"].to_list() == [1, 3] and rows["policy_version"].to_list() == [1, 1]
+    assert rows["truncated"].to_list() == [False, False]
+    at_limit = advance(grown, generated.head(0), version=3, max_tokens=2)  # b reached max_tokens: ended, truncated
+    rows, left = split_ended(at_limit)
+    assert left.height == 0 and rows.filter(pl.col("prompt_id") == "b")["truncated"].to_list() == [True]
