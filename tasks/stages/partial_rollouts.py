@@ -73,17 +73,21 @@ def plan_round(
     """The round's pool and its generation requests.
 
     A carried group whose oldest token is more than `max_staleness` versions before `version` (the weights this
-    iteration samples with and its update starts from) is dropped. New groups fill the pool up to `prompts_per_round`
-    groups, from this round's prompts in order, skipping a prompt in flight or in `taken` (the groups this iteration's
-    earlier rounds completed): a prompt_id is a group's key within an iteration.
+    iteration samples with and its update starts from) is dropped. New groups join while they fit in
+    `prompts_per_round` × `group_size` unfinished sequences, from this round's prompts in order, skipping a prompt in
+    flight or in `taken` (the groups this iteration's earlier rounds completed): a prompt_id is a group's key within an
+    iteration.
     A request continues its sequence's prefix with what is left of its budget, at most `partial_tokens`, and a seed of
     its own (`seed` + its row in the pool), so the pool, not the replicas, fixes the samples."""
     oldest = carry.explode("token_versions").group_by("prompt_id").agg(pl.col("token_versions").min().alias("oldest"))
     stale = oldest.filter(pl.col("oldest").is_not_null() & (version - pl.col("oldest") > max_staleness))["prompt_id"]
     kept = carry.filter(~pl.col("prompt_id").is_in(stale.implode()))
-    in_flight = kept["prompt_id"].unique().len()
+    # Sequences, not groups, fill the pool: a group waiting for its last sample holds one sequence of the sampler's
+    # batch, not group_size of them.
+    decoding = int((~kept["ended"]).sum())
     busy = pl.concat([kept["prompt_id"], taken if taken is not None else pl.Series([], dtype=pl.Utf8)])
-    fresh = prompts.filter(~pl.col("prompt_id").is_in(busy.implode())).head(max(0, prompts_per_round - in_flight))
+    room = max(0, (prompts_per_round * group_size - decoding) // group_size)
+    fresh = prompts.filter(~pl.col("prompt_id").is_in(busy.implode())).head(room)
     new = (
         fresh.select("prompt_id", "prompt_token_ids")
         .with_columns(
