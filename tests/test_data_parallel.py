@@ -4,7 +4,7 @@ one-process behaviour they must reproduce."""
 import pytest
 
 from tasks.engines.workers.data_parallel import accumulation_steps, rank_micro_batches
-from tasks.stages.rollouts import shard_bounds
+from tasks.stages.rollouts import deal_by_tokens
 
 
 @pytest.mark.parametrize("rows,world,micro", [(16, 2, 32), (17, 2, 4), (5, 4, 1), (3, 4, 2), (128, 1, 64), (64, 3, 8)])
@@ -29,13 +29,35 @@ def test_one_rank_keeps_the_single_process_micro_batches():
     assert rank_micro_batches([1, 2], 4, 1, 0) == [[1], [2]]  # no dummy steps alone
 
 
-def test_prompt_shards_are_contiguous_and_cover_every_row():
-    for rows in range(0, 12):
-        for shards in range(1, 6):
-            bounds = shard_bounds(rows, shards)
-            assert [i for a, b in bounds for i in range(a, b)] == list(range(rows))
-            sizes = [b - a for a, b in bounds]
-            assert all(s > 0 for s in sizes) and (not sizes or max(sizes) - min(sizes) <= 1)
+def test_prompts_are_dealt_to_replicas_by_pending_tokens_with_each_group_on_one():
+    import random
+
+    def reference(groups, pending, replicas):  # the rule written out: biggest group first, to the least loaded
+        totals = {}
+        for key, tokens in zip(groups, pending):
+            totals[key] = totals.get(key, 0) + tokens
+        first = {key: groups.index(key) for key in totals}
+        loads, shares = [0] * replicas, [[] for _ in range(replicas)]
+        for key in sorted(totals, key=lambda g: (-totals[g], first[g])):
+            k = min(range(replicas), key=lambda r: (loads[r], r))
+            loads[k] += totals[key]
+            shares[k] += [i for i, g in enumerate(groups) if g == key]
+        return [sorted(s) for s in shares]
+
+    rnd = random.Random(0)
+    for trial in range(200):
+        n, replicas = rnd.randint(0, 30), rnd.randint(1, 5)
+        groups = [f"g{rnd.randint(0, 8)}" for _ in range(n)]
+        pending = [rnd.choice([16, 128, 512]) for _ in range(n)]
+        shares = deal_by_tokens(groups, pending, replicas)
+        assert shares == reference(groups, pending, replicas) == deal_by_tokens(groups, pending, replicas)
+        assert sorted(i for s in shares for i in s) == list(range(n))
+        assert all(
+            len({groups[i] for i in s} & {groups[i] for i in t}) == 0 for s in shares for t in shares if s is not t
+        )
+    # by hand: groups of 300, 200, 150 and 100 pending tokens on 2 replicas: 300 | 200, then 150 → the 200 side, 100 →
+    # the 300 side (300 + 100 against 200 + 150)
+    assert deal_by_tokens(["a", "b", "c", "d"], [300, 200, 150, 100], 2) == [[0, 3], [1, 2]]
 
 
 def test_a_stale_build_lock_left_by_a_killed_process_does_not_hang_the_trainer(tmp_path):

@@ -27,7 +27,6 @@ def plan(carry, new, **kw):
         max_tokens=10,
         min_tokens=0,
         max_staleness=1,
-        seed=100,
     )
     return plan_round(carry, new, **{**args, **kw})
 
@@ -51,12 +50,13 @@ def test_a_round_keeps_fresh_carried_groups_drops_stale_ones_and_fills_the_pool(
     assert p.pool["sample_idx"].to_list() == [0, 1, 0, 1, 0, 1]
     assert p.pool["prompt_iteration"].to_list() == [1, 1, 3, 3, 3, 3]
     # a's ended sample asks for nothing; its other one continues its prefix with 10 − 7 = 3 tokens (< 4); the new
-    # ones get 4; each request's seed is the seed plus its row in the pool
+    # ones get 4; each request's seed offset is its row in the pool, and its group goes along for the replicas' deal
     r = p.requests
     assert r["prompt_id"].to_list() == ["1", "2", "3", "4", "5"]
     assert r["prompt_token_ids"].to_list() == [[7, 8, 6, 6, 6, 6, 6, 6, 6], [1, 1], [1, 1], [1, 2], [1, 2]]
     assert r["max_tokens"].to_list() == [3, 4, 4, 4, 4]
-    assert r["seed"].to_list() == [101, 102, 103, 104, 105]
+    assert r["seed_offset"].to_list() == [1, 2, 3, 4, 5]
+    assert r["group"].to_list() == ["a", "c", "c", "d", "d"]
     assert r["min_tokens"].to_list() == [0] * 5
 
 

@@ -50,7 +50,7 @@ def carry_before(layout: RunLayout, iteration: int, round_: int) -> tuple[pl.Dat
 @dataclass(frozen=True)
 class RoundPlan:
     pool: pl.DataFrame  # CARRY_COLUMNS: every sequence of the round, carried ones first (their order), then new groups
-    requests: pl.DataFrame  # one per unfinished sequence: prompt_id (its row in `pool`), prompt_token_ids, seed, limits
+    requests: pl.DataFrame  # one per unfinished sequence: prompt_id (its row in `pool`), its prefix, seed, limits
     stale_groups: int  # carried groups dropped for their age
     admitted_groups: int
 
@@ -67,7 +67,6 @@ def plan_round(
     max_tokens: int,
     min_tokens: int,
     max_staleness: int,
-    seed: int,
     taken: pl.Series | None = None,
 ) -> RoundPlan:
     """The round's pool and its generation requests.
@@ -77,8 +76,9 @@ def plan_round(
     `prompts_per_round` × `group_size` unfinished sequences, from this round's prompts in order, skipping a prompt in
     flight or in `taken` (the groups this iteration's earlier rounds completed): a prompt_id is a group's key within an
     iteration.
-    A request continues its sequence's prefix with what is left of its budget, at most `partial_tokens`, and a seed of
-    its own (`seed` + its row in the pool), so the pool, not the replicas, fixes the samples."""
+    A request continues its sequence's prefix with what is left of its budget, at most `partial_tokens`, with its row
+    in the pool as its seed offset (its seed: the round's plus that), so the pool, not the replicas, fixes the
+    samples."""
     oldest = carry.explode("token_versions").group_by("prompt_id").agg(pl.col("token_versions").min().alias("oldest"))
     stale = oldest.filter(pl.col("oldest").is_not_null() & (version - pl.col("oldest") > max_staleness))["prompt_id"]
     kept = carry.filter(~pl.col("prompt_id").is_in(stale.implode()))
@@ -113,7 +113,8 @@ def plan_round(
         .select(
             pl.col("row").cast(pl.Utf8).alias("prompt_id"),
             pl.concat_list("prompt_token_ids", "token_ids").alias("prompt_token_ids"),
-            (pl.lit(seed, pl.Int64) + pl.col("row").cast(pl.Int64)).alias("seed"),
+            pl.col("row").cast(pl.Int64).alias("seed_offset"),  # the request's seed: the round's + its row
+            pl.col("prompt_id").alias("group"),  # a group's requests go to one replica (rollouts.deal_by_tokens)
             pl.min_horizontal(pl.lit(partial_tokens), pl.lit(max_tokens) - pl.col("_done")).alias("max_tokens"),
             pl.max_horizontal(pl.lit(0), pl.lit(min_tokens) - pl.col("_done")).alias("min_tokens"),
         )

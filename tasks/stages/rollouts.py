@@ -8,6 +8,7 @@ and eval, and synced to the weights each request names.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
@@ -50,43 +51,57 @@ def sampling_job(ctx: RunContext, n: int, temperature: float, seed: int, top_p: 
     }
 
 
-def shard_bounds(rows: int, shards: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) row ranges, sizes differing by at most one, empty ones left out."""
-    base, extra = divmod(rows, shards)
-    bounds, start = [], 0
-    for k in range(shards):
-        end = start + base + (k < extra)
-        if end > start:
-            bounds.append((start, end))
-        start = end
-    return bounds
+def deal_by_tokens(groups: list[str], pending: list[int], replicas: int) -> list[list[int]]:
+    """Row indices for each replica: a group's rows (those with the same key in `groups`) go to one replica, so its
+    prefix cache serves them all; groups are dealt in decreasing order of their pending tokens (`pending`, per row),
+    each to the replica with the fewest so far (ties: the first group, the lowest replica); each replica's rows in
+    their order. Deterministic: the same rows, the same deal."""
+    units: dict[str, list[int]] = {}
+    for i, key in enumerate(groups):
+        units.setdefault(key, []).append(i)
+    order = sorted(units.values(), key=lambda rows: (-sum(pending[i] for i in rows), rows[0]))
+    heap = [(0, k) for k in range(replicas)]
+    shares: list[list[int]] = [[] for _ in range(replicas)]
+    for rows in order:
+        load, k = heapq.heappop(heap)
+        shares[k] += rows
+        heapq.heappush(heap, (load + sum(pending[i] for i in rows), k))
+    return [sorted(rows) for rows in shares]
 
 
 def generate(
     ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list[dict], log_name: str
 ) -> tuple[list[pl.DataFrame], dict]:
     """Run the resident vLLM engines over `jobs` for the prompts' token ids (formatted once, in the `dataset` stage);
-    return one frame per job, each row with its prompt_token_ids.
+    return one frame per job, each row with its prompt_token_ids, in the prompts' order.
 
-    With `rollout.engines` replicas the prompts are cut into contiguous shards, one per replica, generated
-    concurrently; prompt i of the whole file keeps the per-request seed `job seed + i` whichever replica samples
-    it, so the table does not depend on the number of replicas."""
+    With `rollout.engines` replicas the prompts are dealt by pending tokens (deal_by_tokens: a group, the rows sharing
+    a `group` value, or else a prompt with its n samples, on one replica) and generated concurrently. Row i samples
+    with the seed `job seed + seed_offset`, its `seed_offset` column or else i, whichever replica samples it, so the
+    table does not depend on the number of replicas. A prompts frame may also set a row's `max_tokens` and
+    `min_tokens` (partial rollouts' continuations)."""
     settings = sampler_settings(ctx, model_path)
     engines = start_rollout_engines(ctx, model_path)
     sync_replicas(ctx.layout, ctx.cfg.engines, engines, model_path, settings)
     sync = unreported_sync(model_path)  # that one, or one made before (sample_ahead_task): reported once
+    frame = prompts.with_row_index("_at")
+    if "seed_offset" not in frame.columns:
+        frame = frame.with_columns(pl.col("_at").cast(pl.Int64).alias("seed_offset"))
+    own = [c for c in ("seed_offset", "max_tokens", "min_tokens") if c in frame.columns]
+    samples = sum(j["n"] for j in jobs)
+    limits = frame["max_tokens"].to_list() if "max_tokens" in frame.columns else [max(j["max_tokens"] for j in jobs)]
+    pending = [samples * limit for limit in limits] * (1 if len(limits) == frame.height else frame.height)
+    keys = frame["group" if "group" in frame.columns else "prompt_id"].to_list()
     calls = []
-    for k, (start, end) in enumerate(shard_bounds(prompts.height, len(engines))):
+    for k, rows in enumerate(deal_by_tokens(keys, pending, len(engines))):
+        if not rows:
+            continue
         inp = scratch_file(ctx, f"{log_name}.prompts{k}.parquet")
-        own = [c for c in ("seed", "max_tokens", "min_tokens") if c in prompts.columns]  # a row's own (partial)
-        prompts.slice(start, end - start).select("prompt_id", "prompt_token_ids", *own).write_parquet(inp)
+        frame[rows].select("prompt_id", "prompt_token_ids", "_at", *own).write_parquet(inp)
         outs = [scratch_file(ctx, f"{log_name}.out{i}-{k}.parquet") for i in range(len(jobs))]
         request = GenerateRequest(
             model_path=model_path,
-            jobs=tuple(
-                GenerationJob(prompts_path=str(inp), out_path=str(o), **{**j, "seed": j["seed"] + start})
-                for j, o in zip(jobs, outs)
-            ),
+            jobs=tuple(GenerationJob(prompts_path=str(inp), out_path=str(o), **j) for j, o in zip(jobs, outs)),
         )
         calls.append((engines[k], request, inp, outs))
     with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own actor: they generate at the same time
@@ -101,14 +116,13 @@ def generate(
         )
     frames = []
     for i in range(len(jobs)):
-        frames.append(
-            pl.concat(
-                [
-                    pl.read_parquet(outs[i]).join(pl.read_parquet(inp), on="prompt_id", how="left")
-                    for _, _, inp, outs in calls
-                ]
+        parts = [
+            pl.read_parquet(outs[i]).join(
+                pl.read_parquet(inp, columns=["prompt_id", "prompt_token_ids", "_at"]), on="prompt_id", how="left"
             )
-        )
+            for _, _, inp, outs in calls
+        ]
+        frames.append(pl.concat(parts).sort("_at", maintain_order=True).drop("_at"))
     for _, _, inp, outs in calls:
         for o in outs:
             o.unlink()
@@ -305,7 +319,6 @@ def partial_round(ctx: RunContext, policy: Weights, prompts, carry, iteration: i
         max_tokens=r.max_tokens,
         min_tokens=r.min_tokens,
         max_staleness=ctx.cfg.rl.max_staleness,
-        seed=seed,
         taken=taken,
     )
     job = sampling_job(ctx, 1, r.temperature, seed, r.top_p)  # n = 1: each sequence is its own request

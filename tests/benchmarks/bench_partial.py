@@ -3,7 +3,7 @@ workload (infra/configs/long_reasoning.yaml: SmolLM2-135M-Instruct asked to reas
 tokens), one resident vLLM engine, the same prompts, side by side in one process:
 
 - whole: rounds of 8 prompts × 8 samples, each generated to its end (EOS or 512 tokens), as a rollouts stage does
-  without rollout.partial_tokens;
+  without rollout.partial_tokens; run before and after the partial side, its seconds averaged;
 - partial: the rollouts stage's planning (tasks/stages/partial_rollouts.py) with partial_tokens 128: each round every
   sequence in flight gets at most 128 tokens, ended groups leave, new prompts keep 8 groups in flight; run until as
   many groups have ended as the whole side generated.
@@ -81,12 +81,11 @@ def partial(engine, settings, prompts: pl.DataFrame, work: Path, target_groups: 
             max_tokens=MAX_TOKENS,
             min_tokens=0,
             max_staleness=0,
-            seed=1000 * rounds,
         )
         cursor += plan.admitted_groups
         inp, out = work / f"partial{rounds}.parquet", work / f"partial-out{rounds}.parquet"
         plan.requests.write_parquet(inp)
-        job = generation_job(inp, out, n=1, max_tokens=MAX_TOKENS, seed=0)
+        job = generation_job(inp, out, n=1, max_tokens=MAX_TOKENS, seed=1000 * rounds)
         timing = engine.generate(GenerateRequest(model_path=str(MODEL), jobs=(job,)), settings)["jobs"][0]
         tokens, seconds = tokens + timing["tokens"], seconds + timing["generate_seconds"]
         rows, carry = split_ended(advance(plan.pool, pl.read_parquet(out), version=0, max_tokens=MAX_TOKENS))
@@ -126,11 +125,16 @@ def run() -> list[dict]:
             engine.generate(
                 GenerateRequest(model_path=str(MODEL), jobs=(generation_job(warm, work / "w.parquet", n=2),)), settings
             )
+            # whole, partial, whole again: this machine's speed drifts by tens of percent over minutes, and the
+            # baseline is the mean of the runs either side (the same seeds: the same tokens, other seconds)
             t0 = time.perf_counter()
             base = whole(engine, settings, prompts, work)
             mid = time.perf_counter()
             ours = partial(engine, settings, prompts, work, base["groups"])
             end = time.perf_counter()
+            again = whole(engine, settings, prompts, work)
+            print(f"partial_rollouts whole, again: {again['tokens'] / again['seconds']:.1f} tokens/s")
+            base["seconds"] = (base["seconds"] + again["seconds"]) / 2
             small, full = (batch_rate(engine, settings, prompts, work, n) for n in (GROUP_SIZE, GROUPS * GROUP_SIZE))
         finally:
             engine.close()

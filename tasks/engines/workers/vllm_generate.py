@@ -2,7 +2,7 @@
 
 Started by tasks/engines/vllm_client.py as a Ray actor (tasks/engines/resident.py).
 A job is {prompts_path, out_path, n, temperature, top_p, max_tokens, seed, stop, stop_token_ids, min_tokens}; it reads
-Parquet (prompt_id, prompt_token_ids, and optionally a row's own seed, max_tokens and min_tokens) and writes Parquet
+Parquet (prompt_id, prompt_token_ids, and optionally a row's seed_offset, max_tokens and min_tokens) and writes Parquet
 with one row per sample: prompt_id, sample_idx, token_ids (EOS included when it stopped), text, sampler_logprobs,
 finish_reason, truncated, length.
 No Prefect import: this runs in its own process.
@@ -133,11 +133,11 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
     timings = []
     for job in jobs:
         prompts = pl.read_parquet(job.prompts_path)
-        # A prompt file may set a row's own seed and token limits (partial rollouts continue each sequence from its
-        # prefix, with what is left of its budget): columns named as the job's fields, else the job's.
+        # A prompt file may set a row's seed (job seed + seed_offset, else + its row: the rollouts stage deals rows to
+        # replicas) and token limits (partial rollouts continue each sequence with what is left of its budget).
         per_row = {
             key: prompts[key].to_list() if key in prompts.columns else None
-            for key in ("seed", "max_tokens", "min_tokens")
+            for key in ("seed_offset", "max_tokens", "min_tokens")
         }
         params = [
             SamplingParams(
@@ -147,7 +147,7 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
                 max_tokens=per_row["max_tokens"][i] if per_row["max_tokens"] else job.max_tokens,
                 min_tokens=per_row["min_tokens"][i] if per_row["min_tokens"] else job.min_tokens,
                 logprobs=job.top_logprobs,
-                seed=per_row["seed"][i] if per_row["seed"] else job.seed + i,
+                seed=job.seed + (per_row["seed_offset"][i] if per_row["seed_offset"] else i),
                 stop=list(job.stop) or None,
                 stop_token_ids=list(job.stop_token_ids) or None,
             )
