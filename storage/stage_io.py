@@ -341,6 +341,18 @@ def part_files(layout: RunLayout, stage: str, iteration: int) -> list[Path]:
     return [layout.stage_dir(stage, iteration) / p["file"] for p in manifest["parts"]]
 
 
+def stage_part(layout: RunLayout, stage: str, iteration: int, index: int | None = None) -> tuple[Path, str] | None:
+    """Part `index` (None: the last) of a complete stage-iteration: its file and its fingerprint; None if there is no
+    such part."""
+    manifest = read_manifest(layout, stage, iteration, verify=False)
+    parts = manifest["parts"] if manifest else []
+    if index is None:
+        part = max(parts, key=lambda p: p["index"], default=None)
+    else:
+        part = next((p for p in parts if p["index"] == index), None)
+    return None if part is None else (layout.stage_dir(stage, iteration) / part["file"], part["fingerprint"])
+
+
 def read_stage(layout: RunLayout, stage: str, iteration: int) -> pl.DataFrame:
     files = part_files(layout, stage, iteration)
     if not files:

@@ -18,11 +18,12 @@ The functions below are pure (frames in, frames out); the rollouts stage reads a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import polars as pl
 
 from schemas.tables import CARRY
-from storage import RunLayout, read_manifest
+from storage import RunLayout, stage_part
 
 # The carry table's columns but its stamps (schemas/tables.py's CARRY, with iteration and round added as it is written).
 CARRY_COLUMNS = {k: v for k, v in CARRY.columns.items() if k not in ("iteration", "round")}
@@ -32,19 +33,26 @@ def empty_carry() -> pl.DataFrame:
     return pl.DataFrame(schema=CARRY_COLUMNS)
 
 
-def carry_before(layout: RunLayout, iteration: int, round_: int) -> tuple[pl.DataFrame, str]:
-    """The carry table round `round_` of `iteration` continues, and its part's fingerprint ("" and an empty table before
-    the first round of the run): this iteration's round before, or the previous iteration's last round."""
+def carry_part(layout: RunLayout, iteration: int, round_: int) -> tuple[Path | None, str]:
+    """The file of the carry table round `round_` of `iteration` continues, and its fingerprint (None and "" before the
+    first round of the run): this iteration's round before, or the previous iteration's last round."""
     it, index = (iteration, round_ - 1) if round_ else (iteration - 1, None)
-    manifest = read_manifest(layout, "carry", it, verify=False) if it >= 1 else None
-    if manifest is None:
-        if it >= 1:
-            raise FileNotFoundError(f"partial rollouts: the carry table of iteration {it} is not complete")
-        return empty_carry(), ""
-    parts = manifest["parts"]
-    part = max(parts, key=lambda p: p["index"]) if index is None else next(p for p in parts if p["index"] == index)
-    frame = pl.read_parquet(layout.stage_dir("carry", it) / part["file"]).select(*CARRY_COLUMNS)
-    return frame, part["fingerprint"]
+    if it < 1:
+        return None, ""
+    part = stage_part(layout, "carry", it, index)
+    if part is None:
+        raise FileNotFoundError(f"partial rollouts: the carry table of iteration {it} is not complete")
+    return part
+
+
+def read_carry(path: Path | None) -> pl.DataFrame:
+    return empty_carry() if path is None else pl.read_parquet(path).select(*CARRY_COLUMNS)
+
+
+def carry_before(layout: RunLayout, iteration: int, round_: int) -> tuple[pl.DataFrame, str]:
+    """The carry table round `round_` of `iteration` continues (carry_part), read, and its fingerprint."""
+    path, fp = carry_part(layout, iteration, round_)
+    return read_carry(path), fp
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from tasks.stages.common import (
     scratch_file,
     stage_task,
 )
-from tasks.stages.partial_rollouts import advance, carry_before, empty_carry, plan_round, split_ended
+from tasks.stages.partial_rollouts import advance, carry_part, plan_round, read_carry, split_ended
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import Weights, sampling_version, weights_after, weights_fingerprint
 
@@ -88,9 +88,9 @@ def generate(
     if "seed_offset" not in frame.columns:
         frame = frame.with_columns(pl.col("_at").cast(pl.Int64).alias("seed_offset"))
     own = [c for c in ("seed_offset", "max_tokens", "min_tokens") if c in frame.columns]
-    samples = sum(j["n"] for j in jobs)
-    limits = frame["max_tokens"].to_list() if "max_tokens" in frame.columns else [max(j["max_tokens"] for j in jobs)]
-    pending = [samples * limit for limit in limits] * (1 if len(limits) == frame.height else frame.height)
+    longest = max(j["max_tokens"] for j in jobs)
+    limits = frame["max_tokens"].to_list() if "max_tokens" in frame.columns else [longest] * frame.height
+    pending = [sum(j["n"] for j in jobs) * limit for limit in limits]
     keys = frame["group" if "group" in frame.columns else "prompt_id"].to_list()
     calls = []
     for k, rows in enumerate(deal_by_tokens(keys, pending, len(engines))):
@@ -256,6 +256,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
         )
         tables = {}
         if r.partial_tokens:
+            carry = read_carry(carry_path)
             df, left, resp, timing = partial_round(ctx, policy, prompts, carry, iteration, round_, seed, name)
             tables["carry"] = left.with_columns(*stamp)
             turns = None
@@ -290,9 +291,9 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
             },
         )
 
-    carry, carried = empty_carry(), {}
-    if r.partial_tokens:  # the sequences this round continues, and the bound that drops the stale ones
-        carry, fp = carry_before(ctx.layout, iteration, round_)
+    carry_path, carried = None, {}
+    if r.partial_tokens:  # the sequences this round continues (read only if it runs), the bound that drops stale ones
+        carry_path, fp = carry_part(ctx.layout, iteration, round_)
         carried = {"carry": fp, "max_staleness": str(ctx.cfg.rl.max_staleness)}
     inputs = {**upstream, "policy": policy_fp, **carried}
     return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
