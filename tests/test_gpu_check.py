@@ -13,6 +13,7 @@ from tests.conftest import ROOT
 SCRIPT = ROOT / "infra/gpu_check.py"
 
 
+@pytest.mark.long
 def test_device_check_on_the_cpu_writes_its_report(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run(

@@ -144,16 +144,34 @@ ray_cluster.connect(None)
 signal.raise_signal(signal.SIGTERM)
 time.sleep(3.5)
 before = monitors()
+ended = []
+
+def watch(pid):  # when the monitor stopped running: gone, or a zombie left for its parent to reap
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.Error:
+            break
+        time.sleep(0.01)
+    ended.append(time.time())
+
+import threading
+watcher = threading.Thread(target=watch, args=(before[0],), daemon=True)
 t = time.time()
+watcher.start()
 ray_cluster.stop()
+watcher.join(5)
 left = len(psutil.Process().children(recursive=True))
-print(json.dumps({"monitors": before, "seconds": time.time() - t, "left": left, "terms": len(terms)}))
+print(json.dumps({"monitors": before, "monitor_seconds": ended[0] - t, "left": left, "terms": len(terms)}))
 """
 
 
 def test_stopping_the_embedded_instance_ends_its_autoscaler_monitor_first_and_quietly():
     """The monitor's SIGTERM handler, which `ray.shutdown` meets after the GCS is gone, held every command's exit for
-    Ray's 1 s grace; stop() kills it first: nothing is left, nothing is printed, and the stop takes less than that.
+    Ray's 1 s grace; stop() kills it first: nothing is left, nothing is printed, and the monitor has stopped well
+    within that grace. (Timed from the monitor's end, not the whole stop's: the stop also waits for the workers'
+    teardown, which a loaded machine stretches towards 1 s by itself.)
     A SIGTERM after Ray's start reaches the command's own handler, and the process is not aborted after it."""
     import json
     import subprocess
@@ -166,4 +184,4 @@ def test_stopping_the_embedded_instance_ends_its_autoscaler_monitor_first_and_qu
     )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(out["monitors"]) == 1 and out["left"] == 0 and out["terms"] == 1, out
-    assert out["seconds"] < 1.0 and "autoscaler" not in proc.stderr, (out, proc.stderr[-1000:])
+    assert out["monitor_seconds"] < 0.5 and "autoscaler" not in proc.stderr, (out, proc.stderr[-1000:])

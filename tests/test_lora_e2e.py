@@ -94,6 +94,7 @@ def test_lora_samples_with_its_adapter_and_refers_to_the_adapter_off(tiny_sft):
     )  # no frozen weights in the state
 
 
+@pytest.mark.long
 def test_a_killed_lora_run_resumes_to_the_same_adapter(tiny_sft):
     workspace, cfg = tiny_sft
     whole = lora_run(workspace, cfg, "grpo")
@@ -130,6 +131,7 @@ def test_export_writes_the_adapter_or_a_merged_model(tiny_sft):
     assert (plain - adapted).abs().max() < 1e-5
 
 
+@pytest.mark.long
 def test_sft_and_dpo_train_adapters(tiny_sft):
     """`rlpipe sft` and `rlpipe dpo` with lora.rank: the checkpoints are adapters, the exported models merged folders;
     DPO's first loss is log 2 (its reference is the starting model: the adapter starts at zero)."""

@@ -91,3 +91,18 @@ def test_diff_frames_reports_changed_and_missing_samples():
     rows, counts = diff_frames(a, b, keys)
     assert counts == {"only_in_a": 1, "only_in_b": 1, "advantage": 1, "tokens": 1}
     assert rows.select("sample_idx", "advantage_a", "advantage_b").rows() == [(1, -1.0, -0.5)]
+
+
+def test_through_spans_the_rerunnable_stages_in_the_flows_order():
+    import pytest
+
+    from flows.rerun import stages_through
+    from schemas.config import ConfigError
+
+    assert stages_through("logprobs", None) == ["logprobs"]
+    assert stages_through("logprobs", "optimize") == ["logprobs", "advantages", "train_metrics"]
+    assert stages_through("scores", "advantages") == ["scores", "batch", "logprobs", "advantages"]
+    with pytest.raises(ConfigError, match="--through scores comes before --stage logprobs"):
+        stages_through("logprobs", "scores")
+    with pytest.raises(ConfigError, match=r"cannot rerun stage 'eval' \(--through\)"):
+        stages_through("logprobs", "eval")
