@@ -307,7 +307,57 @@ class ChatArithmeticTask(Section):
         return self
 
 
-TaskConfig = Annotated[ArithmeticTask | LongAdditionTask | ChatArithmeticTask, Field(discriminator="name")]
+class ReasoningGymSource(Section):
+    """One of reasoning-gym's tasks in the mix."""
+
+    weight: float = Field(1.0, gt=0, description="Its share of the train rows (weights are normalised).")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The task's settings: the fields of its config dataclass (leg_counting: min_animals, ...); its "
+        "size and seed are the task section's.",
+    )
+
+
+class ReasoningGymTask(Section):
+    """Built-in task: prompt files from reasoning-gym's procedural tasks, generated offline from a seed, several
+    mixed by weight; score them with the `reasoning_gym` reward (docs/reasoning-tasks.md)."""
+
+    name: Literal["reasoning_gym"] = Field("reasoning_gym", description="The built-in task: reasoning_gym.")
+    out_dir: str = Field(
+        "data/reasoning_gym", description="Where its files are written (train.parquet, eval.parquet, sft.parquet)."
+    )
+    tasks: dict[str, ReasoningGymSource] = Field(
+        ..., min_length=1, description="reasoning-gym's tasks by name (`leg_counting: {weight: 1}`)."
+    )
+    n_train: int = Field(2000, ge=1, description="Train prompts, dealt to the tasks by weight.")
+    n_eval: int = Field(100, ge=1, description="Held-out prompts per task, none asked in training.")
+    seed: int = Field(1234, ge=0, description="The train entries' seed (reasoning-gym draws entry i from seed + i).")
+    eval_seed: int = Field(
+        1_000_000_000,
+        ge=0,
+        description="The held-out entries' seed; its range of 2 × n_eval draws must not meet the train range.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="The system message before each question; None: reasoning-gym's default, which asks for the "
+        "final answer in <answer> tags.",
+    )
+
+    @model_validator(mode="after")
+    def _seeds(self) -> "ReasoningGymTask":
+        # reasoning-gym seeds entry i with seed + i: overlapping ranges would draw the same entries on both sides.
+        train, held_out = (self.seed, self.seed + self.n_train), (self.eval_seed, self.eval_seed + 2 * self.n_eval)
+        if train[0] < held_out[1] and held_out[0] < train[1]:
+            raise ValueError(
+                f"task.eval_seed {self.eval_seed}: reasoning-gym draws entry i from seed + i, and the held-out draws "
+                f"[{held_out[0]}, {held_out[1]}) meet the train draws [{train[0]}, {train[1]})"
+            )
+        return self
+
+
+TaskConfig = Annotated[
+    ArithmeticTask | LongAdditionTask | ChatArithmeticTask | ReasoningGymTask, Field(discriminator="name")
+]
 
 # What a reward function may take as keyword arguments besides the dataset's own columns (tasks/rewards/loader.py).
 REWARD_ARGUMENTS = (

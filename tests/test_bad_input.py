@@ -26,6 +26,10 @@ from tests.conftest import rlpipe, tiny_config
         (["--set", "batch.target_groups=1000"], "can never be reached"),
         (["--set", "kl.placement"], "expected key=value"),
         (["--algo", "nope"], "unknown --algo 'nope'"),
+        (
+            ["--set", "task={name: reasoning_gym, out_dir: '{ws}/rg', tasks: {nope: {}}}"],
+            "reasoning-gym has no task 'nope'",
+        ),
         (["--set", "storage_root={ws}/a-file/runs"], "cannot write to storage root"),
         (["--config-path", "{ws}/missing.yaml"], "config file not found"),
         (["--config-path", "{ws}/list.yaml"], "top level must be a mapping"),

@@ -218,7 +218,7 @@ def test_partial_rollouts_carry_sequences_across_updates_and_resume_after_a_kill
     iteration 2's last round are still in flight when its batch is full: carried into iteration 3 and continued with
     update 2's weights. Every token's version and sampler logprob is a column; no sample is more than rl.max_staleness
     (1) updates old. A run SIGKILLed in iteration 3's first round, its carry table written and its rollouts not,
-    resumes to the uninterrupted run's tables and weights."""
+    resumes to the uninterrupted run's tables and weights; a rerun of iteration 3's rollouts writes them again."""
     workspace, cfg = tiny_sft
     rlpipe("run", str(cfg), "--run-id", "partial", *PARTIAL_RUN, cwd=workspace)
     layout = RunLayout(workspace / "runs", "partial")
@@ -248,6 +248,16 @@ def test_partial_rollouts_carry_sequences_across_updates_and_resume_after_a_kill
             assert read_table(killed, stage, it).equals(read_table(layout, stage, it)), (stage, it)
     f = "model.safetensors"
     assert (killed.checkpoint_dir(3) / f).read_bytes() == (layout.checkpoint_dir(3) / f).read_bytes()
+    # `rlpipe rerun` of iteration 3's rollouts in a fork continues iteration 2's carry (linked) with update 2's weights
+    # and writes the same rollouts and carry; `show` lists the carry table with the others.
+    root = str(workspace / "runs")
+    rlpipe("rerun", "partial", "--iteration", "3", "--stage", "rollouts", "--fork", "partial-rerun", "--root", root,
+           cwd=workspace)  # fmt: skip
+    again = RunLayout(workspace / "runs", "partial-rerun")
+    for stage in ("rollouts", "carry"):
+        assert read_table(again, stage, 3).equals(read_table(layout, stage, 3)), stage
+    shown = rlpipe("show", "partial-rerun", "--root", root, cwd=workspace).stdout
+    assert re.search(r"│ carry +│ 1-3 +│ complete", shown), shown
 
 
 TRACKING = ("--set", "tracking=[tensorboard, mlflow]")

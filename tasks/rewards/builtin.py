@@ -136,3 +136,62 @@ def _code_tests_preflight(reward, kwargs: dict, columns: set[str]) -> None:
 
 
 code_tests.preflight = _code_tests_preflight
+
+
+def extract_final(response: str, answer_format: str = "tags") -> str | None:
+    """The answer a response gives: `tags`, the content of its last <answer>…</answer> (reasoning-gym's own
+    extract_answer; None without one); `last_line`, its last non-empty line."""
+    if answer_format == "tags":
+        from reasoning_gym.utils import extract_answer
+
+        return extract_answer(response, tag_name="answer")
+    if answer_format == "last_line":
+        lines = [line.strip() for line in response.splitlines() if line.strip()]
+        return lines[-1] if lines else None
+    raise ValueError(f"answer_format {answer_format!r}: choose tags or last_line")
+
+
+@functools.lru_cache(maxsize=None)
+def _task_scorer(task: str):
+    """The `score_answer` of reasoning-gym's task `task` (one instance per process: some tasks load word lists)."""
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+@BUILTIN_REWARDS.register("reasoning_gym")
+def reasoning_gym_score(response: str, answer_format: str = "tags", column: str = "entry", **row) -> float:
+    """reasoning-gym's own scorer of the row's task: the answer is extracted from the response (`answer_format`:
+    `tags` or `last_line`, extract_final) and scored by the task's `score_answer` against the row's entry, unchanged,
+    so partial credit stays as reasoning-gym defines it. The entry is the dataset column `column` (default `entry`):
+    the JSON of reasoning-gym's {question, answer, metadata}, whose metadata.source_dataset names the task. A row whose
+    entry cannot be read, or names no task reasoning-gym has, is that sample's error."""
+    import json
+
+    raw = row.get(column)
+    if raw is None:
+        raise ValueError(f"the row has no reasoning-gym entry in column {column!r}")
+    try:
+        entry = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        task = entry["metadata"]["source_dataset"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"column {column!r} is not a reasoning-gym entry ({type(exc).__name__}: {exc})") from None
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        raise ValueError(f"column {column!r}: reasoning-gym has no task {task!r}")
+    return float(_task_scorer(task)(extract_final(response, answer_format), entry))
+
+
+def _reasoning_gym_preflight(reward, kwargs: dict, columns: set[str]) -> None:
+    """Before any engine starts: the entry column exists and the answer format is known."""
+    from tasks.rewards.loader import RewardLoadError
+
+    column, answer_format = kwargs.get("column", "entry"), kwargs.get("answer_format", "tags")
+    if column not in columns:
+        raise RewardLoadError(f"reward function reasoning_gym: the dataset has no column {column!r} (kwargs.column)")
+    if answer_format not in ("tags", "last_line"):
+        raise RewardLoadError(f"reward function reasoning_gym: answer_format {answer_format!r}: tags or last_line")
+
+
+reasoning_gym_score.preflight = _reasoning_gym_preflight
