@@ -60,3 +60,29 @@ def test_a_bad_source_is_one_line_naming_it(tmp_path):
         config(tmp_path, tasks={"leg_counting": {"weight": 0}})
     with pytest.raises(ConfigError, match=r"held-out draws \[1030, 1230\) meet the train draws \[0, 2000\)"):
         config(tmp_path, tasks={"leg_counting": {}}, seed=0, eval_seed=1030)
+
+
+def test_eval_figures_per_source_by_hand():
+    import polars as pl
+
+    from tasks.analysis.show import pass_at
+    from tasks.stages.evaluate import source_figures, sources_of
+
+    held_out = pl.DataFrame(
+        {"prompt_id": ["a", "b", "c"], "extra": [{"source": "x"}, {"source": "y"}, {"source": "x"}]}
+    )
+    df = pl.DataFrame(
+        {
+            "prompt_id": ["a", "b", "c"],
+            "greedy_correct": [True, False, False],
+            "pass_at_k": [1.0, 0.5, 0.25],
+            "greedy_length": [10, 20, 40],
+        }
+    )
+    figures = source_figures(df, sources_of(held_out), k=2)
+    assert figures == {
+        "accuracy/x": 0.5, "pass_at_2/x": 0.625, "mean_length/x": 25.0, "prompts/x": 2,
+        "accuracy/y": 0.0, "pass_at_2/y": 0.5, "mean_length/y": 20.0, "prompts/y": 1,
+    }  # fmt: skip
+    assert sources_of(held_out.drop("extra")) is None
+    assert pass_at({"pass_at_2": 0.3, **figures}, "") == 0.3 and pass_at({"pass_at_2": 0.3, **figures}, "y") == 0.5

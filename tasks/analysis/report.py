@@ -100,6 +100,19 @@ def eval_table(layout: RunLayout) -> pl.DataFrame:
     return pl.DataFrame(rows, schema={"iteration": pl.Int64, "accuracy": pl.Float64, "seconds_eval": pl.Float64})
 
 
+def source_accuracy(layout: RunLayout) -> dict[str, tuple[list[int], list[float]]]:
+    """Each source's eval accuracy by iteration (its `accuracy/<source>` figures), when the dataset names sources."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for it in layout.iterations("eval"):
+        m = read_manifest(layout, "eval", it, verify=False)
+        for key, value in (m["extra"] if m else {}).items():
+            if key.startswith("accuracy/"):
+                its, values = out.setdefault(key.split("/", 1)[1], ([], []))
+                its.append(it)
+                values.append(value)
+    return dict(sorted(out.items()))
+
+
 def write_report(run_id: str, root: str = "runs") -> Path:
     import matplotlib
 
@@ -123,6 +136,8 @@ def write_report(run_id: str, root: str = "runs") -> Path:
             _line_plot(out_dir / f"{stem}.png", title, ylabel, series)
             figures.append((stem, title))
     accuracy = {"eval greedy accuracy (rule)": (evals["iteration"].to_list(), evals["accuracy"].to_list())}
+    for source, points in source_accuracy(layout).items():  # a dataset that names its sources: one line each
+        accuracy[f"eval greedy accuracy, {source}"] = points
     if "score_accuracy_mean" in metrics.columns:
         accuracy["train accuracy reward"] = (x, metrics["score_accuracy_mean"].to_list())
     _line_plot(out_dir / "accuracy.png", "Accuracy", "fraction", accuracy)

@@ -120,6 +120,19 @@ def metrics_table(metrics, wide: bool, last: int = 5) -> Table | None:
     return table
 
 
+def pass_at(figures: dict, source: str) -> float:
+    """An eval manifest's pass@k, overall (`source` "") or of one source (`pass_at_k/<source>`)."""
+    suffix = f"/{source}" if source else ""
+    return next(
+        (
+            v
+            for k, v in figures.items()
+            if k.startswith("pass_at_") and k.endswith(suffix) and ("/" in k) == bool(source)
+        ),
+        float("nan"),
+    )
+
+
 def eval_table(layout) -> Table:
     table = Table(title="eval (greedy pass@1, sampled pass@k, greedy mean reward; held-out prompts)")
     for col in ("iteration", "accuracy", "pass@k", "reward", "length", "prompts", "seconds"):
@@ -128,7 +141,7 @@ def eval_table(layout) -> Table:
         m = read_manifest(layout, "eval", it, verify=False)
         if m and "accuracy" in m["extra"]:
             e = m["extra"]
-            pk = next((v for k, v in e.items() if k.startswith("pass_at_")), float("nan"))
+            pk = pass_at(e, "")
             table.add_row(
                 str(it),
                 f"{e['accuracy']:.4f}",
@@ -138,6 +151,16 @@ def eval_table(layout) -> Table:
                 str(e["prompts"]),
                 f"{m['wall_seconds']:.0f}",
             )
+            for source in sorted({key.split("/", 1)[1] for key in e if key.startswith("accuracy/")}):
+                table.add_row(
+                    f"{it} {source}",
+                    f"{e[f'accuracy/{source}']:.4f}",
+                    f"{pass_at(e, source):.4f}",
+                    "",
+                    f"{e.get(f'mean_length/{source}', float('nan')):.1f}",
+                    str(e.get(f"prompts/{source}", "")),
+                    "",
+                )
     return table
 
 

@@ -4,7 +4,8 @@ Reads `dataset` (split eval, at most eval.max_prompts) and the weights after ite
 model); writes `eval`, one row per prompt. Every response is scored by the run's reward functions, in the reward
 pool as in training; a response is correct when score_<eval.judge> ≥ eval.judge_threshold. The manifest records
 the greedy accuracy, pass@k, the mean reward and length of the greedy responses, the samples' mean reward and each
-function's error rate; with a reward model, also its Spearman correlation with the judge on the samples.
+function's error rate; per source too (`accuracy/<source>`, ...) when the dataset has a `source` column; with a
+reward model, also its Spearman correlation with the judge on the samples.
 """
 
 from __future__ import annotations
@@ -81,7 +82,37 @@ def eval_table(
     )
 
 
-def eval_summary(ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFrame) -> dict:
+def sources_of(held_out: pl.DataFrame) -> pl.DataFrame | None:
+    """(prompt_id, source) when the dataset has a `source` column (the reasoning_gym task writes one), else None."""
+    extra = held_out.schema.get("extra")
+    if not isinstance(extra, pl.Struct) or "source" not in {f.name for f in extra.fields}:
+        return None
+    return held_out.select("prompt_id", pl.col("extra").struct.field("source").cast(pl.Utf8).fill_null(""))
+
+
+def source_figures(df: pl.DataFrame, sources: pl.DataFrame, k: int) -> dict:
+    """Per source: greedy accuracy, pass@k, greedy mean length and prompts, as flat keys (`accuracy/<source>`), which
+    the tracking backends log as `eval/accuracy/<source>`."""
+    out = {}
+    per = (
+        df.join(sources, on="prompt_id")
+        .group_by("source")
+        .agg(
+            pl.col("greedy_correct").mean().alias("accuracy"),
+            pl.col("pass_at_k").mean().alias(f"pass_at_{k}"),
+            pl.col("greedy_length").mean().alias("mean_length"),
+            pl.len().alias("prompts"),
+        )
+    )
+    for row in per.sort("source").iter_rows(named=True):
+        source = row.pop("source")
+        out.update({f"{name}/{source}": (int(v) if name == "prompts" else float(v)) for name, v in row.items()})
+    return out
+
+
+def eval_summary(
+    ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sampled: pl.DataFrame, sources: pl.DataFrame | None = None
+) -> dict:
     e = ctx.cfg.eval
     both = pl.concat([greedy.select(pl.col("^error_.*$")), sampled.select(pl.col("^error_.*$"))])
     summary = {
@@ -93,6 +124,8 @@ def eval_summary(ctx: RunContext, df: pl.DataFrame, greedy: pl.DataFrame, sample
         "prompts": df.height,
         **{f"{c.replace('error_', 'error_rate_')}": float(both[c].is_not_null().mean()) for c in both.columns},
     }
+    if sources is not None:
+        summary.update(source_figures(df, sources, e.pass_k))
     if ctx.cfg.reward.kind == "model":  # does the reward model still rank like the judge on unseen prompts?
         summary["reward_model_rule_spearman"] = spearman(sampled, "score_model", "correct")
     return summary
@@ -151,7 +184,7 @@ def eval_task(
             )
             extra = {}
         df = eval_table(held_out, greedy, sampled, e.pass_k, iteration)
-        summary = {**eval_summary(ctx, df, greedy, sampled), **extra}
+        summary = {**eval_summary(ctx, df, greedy, sampled, sources_of(held_out)), **extra}
         return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=summary)
 
     inputs = {

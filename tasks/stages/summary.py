@@ -50,6 +50,14 @@ def collect_summary(storage_root: str, run_id: str) -> dict:
                 },
             }
         )
+        for when, it in (("start", 0), ("final", final_it)):  # per source, when the dataset names its sources
+            figures = {key: v for key, v in evals.get(it, {}).items() if "/" in key}
+            if figures:
+                by: dict = {}
+                for key, v in figures.items():
+                    name, source = key.split("/", 1)
+                    by.setdefault(source, {})[name] = v
+                summary[f"eval_by_source_{when}"] = by
         rhos = {
             str(it): e["reward_model_rule_spearman"]
             for it, e in sorted(evals.items())
