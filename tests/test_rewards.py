@@ -255,7 +255,7 @@ def test_a_broken_reference_fails_at_preflight_with_one_line(tmp_path, source, s
     [
         (
             {"acuracy": {}},
-            "'acuracy' is not a built-in reward function (choose one of accuracy, code_tests, format, overlong)",
+            "'acuracy' is not a built-in reward function (choose one of accuracy, code_tests, format, overlong, reasoning_gym)",
         ),
         ({"bad name": {"path": "r.py"}}, "'bad name' is not a usable reward name"),
         ({"mine": {"path": "r.py", "module": "m"}}, "give path or module, not both"),
@@ -276,7 +276,7 @@ def test_the_eval_judge_must_be_scored():
 
 
 def test_every_builtin_is_registered_once_and_loads():
-    assert BUILTIN_REWARDS.names() == ["accuracy", "code_tests", "format", "overlong"]
+    assert BUILTIN_REWARDS.names() == ["accuracy", "code_tests", "format", "overlong", "reasoning_gym"]
     for name in BUILTIN_REWARDS:
         assert load_function(FunctionSpec(name)) is BUILTIN_REWARDS.get(name)
     with pytest.raises(ValueError, match="registered twice"):
