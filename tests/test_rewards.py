@@ -255,7 +255,8 @@ def test_a_broken_reference_fails_at_preflight_with_one_line(tmp_path, source, s
     [
         (
             {"acuracy": {}},
-            "'acuracy' is not a built-in reward function (choose one of accuracy, code_tests, format, overlong, reasoning_gym)",
+            "'acuracy' is not a built-in reward function "
+            "(choose one of accuracy, code_tests, format, overlong, reasoning_gym)",
         ),
         ({"bad name": {"path": "r.py"}}, "'bad name' is not a usable reward name"),
         ({"mine": {"path": "r.py", "module": "m"}}, "give path or module, not both"),
