@@ -65,6 +65,7 @@ def test_a_bad_source_is_one_line_naming_it(tmp_path):
 def test_eval_figures_per_source_by_hand():
     import polars as pl
 
+    from tasks.algos.metrics import split_by_source
     from tasks.analysis.show import pass_at
     from tasks.stages.evaluate import source_figures, sources_of
 
@@ -85,4 +86,4 @@ def test_eval_figures_per_source_by_hand():
         "accuracy/y": 0.0, "pass_at_2/y": 0.5, "mean_length/y": 20.0, "prompts/y": 1,
     }  # fmt: skip
     assert sources_of(held_out.drop("extra")) is None
-    assert pass_at({"pass_at_2": 0.3, **figures}, "") == 0.3 and pass_at({"pass_at_2": 0.3, **figures}, "y") == 0.5
+    assert pass_at({"pass_at_2": 0.3, **figures}) == 0.3 and pass_at(split_by_source(figures)["y"]) == 0.5

@@ -91,3 +91,14 @@ def prm_summary(df: pl.DataFrame) -> dict:
         "response_accuracy": float(((per["p"] >= 0.5).cast(pl.Float64) == per["y"]).mean()) if per.height else None,
         "response_auc": auc(per["p"], per["y"] >= 0.5),
     }
+
+
+def split_by_source(figures: dict) -> dict[str, dict]:
+    """An eval manifest's per-source figures (`accuracy/<source>`, ...) as {source: {figure: value}}, sources sorted;
+    {} when the dataset names no sources."""
+    out: dict[str, dict] = {}
+    for key, value in figures.items():
+        if "/" in key:
+            name, source = key.split("/", 1)
+            out.setdefault(source, {})[name] = value
+    return dict(sorted(out.items()))

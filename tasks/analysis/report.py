@@ -12,6 +12,7 @@ import polars as pl
 
 from schemas.errors import NotFound, UserError
 from storage import RunLayout, read_manifest, scan
+from tasks.algos.metrics import split_by_source
 from tasks.analysis.agent_stats import per_iteration
 from tasks.analysis.reward_hacking import Flag, hacking_flags, repetition_rate
 
@@ -105,11 +106,10 @@ def source_accuracy(layout: RunLayout) -> dict[str, tuple[list[int], list[float]
     out: dict[str, tuple[list[int], list[float]]] = {}
     for it in layout.iterations("eval"):
         m = read_manifest(layout, "eval", it, verify=False)
-        for key, value in (m["extra"] if m else {}).items():
-            if key.startswith("accuracy/"):
-                its, values = out.setdefault(key.split("/", 1)[1], ([], []))
-                its.append(it)
-                values.append(value)
+        for source, figures in split_by_source(m["extra"] if m else {}).items():
+            its, values = out.setdefault(source, ([], []))
+            its.append(it)
+            values.append(figures["accuracy"])
     return dict(sorted(out.items()))
 
 

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from schemas.errors import NotFound
 from storage import RunLayout, folder_bytes, has_weight_files, read_manifest, scan, state_bytes, verified_parts
+from tasks.algos.metrics import split_by_source
 from tasks.analysis.agent_stats import per_iteration
 from tasks.analysis.query import warn_strays
 
@@ -120,17 +121,9 @@ def metrics_table(metrics, wide: bool, last: int = 5) -> Table | None:
     return table
 
 
-def pass_at(figures: dict, source: str) -> float:
-    """An eval manifest's pass@k, overall (`source` "") or of one source (`pass_at_k/<source>`)."""
-    suffix = f"/{source}" if source else ""
-    return next(
-        (
-            v
-            for k, v in figures.items()
-            if k.startswith("pass_at_") and k.endswith(suffix) and ("/" in k) == bool(source)
-        ),
-        float("nan"),
-    )
+def pass_at(figures: dict) -> float:
+    """The pass@k among eval figures (its key names k: `pass_at_4`)."""
+    return next((v for k, v in figures.items() if k.startswith("pass_at_") and "/" not in k), float("nan"))
 
 
 def eval_table(layout) -> Table:
@@ -141,7 +134,7 @@ def eval_table(layout) -> Table:
         m = read_manifest(layout, "eval", it, verify=False)
         if m and "accuracy" in m["extra"]:
             e = m["extra"]
-            pk = pass_at(e, "")
+            pk = pass_at(e)
             table.add_row(
                 str(it),
                 f"{e['accuracy']:.4f}",
@@ -151,14 +144,14 @@ def eval_table(layout) -> Table:
                 str(e["prompts"]),
                 f"{m['wall_seconds']:.0f}",
             )
-            for source in sorted({key.split("/", 1)[1] for key in e if key.startswith("accuracy/")}):
+            for source, f in split_by_source(e).items():
                 table.add_row(
                     f"{it} {source}",
-                    f"{e[f'accuracy/{source}']:.4f}",
-                    f"{pass_at(e, source):.4f}",
+                    f"{f['accuracy']:.4f}",
+                    f"{pass_at(f):.4f}",
                     "",
-                    f"{e.get(f'mean_length/{source}', float('nan')):.1f}",
-                    str(e.get(f"prompts/{source}", "")),
+                    f"{f.get('mean_length', float('nan')):.1f}",
+                    str(f.get("prompts", "")),
                     "",
                 )
     return table

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from storage import read_manifest, scan, write_json_atomic
+from tasks.algos.metrics import split_by_source
 from tasks.stages.common import load_run, stage_task
 
 
@@ -51,12 +52,7 @@ def collect_summary(storage_root: str, run_id: str) -> dict:
             }
         )
         for when, it in (("start", 0), ("final", final_it)):  # per source, when the dataset names its sources
-            figures = {key: v for key, v in evals.get(it, {}).items() if "/" in key}
-            if figures:
-                by: dict = {}
-                for key, v in figures.items():
-                    name, source = key.split("/", 1)
-                    by.setdefault(source, {})[name] = v
+            if by := split_by_source(evals.get(it, {})):
                 summary[f"eval_by_source_{when}"] = by
         rhos = {
             str(it): e["reward_model_rule_spearman"]
