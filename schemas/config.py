@@ -188,6 +188,111 @@ class PromptConfig(Section):
         return value
 
 
+def check_seed_ranges(what: str, seed: int, train_draws: int, eval_seed: int, eval_draws: int) -> None:
+    """reasoning-gym seeds entry i with seed + i: overlapping ranges would draw the same entries on both sides."""
+    train, held_out = (seed, seed + train_draws), (eval_seed, eval_seed + eval_draws)
+    if train[0] < held_out[1] and held_out[0] < train[1]:
+        raise ValueError(
+            f"{what}.eval_seed {eval_seed}: reasoning-gym draws entry i from seed + i, and the held-out draws "
+            f"[{held_out[0]}, {held_out[1]}) meet the train draws [{train[0]}, {train[1]})"
+        )
+
+
+class ReasoningGymGenerator(Section):
+    """A source's prompts generated here, offline, from one of reasoning-gym's tasks (docs/reasoning-tasks.md)."""
+
+    task: str = Field(..., description="reasoning-gym's task name (leg_counting, chain_sum, gsm_symbolic, ...).")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The task's settings: the fields of its config dataclass (leg_counting: min_animals, ...); its "
+        "size and seed are this section's. With a curriculum, the settings it steps through replace these.",
+    )
+    n_train: int = Field(1000, ge=1, description="Train prompts (with a curriculum: at each level).")
+    n_eval: int = Field(100, ge=1, description="Held-out prompts, none asked in training.")
+    seed: int = Field(1234, ge=0, description="The train entries' seed (reasoning-gym draws entry i from seed + i).")
+    eval_seed: int = Field(
+        1_000_000_000,
+        ge=0,
+        description="The held-out entries' seed; its range of 2 × n_eval draws must not meet the train range.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="The system message before each question; None: reasoning-gym's default, which asks for the "
+        "final answer in <answer> tags.",
+    )
+
+
+class CurriculumConfig(Section):
+    """A source that steps through difficulty levels by a rule on its own measured train accuracy: a generator's
+    (reasoning-gym's own curriculum for the task, every attribute at the level), or its files' `level` column."""
+
+    levels: int = Field(
+        ...,
+        ge=2,
+        description="Levels 0 .. levels-1: of the task's curriculum, each with n_train prompts, or of the files' "
+        "`level` column.",
+    )
+    start_level: int = Field(0, ge=0, description="The level of the first iteration.")
+    window: int = Field(
+        2, ge=1, description="Move up after this many iterations at a level, each at or over the threshold."
+    )
+    threshold: float = Field(
+        0.7,
+        description="The source's mean reward over its samples of an iteration (for reasoning-gym's rewards in "
+        "[0, 1], its accuracy) that counts towards moving up.",
+    )
+    eval_level: int | None = Field(
+        None,
+        ge=0,
+        description="A generator's held-out prompts' level; None: the last (the difficulty the curriculum aims "
+        "at). A file source's held-out files are evaluated whole.",
+    )
+
+    @model_validator(mode="after")
+    def _levels(self) -> "CurriculumConfig":
+        for key in ("start_level", "eval_level"):
+            value = getattr(self, key)
+            if value is not None and value >= self.levels:
+                raise ValueError(f"curriculum.{key}={value} is not one of the levels 0..{self.levels - 1}")
+        return self
+
+
+class DataSource(Section):
+    """One source of prompts in a mix: files, or a generator; its rows carry its name as the `source` column."""
+
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Its name: the `source` column of its rows, and the key of its eval figures.",
+    )
+    weight: float = Field(1.0, ge=0, description="Its share of each round's prompts (weights are normalised).")
+    train_files: FileList = Field(default_factory=list, description="Its prompt files (read as data.train_files).")
+    eval_files: FileList = Field(
+        default_factory=list, description="Its held-out files; empty: data.eval_fraction of its train rows."
+    )
+    reasoning_gym: ReasoningGymGenerator | None = Field(
+        None, description="Instead of files: prompts generated from a reasoning-gym task."
+    )
+    curriculum: CurriculumConfig | None = Field(
+        None,
+        description="Step through difficulty levels (docs/reasoning-tasks.md): a reasoning_gym generator's, or the "
+        "integer `level` column (0 .. levels-1) of the source's files.",
+    )
+
+    @model_validator(mode="after")
+    def _kind(self) -> "DataSource":
+        what = f"data.sources[{self.name}]"
+        if bool(self.train_files) == (self.reasoning_gym is not None):
+            raise ValueError(f"{what}: name either train_files or a reasoning_gym generator (one of the two)")
+        if self.eval_files and self.reasoning_gym is not None:
+            raise ValueError(f"{what}: a reasoning_gym generator writes its own held-out prompts (no eval_files)")
+        g = self.reasoning_gym
+        if g is not None:
+            levels = self.curriculum.levels if self.curriculum else 1
+            check_seed_ranges(f"{what}.reasoning_gym", g.seed, levels * g.n_train, g.eval_seed, 2 * g.n_eval)
+        return self
+
+
 class DataConfig(Section):
     """Your prompts: Parquet or JSONL files (paths or globs), read once into the run's `dataset` table."""
 
@@ -220,6 +325,27 @@ class DataConfig(Section):
         description="drop: overlong prompts are left out and counted in "
         "the dataset manifest; error: the first one stops the run with its id.",
     )
+    sources: list[DataSource] = Field(
+        default_factory=list,
+        description="Several prompt sources mixed by weight in every round (instead of train_files/eval_files), "
+        "each evaluated apart (docs/reasoning-tasks.md).",
+    )
+
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"sources"})
+
+    @model_validator(mode="after")
+    def _sources(self) -> "DataConfig":
+        if not self.sources:
+            return self
+        if self.train_files or self.eval_files:
+            raise ValueError("data.sources replaces data.train_files/eval_files: name the files in their source")
+        names = [s.name for s in self.sources]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"data.sources: the name {twice[0]!r} is used twice")
+        if not any(s.weight > 0 for s in self.sources):
+            raise ValueError("data.sources: every weight is 0; at least one source must be drawn from")
+        return self
 
 
 class ArithmeticTask(Section):
@@ -345,13 +471,7 @@ class ReasoningGymTask(Section):
 
     @model_validator(mode="after")
     def _seeds(self) -> "ReasoningGymTask":
-        # reasoning-gym seeds entry i with seed + i: overlapping ranges would draw the same entries on both sides.
-        train, held_out = (self.seed, self.seed + self.n_train), (self.eval_seed, self.eval_seed + 2 * self.n_eval)
-        if train[0] < held_out[1] and held_out[0] < train[1]:
-            raise ValueError(
-                f"task.eval_seed {self.eval_seed}: reasoning-gym draws entry i from seed + i, and the held-out draws "
-                f"[{held_out[0]}, {held_out[1]}) meet the train draws [{train[0]}, {train[1]})"
-            )
+        check_seed_ranges("task", self.seed, self.n_train, self.eval_seed, 2 * self.n_eval)
         return self
 
 

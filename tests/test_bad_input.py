@@ -10,6 +10,8 @@ from schemas.config import DataConfig
 from tasks.data.datasets import DatasetError, prompt_rows
 from tests.conftest import rlpipe, tiny_config
 
+NO_FILES = ["--set", "data.train_files=[]", "--set", "data.eval_files=[]"]  # data.sources replaces them
+
 
 @pytest.mark.parametrize(
     "args, needle",
@@ -29,6 +31,10 @@ from tests.conftest import rlpipe, tiny_config
         (
             ["--set", "task={name: reasoning_gym, out_dir: '{ws}/rg', tasks: {nope: {}}}"],
             "reasoning-gym has no task 'nope'",
+        ),
+        (
+            [*NO_FILES, "--set", "data.sources=[{name: a, weight: 0, train_files: '{ws}/data/train.parquet'}]"],
+            "data.sources: every weight is 0",
         ),
         (["--set", "storage_root={ws}/a-file/runs"], "cannot write to storage root"),
         (["--config-path", "{ws}/missing.yaml"], "config file not found"),
@@ -78,6 +84,25 @@ def test_max_tokens_beyond_the_model_context_is_refused_before_generating(base_m
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize(
+    "source, needle",
+    [
+        ("{name: g, reasoning_gym: {task: nope}}", "reasoning-gym has no task 'nope'"),
+        (
+            "{name: g, reasoning_gym: {task: leg_counting, config: {legs: 3}}}",
+            "reasoning-gym task 'leg_counting' rejects its settings",
+        ),
+    ],
+)
+def test_a_bad_generated_source_is_one_line_before_any_engine_starts(base_model, source, needle):
+    workspace, cfg = base_model
+    sources = ["--set", f"data.sources=[{source}]", "--set", f"model.path={workspace}/models/base"]
+    proc = rlpipe("run", str(cfg), *NO_FILES, *sources, cwd=workspace, check=False)
+    assert proc.returncode == 1 and needle in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1, proc.stderr
+    assert not list((workspace / "runs").glob("*/*/iter=*/_manifest.json"))
+
+
 def test_every_group_filtered_for_max_rounds_stops_the_run(base_model):
     """All-zero reward weights give every group zero variance: after max_rounds the batch stage refuses to
     train on nothing, names the cause, and no batch (nor anything after it) is marked complete."""

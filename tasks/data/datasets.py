@@ -146,7 +146,11 @@ def as_text(values: pl.Series) -> pl.Series:
 
 def prompt_rows(patterns: list[str], data: DataConfig, what: str, id_prefix: str) -> pl.DataFrame:
     """prompt_id, prompt, answer, extra (when the data has other columns), _file, _row."""
-    df = read_files(patterns, what)
+    return frame_rows(read_files(patterns, what), data, what, id_prefix)
+
+
+def frame_rows(df: pl.DataFrame, data: DataConfig, what: str, id_prefix: str) -> pl.DataFrame:
+    """prompt_rows of rows already read (with their `_file` and `_row`)."""
     prompts = prompt_column(df, data.prompt_key, what)
     out = {"prompt": prompts}
     if data.answer_key:

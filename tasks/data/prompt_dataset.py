@@ -10,15 +10,17 @@ import polars as pl
 
 from schemas.config import DataConfig, PromptConfig
 from schemas.tables import DATASET, LIST_I32, MESSAGES
+from tasks.data.data_sources import merged_sources, source_rows
 from tasks.data.datasets import DatasetError, formatted_prompts, prompt_rows
 from tasks.data.formatting import PromptFormatter
 
 
-def split_rows(data: DataConfig, seed: int) -> dict[str, pl.DataFrame]:
-    """{"train": rows, "eval": rows}: the eval files, or a seeded `eval_fraction` of the train rows (order kept)."""
-    train = prompt_rows(data.train_files, data, "data.train_files", "train")
+def split_rows(data: DataConfig, seed: int, prefix: str = "") -> dict[str, pl.DataFrame]:
+    """{"train": rows, "eval": rows}: the eval files, or a seeded `eval_fraction` of the train rows (order kept).
+    `prefix` starts the numbered ids of files without data.id_key (a source's name in a mix)."""
+    train = prompt_rows(data.train_files, data, "data.train_files", f"{prefix}train")
     if data.eval_files:
-        return {"train": train, "eval": prompt_rows(data.eval_files, data, "data.eval_files", "eval")}
+        return {"train": train, "eval": prompt_rows(data.eval_files, data, "data.eval_files", f"{prefix}eval")}
     held = set(random.Random(seed).sample(range(train.height), round(data.eval_fraction * train.height)))
     is_held = pl.Series([i in held for i in range(train.height)])
     return {"train": train.filter(~is_held), "eval": train.filter(is_held)}
@@ -55,22 +57,32 @@ def formatted(
 
 def build_prompt_dataset(data: DataConfig, prompt: PromptConfig, tokenizer, seed: int) -> tuple[pl.DataFrame, dict]:
     """The `dataset` table and its statistics (prompts per split, dropped overlong prompts, longest prompt)."""
-    if not data.train_files:
+    if not data.train_files and not data.sources:
         raise DatasetError(
             "data.train_files is empty: name your prompt files (Parquet or JSONL), or use a built-in task"
         )
     formatter = PromptFormatter(tokenizer, prompt)
-    frames, dropped = [], {}
-    for split, rows in split_rows(data, seed).items():
-        what = f"data.{split}_files" if split == "train" or data.eval_files else "data.train_files"
-        frame, dropped[split] = formatted(rows, split, formatter, data, what)
-        if rows.height and not frame.height:
-            raise DatasetError(f"{what}: every prompt is longer than data.max_prompt_tokens={data.max_prompt_tokens}")
-        frames.append(frame)
-    try:
-        table = pl.concat(frames, how="vertical_relaxed")
-    except pl.exceptions.PolarsError:
-        raise DatasetError("data.eval_files: their columns differ from data.train_files'") from None
+    frames, dropped = [], {"train": 0, "eval": 0}
+    for source, splits in source_rows(data, seed) if data.sources else [(None, split_rows(data, seed))]:
+        for split, rows in splits.items():
+            if source:
+                what = f"data.sources[{source}]"
+            else:
+                what = f"data.{split}_files" if split == "train" or data.eval_files else "data.train_files"
+            frame, overlong = formatted(rows, split, formatter, data, what)
+            dropped[split] += overlong
+            if rows.height and not frame.height:
+                raise DatasetError(
+                    f"{what}: every prompt is longer than data.max_prompt_tokens={data.max_prompt_tokens}"
+                )
+            frames.append(frame)
+    if data.sources:
+        table = merged_sources(frames)
+    else:
+        try:
+            table = pl.concat(frames, how="vertical_relaxed")
+        except pl.exceptions.PolarsError:
+            raise DatasetError("data.eval_files: their columns differ from data.train_files'") from None
     stats = {
         "prompts": {s: int((table["split"] == s).sum()) for s in ("train", "eval")},
         "dropped_overlong": dropped,

@@ -53,6 +53,55 @@ def entries(task: str, config: dict, size: int, seed: int) -> list[dict]:
         raise SourceError(f"reasoning-gym task {task!r} rejects its settings {config}: {type(exc).__name__}: {exc}")
 
 
+def level_config(task: str, config: dict, level: int) -> dict:
+    """The task's settings at a level of reasoning-gym's own curriculum for it (every attribute at that level, or at
+    its last where it has fewer), over `config`."""
+    import dataclasses
+
+    from reasoning_gym.factory import create_curriculum, has_curriculum
+
+    if not has_curriculum(task):
+        raise SourceError(f"reasoning-gym task {task!r} has no curriculum of difficulty levels")
+    curriculum = create_curriculum(task)
+    curriculum.set_global_level(level)
+    try:
+        made = curriculum.generate_configuration(defaults=config)
+    except Exception as exc:  # noqa: BLE001  (the config dataclass raises TypeError for an unknown setting)
+        raise SourceError(f"reasoning-gym task {task!r} rejects its settings {config}: {type(exc).__name__}: {exc}")
+    return {k: v for k, v in dataclasses.asdict(made).items() if k not in ("size", "seed")}
+
+
+def held_out(task: str, config: dict, n_eval: int, eval_seed: int, asked: set[str], what: str) -> list[dict]:
+    """n_eval entries from eval_seed whose questions training does not ask (drawn twice over, so that dropping those
+    still leaves n_eval)."""
+    fresh = [e for e in entries(task, config, 2 * n_eval, eval_seed) if e["question"] not in asked]
+    if len(fresh) < n_eval:
+        raise SourceError(
+            f"{what}: only {len(fresh)} of {2 * n_eval} held-out questions are not asked in training; its settings "
+            f"allow too few distinct questions for n_eval={n_eval}"
+        )
+    return fresh[:n_eval]
+
+
+def entry_frame(rows: list[tuple[str, dict]], ids: list[str], system: str | None) -> pl.DataFrame:
+    """Prompt rows of (source, entry) pairs: prompt_id, prompt (a system and a user message), answer, source, entry."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    system = SYSTEM_PROMPTS["default"] if system is None else system
+    return pl.DataFrame(
+        {
+            "prompt_id": ids,
+            "prompt": [
+                [{"role": "system", "content": system}, {"role": "user", "content": e["question"]}] for _, e in rows
+            ],
+            "answer": [str(e["answer"]) for _, e in rows],
+            "source": [name for name, _ in rows],
+            "entry": [json.dumps(e, sort_keys=True, default=str) for _, e in rows],
+        },
+        schema={"prompt_id": pl.Utf8, "prompt": MESSAGES, "answer": pl.Utf8, "source": pl.Utf8, "entry": pl.Utf8},
+    )
+
+
 def make_files(
     tasks: dict[str, tuple[float, dict]],
     n_train: int,
@@ -62,40 +111,19 @@ def make_files(
     system_prompt: str | None,
 ) -> dict[str, pl.DataFrame]:
     """train (n_train rows dealt by weight), eval (n_eval rows per task) and sft files."""
-    from reasoning_gym.utils import SYSTEM_PROMPTS
-
-    system = SYSTEM_PROMPTS["default"] if system_prompt is None else system_prompt
     counts = shares(n_train, {name: weight for name, (weight, _) in tasks.items()})
-    train, held_out = [], []
+    train, evals = [], []
     for name, (_, config) in tasks.items():
         mine = entries(name, config, counts[name], seed)
         asked = {e["question"] for e in mine}
-        # Drawn twice over, so that dropping the questions training also asks still leaves n_eval.
-        fresh = [e for e in entries(name, config, 2 * n_eval, eval_seed) if e["question"] not in asked]
-        if len(fresh) < n_eval:
-            raise SourceError(
-                f"reasoning-gym task {name!r}: only {len(fresh)} of {2 * n_eval} held-out questions are not asked in "
-                f"training; its settings allow too few distinct questions for n_eval={n_eval}"
-            )
         train += [(name, e) for e in mine]
-        held_out += [(name, e) for e in fresh[:n_eval]]
+        evals += [(name, e) for e in held_out(name, config, n_eval, eval_seed, asked, f"reasoning-gym task {name!r}")]
 
     def frame(rows, prefix):
-        return pl.DataFrame(
-            {
-                "prompt_id": [f"{prefix}-{name}-{i:06d}" for i, (name, _) in enumerate(rows)],
-                "prompt": [
-                    [{"role": "system", "content": system}, {"role": "user", "content": e["question"]}] for _, e in rows
-                ],  # fmt: skip
-                "answer": [str(e["answer"]) for _, e in rows],
-                "source": [name for name, _ in rows],
-                "entry": [json.dumps(e, sort_keys=True, default=str) for _, e in rows],
-            },
-            schema={"prompt_id": pl.Utf8, "prompt": MESSAGES, "answer": pl.Utf8, "source": pl.Utf8, "entry": pl.Utf8},
-        )
+        return entry_frame(rows, [f"{prefix}-{name}-{i:06d}" for i, (name, _) in enumerate(rows)], system_prompt)
 
     train_frame = frame(train, "train")
     sft = train_frame.select(
         "prompt_id", "prompt", pl.format("<answer>{}</answer>", pl.col("answer")).alias("response")
     )
-    return {"train": train_frame, "eval": frame(held_out, "eval"), "sft": sft}
+    return {"train": train_frame, "eval": frame(evals, "eval"), "sft": sft}

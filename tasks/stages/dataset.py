@@ -1,8 +1,9 @@
 """Stage `dataset` (iteration 0): the user's prompt files, read, checked, formatted and tokenized once.
 
-Reads `data.train_files` and `data.eval_files` (or a held-out fraction of the train rows) with the tokenizer of
-model.path; writes `dataset` (split, prompt_id, text, prompt_token_ids, messages, answer, extra). The fingerprint
-covers the files' contents, the data and prompt sections and the tokenizer, so changing any of them re-reads.
+Reads `data.train_files` and `data.eval_files` (or a held-out fraction of the train rows), or the sources of
+`data.sources` (tasks/data/data_sources.py), with the tokenizer of model.path; writes `dataset` (split, prompt_id,
+text, prompt_token_ids, messages, answer, extra). The fingerprint covers the files' contents, the data and prompt
+sections and the tokenizer, so changing any of them re-reads.
 Every later stage (prompts, eval, generated preferences) samples from this table, never from the files.
 """
 
@@ -41,5 +42,15 @@ def dataset_task(storage_root: str, run_id: str) -> StageOutput:
         "train_files": files_fingerprint(d.train_files, "data.train_files") if d.train_files else "",
         "eval_files": files_fingerprint(d.eval_files, "data.eval_files") if d.eval_files else "",
         "tokenizer": tokenizer_fingerprint(ctx.cfg.model.path),
+        # A mix's files (its generators' settings are in the data section); set only for a mix, so that the
+        # fingerprints of runs without one stay as they were.
+        **(
+            {
+                f"source_{s.name}_{side}": files_fingerprint(files, f"data.sources[{s.name}].{side}")
+                for s in d.sources
+                for side, files in (("train_files", s.train_files), ("eval_files", s.eval_files))
+                if files
+            }
+        ),
     }
     return run_stage(ctx, 0, inputs=inputs, compute=compute)

@@ -7,11 +7,13 @@ seeded permutation, so no prompt repeats within an iteration and a restart draws
 
 from __future__ import annotations
 
+import json
 import random
 
 import polars as pl
 
 from storage import StageOutput, read_stage
+from tasks.data.data_sources import curriculum_levels, sample_from_sources
 from tasks.stages.common import Computed, load_run, run_stage, stage_task
 from tasks.stages.spec import StageSpec
 
@@ -36,12 +38,57 @@ def split_of(ctx, split: str) -> pl.DataFrame:
 def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, SPEC)
 
+    cfg = ctx.cfg
+    sources = cfg.data.sources
+    # A curriculum's levels follow the scores of earlier iterations: an input, so a changed score redraws.
+    levels = source_levels(ctx, iteration) if any(s.curriculum for s in sources) else {}
+
     def compute():
+        n = cfg.rollout.prompts_per_round
+        if not sources:
+            return Computed(sample_prompts(split_of(ctx, "train"), n, cfg.seed, iteration, round_))
+        picked = sample_from_sources(split_of(ctx, "train"), sources, levels, n, cfg.seed, iteration, round_)
         return Computed(
-            sample_prompts(split_of(ctx, "train"), ctx.cfg.rollout.prompts_per_round, ctx.cfg.seed, iteration, round_)
+            picked.select(
+                pl.lit(iteration, pl.Int32).alias("iteration"),
+                pl.lit(round_, pl.Int32).alias("round"),
+                pl.exclude("split"),
+            ),
+            extra={"levels": levels} if levels else {},
         )
 
-    return run_stage(ctx, iteration, part=round_, inputs={**upstream, "round": str(round_)}, compute=compute)
+    inputs = {**upstream, "round": str(round_), **({"levels": json.dumps(levels, sort_keys=True)} if levels else {})}
+    return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
+
+
+def source_levels(ctx, iteration: int) -> dict[str, int]:
+    """Each curriculum source's level in `iteration` (tasks/data/data_sources.curriculum_levels), from its mean reward
+    on its own prompts at its level in the earlier iterations' scores."""
+    train = split_of(ctx, "train").select(
+        "prompt_id",
+        pl.col("extra").struct.field("source").alias("source"),
+        pl.col("extra").struct.field("level").alias("level"),
+    )
+    scored: dict[int, pl.DataFrame] = {}
+
+    def accuracy(source: str):
+        def of(j: int, level: int) -> float | None:
+            if j not in scored:
+                rewards = read_stage(ctx.layout, "scores", j).select(
+                    "prompt_id", pl.col("reward").fill_nan(0.0).fill_null(0.0)
+                )
+                scored[j] = rewards.join(train, on="prompt_id")
+            mine = scored[j].filter((pl.col("source") == source) & (pl.col("level") == level))
+            return float(mine["reward"].mean()) if mine.height else None
+
+        return of
+
+    lag = ctx.cfg.generation_ahead
+    return {
+        s.name: curriculum_levels(accuracy(s.name), iteration, s.curriculum, lag)[-1]
+        for s in ctx.cfg.data.sources
+        if s.curriculum
+    }
 
 
 SPEC = StageSpec("prompts", reads=("dataset",), sections=("rollout",), scope="round", task=prompts_task)

@@ -25,7 +25,8 @@ def collect_summary(storage_root: str, run_id: str) -> dict:
                 walls[stage] = walls.get(stage, 0.0) + float(m["wall_seconds"])
     k = ctx.cfg.eval.pass_k
     cfg = ctx.cfg
-    task = f"{cfg.task.name} ({', '.join(cfg.data.train_files)})" if cfg.task else ", ".join(cfg.data.train_files)
+    files = ", ".join(cfg.data.train_files) or ", ".join(f"{s.name} ×{s.weight:g}" for s in cfg.data.sources)
+    task = f"{cfg.task.name} ({files})" if cfg.task else files
     summary = {
         "run_id": run_id,
         "model": cfg.model.path,

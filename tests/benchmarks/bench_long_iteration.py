@@ -1,0 +1,87 @@
+"""Whole iterations on the long-response workload (`make bench ARGS=long_iteration`): infra/configs/long_reasoning.yaml
+(SmolLM2-135M-Instruct, step-by-step arithmetic, answers of up to 512 tokens, 8 prompts × 8 a round, up to 2 rounds
+to fill 8 groups that are not all right or all wrong) run for 10 iterations twice, one after the other in this process:
+
+- defaults: every response generated whole, π_old from the trainer's own pass (`loss.old_logprobs: trainer`);
+- partial: `rollout.partial_tokens: 128` (unfinished sequences carried into the next round or iteration, at most 2
+  updates old: `rl.max_staleness: 2`) and π_old from the sampler (`loss.old_logprobs: sampler`: the logprobs stage
+  runs only the reference pass the KL needs).
+
+Both keep the config's token-budget micro-batches and gradient checkpointing, so the two differ in those two settings
+alone. The final eval is greedy plus one sample on the 128 held-out prompts (eval.samples 1).
+
+Rows:
+- long_iteration_samples: samples trained a second over iterations 2..9 (the first pays the engines' start, the last
+  the final eval), partial against defaults;
+- long_iteration_accuracy: held-out greedy accuracy after the 10 iterations, partial against defaults.
+
+Printed beside them: each side's stage seconds an iteration, responses ended a second, and generated tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from tests.benchmarks import result_row, run_with_evals
+
+CONFIG = "infra/configs/long_reasoning.yaml"
+ROOT = Path("runs/bench/long_iteration")
+ITERATIONS = 10
+COMMON = [f"storage_root={ROOT}", "rl.eval_every=1000", "eval.samples=1", "eval.pass_k=1", "batch.max_rounds=2"]
+SIDES = {
+    "defaults": ["loss.old_logprobs=trainer"],
+    "partial": ["loss.old_logprobs=sampler", "rollout.partial_tokens=128", "rl.max_staleness=2"],
+}
+STAGES = ("rollouts", "scores", "batch", "logprobs", "advantages", "optimize")
+
+
+def measure(side: str) -> dict:
+    from storage import read_stage
+
+    layout, start, ends = run_with_evals(CONFIG, [*COMMON, *SIDES[side]], side, ITERATIONS, "grpo")
+    measured = range(2, ITERATIONS)  # iteration 1 starts the engines; the last one's end includes the final eval
+    walls = [ends[k - 1] - ends[k - 2] for k in measured]
+    m = pl.concat([read_stage(layout, "train_metrics", k) for k in measured], how="diagonal")
+    ended = sum(read_stage(layout, "rollouts", k).height for k in measured)
+    tokens = sum(int(read_stage(layout, "rollouts", k)["length"].sum()) for k in measured)
+    evals = read_stage(layout, "eval", ITERATIONS)
+    out = {
+        "side": side,
+        "seconds": sum(walls) / len(walls),
+        "samples_per_s": float(m["samples"].sum()) / sum(walls),
+        "ended_per_s": ended / sum(walls),
+        "tokens": tokens,
+        "accuracy": float(evals["greedy_correct"].mean()),
+        "stages": {s: float(m[f"seconds_{s}"].mean()) for s in STAGES if f"seconds_{s}" in m.columns},
+        "generate": float(m["seconds_generate"].mean()),
+    }
+    stages = ", ".join(f"{s} {v:.1f}" for s, v in out["stages"].items())
+    print(
+        f"long_iteration {side}: {out['seconds']:.1f} s an iteration over iterations 2-{ITERATIONS - 1} "
+        f"({stages}; vLLM generating {out['generate']:.1f}); {out['samples_per_s']:.3f} samples trained/s, "
+        f"{out['ended_per_s']:.3f} responses ended/s, {tokens} tokens in the ended responses; held-out greedy "
+        f"accuracy {out['accuracy']:.3f}; {ends[-1] - start:.0f} s in all, the final eval included"
+    )
+    return out
+
+
+def run() -> list[dict]:
+    defaults, partial = measure("defaults"), measure("partial")
+    return [
+        result_row(
+            "long_iteration_samples",
+            "defaults (whole responses, π_old from the trainer)",
+            defaults["samples_per_s"],
+            partial["samples_per_s"],
+            "samples trained/s",
+        ),
+        result_row(
+            "long_iteration_accuracy",
+            "defaults (whole responses, π_old from the trainer)",
+            defaults["accuracy"],
+            partial["accuracy"],
+            "held-out greedy accuracy",
+        ),
+    ]
