@@ -155,7 +155,8 @@ def partial_metrics(rounds: list[dict]) -> dict[str, float]:
 def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
     """Wall seconds of each earlier stage of the iteration (every table the run holds for it, but this one and the eval
     that follows), and what their manifests record of the engines: the rollouts' generation and weight sync, the
-    logprobs forward passes (`seconds_logprobs_forward`) and the trainer's peak memory after them."""
+    logprobs forward passes (`seconds_logprobs_forward`) and the trainer's peak memory after them, and the curricula's
+    levels."""
     out = {}
     for stage in (s for s in ctx.layout.stages() if s not in (SPEC.name, "eval")):
         m = read_manifest(ctx.layout, stage, iteration, verify=False)
@@ -164,6 +165,8 @@ def stage_metrics(ctx: RunContext, iteration: int) -> dict[str, float]:
             extra = m.get("extra", {})
             if stage == "rollouts":
                 out.update(rollout_engine_metrics([v for k, v in extra.items() if k.startswith("round")]))
+            if stage == "prompts":  # each curriculum source's level this iteration (data.sources)
+                out.update({f"curriculum_level/{k}": float(v) for k, v in extra.get("levels", {}).items()})
             if stage == "logprobs" and "forward_seconds" in extra:
                 out["seconds_logprobs_forward"] = float(extra["forward_seconds"])
                 out["logprobs_peak_rss_gib"] = float(extra.get("peak_rss_gib", float("nan")))

@@ -1,6 +1,7 @@
 """Whole iterations on the long-response workload (`make bench ARGS=long_iteration`): infra/configs/long_reasoning.yaml
-(SmolLM2-135M-Instruct, step-by-step arithmetic, answers of up to 512 tokens, 8 prompts × 8 a round, up to 2 rounds
-to fill 8 groups that are not all right or all wrong) run for 10 iterations twice, one after the other in this process:
+(SmolLM2-135M-Instruct, step-by-step arithmetic, answers of up to 512 tokens, one round of 8 prompts × 8 an
+iteration, the groups that are not all right or all wrong trained) run for 10 iterations twice, one after the other in
+this process, nothing else running:
 
 - defaults: every response generated whole, π_old from the trainer's own pass (`loss.old_logprobs: trainer`);
 - partial: `rollout.partial_tokens: 128` (unfinished sequences carried into the next round or iteration, at most 2
@@ -29,7 +30,7 @@ from tests.benchmarks import result_row, run_with_evals
 CONFIG = "infra/configs/long_reasoning.yaml"
 ROOT = Path("runs/bench/long_iteration")
 ITERATIONS = 10
-COMMON = [f"storage_root={ROOT}", "rl.eval_every=1000", "eval.samples=1", "eval.pass_k=1", "batch.max_rounds=2"]
+COMMON = [f"storage_root={ROOT}", "rl.eval_every=1000", "eval.samples=1", "eval.pass_k=1"]
 SIDES = {
     "defaults": ["loss.old_logprobs=trainer"],
     "partial": ["loss.old_logprobs=sampler", "rollout.partial_tokens=128", "rl.max_staleness=2"],
