@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
+import pydantic_core
 import yaml
 from pydantic import (
     AfterValidator,
@@ -1762,7 +1763,8 @@ class RunConfig(Section):
             section, _, name = key.partition(".")
             value = getattr(getattr(self, section), name)
             if not _at_default(getattr(self, section), name):
-                set_keys[key] = value
+                # a key may hold sections (data.sources: a list of them)
+                set_keys[key] = pydantic_core.to_jsonable_python(value)
         if set_keys:
             payload["keys"] = set_keys
         payload["seed"] = self.seed

@@ -26,7 +26,7 @@ def mix(workspace) -> list[str]:
     held_out.slice(eval_half).write_parquet(data / "plain_eval.parquet")
     sources = (
         f"[{{name: add, weight: 3, train_files: {data}/add.parquet, eval_files: {data}/add_eval.parquet, "
-        "curriculum: {levels: 2, window: 1, threshold: 0.25}}, "
+        "curriculum: {levels: 2, window: 1, threshold: 0.05}}, "
         f"{{name: plain, weight: 1, train_files: {data}/plain.parquet, eval_files: {data}/plain_eval.parquet}}]"
     )
     return [
@@ -50,7 +50,8 @@ def test_a_mix_with_a_curriculum_resumed_mid_curriculum_takes_the_same_path(tiny
 
     layout = RunLayout(workspace / "runs", "mix")
     levels, prompts = levels_and_prompts(layout)
-    assert (levels, prompts) == levels_and_prompts(RunLayout(workspace / "runs", "mix-killed"))
+    resumed_levels, resumed = levels_and_prompts(RunLayout(workspace / "runs", "mix-killed"))
+    assert resumed_levels == levels and all(resumed[k].equals(prompts[k]) for k in prompts)
 
     # The recorded levels are the rule applied to the stored scores: each iteration's mean reward of `add`'s samples
     # on prompts at that iteration's level.
@@ -66,7 +67,7 @@ def test_a_mix_with_a_curriculum_resumed_mid_curriculum_takes_the_same_path(tiny
     config = load_config(str(cfg), [a for a in args if a != "--set"])
     sources = config.data.sources
     assert levels == curriculum_levels(accuracy, ITERATIONS, sources[0].curriculum)
-    assert levels == [0, 1, 1]  # the SFT model's mean reward on small sums passes 0.25 in iteration 1
+    assert levels == [0, 1, 1]  # the SFT model's mean reward (about 0.1) on the small sums passes 0.05 in iteration 1
     # every round dealt 3:1 by weight, and `add`'s prompts at its iteration's level
     for k, table in prompts.items():
         for (round_,), part in table.group_by(["round"]):
@@ -78,4 +79,4 @@ def test_a_mix_with_a_curriculum_resumed_mid_curriculum_takes_the_same_path(tiny
     assert [read_table(layout, "train_metrics", k)["curriculum_level/add"][0] for k in prompts] == levels
     # eval per source
     figures = read_manifest(layout, "eval", ITERATIONS)["extra"]
-    assert {"accuracy/add", "accuracy/plain", "pass_at_k/add", "mean_length/plain"} <= set(figures)
+    assert {"accuracy/add", "accuracy/plain", "pass_at_2/add", "mean_length/plain"} <= set(figures)

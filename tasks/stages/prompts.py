@@ -40,7 +40,9 @@ def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int, up
 
     cfg = ctx.cfg
     sources = cfg.data.sources
-    # A curriculum's levels follow the scores of earlier iterations: an input, so a changed score redraws.
+    # A curriculum's levels follow the scores of earlier iterations: an input of the fingerprint, so a changed score
+    # redraws. Not a `reads_previous` of the spec: that would make the stage per iteration in the graph, and only a
+    # curriculum reads them.
     levels = source_levels(ctx, iteration) if any(s.curriculum for s in sources) else {}
 
     def compute():
@@ -91,4 +93,12 @@ def source_levels(ctx, iteration: int) -> dict[str, int]:
     }
 
 
-SPEC = StageSpec("prompts", reads=("dataset",), sections=("rollout",), scope="round", task=prompts_task)
+SPEC = StageSpec(
+    "prompts",
+    reads=("dataset",),
+    sections=("rollout",),
+    # data.sources: the mix's weights and curricula; rl.max_staleness: how far behind a curriculum's scores are.
+    keys=("data.sources", "rl.max_staleness"),
+    scope="round",
+    task=prompts_task,
+)
