@@ -32,6 +32,7 @@ from tests.benchmarks import (
     bench_partial,
     bench_real,
     bench_real_trl,
+    bench_reasoning,
     bench_rollout,
     bench_sync,
     bench_trl,
@@ -55,6 +56,7 @@ SUITES = {
     "frontier": bench_frontier.run,
     "multiturn": bench_multiturn.run,
     "arpo": bench_arpo.run,
+    "reasoning_baseline": bench_reasoning.run,
 }
 
 

@@ -1,0 +1,69 @@
+"""SmolLM2-135M-Instruct on reasoning-gym's tasks before any training (`make bench ARGS=reasoning_baseline`):
+infra/configs/reasoning_baseline.yaml's ten tasks, each a source of 32 held-out prompts, evaluated as a run's start
+eval evaluates its starting model (greedy, and one sample at temperature 1, up to 512 tokens), scored by each task's
+own scorer. Prints the table docs/reasoning-tasks.md holds: per task the greedy accuracy (a response is correct at
+score 1, eval.judge_threshold), the sampled one and the mean greedy response length, from which the tasks it can
+learn (start between 0.05 and 0.6) with long responses (≥ 60 tokens) are chosen.
+
+Row: reasoning_baseline_accuracy (the mean over the tasks; baseline 0, as an absolute figure: the ratio is the value).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import polars as pl
+
+CONFIG = "infra/configs/reasoning_baseline.yaml"
+RUN_ID = "baseline"
+
+
+def evaluate_start() -> tuple[pl.DataFrame, dict, float]:
+    """The start eval of a fresh run of CONFIG (its dataset, then eval 0), its per-prompt table, figures, seconds."""
+    import shutil
+
+    from flows.deployments import prepare_checked_run
+    from flows.local_prefect import local_flow_settings
+    from schemas.config import load_config
+    from storage import RunLayout, read_manifest, read_stage
+    from tasks.engines.resident import close_all
+    from tasks.stages.dataset import dataset_task
+    from tasks.stages.evaluate import eval_task
+
+    shutil.rmtree(Path(load_config(CONFIG).storage_root) / RUN_ID, ignore_errors=True)
+    try:
+        root = prepare_checked_run(CONFIG, [], RUN_ID, None)
+        t0 = time.time()
+        with local_flow_settings():
+            dataset_task(root, RUN_ID)
+            eval_task(root, RUN_ID, 0)
+        seconds = time.time() - t0
+    finally:
+        close_all()
+    layout = RunLayout(Path(root), RUN_ID)
+    return read_stage(layout, "eval", 0), read_manifest(layout, "eval", 0)["extra"], seconds
+
+
+def run() -> list[dict]:
+    _, figures, seconds = evaluate_start()
+    tasks = sorted(k.split("/", 1)[1] for k in figures if k.startswith("accuracy/"))
+    print(f"reasoning_baseline: {len(tasks)} tasks, start eval in {seconds:.0f} s")
+    print("| task | greedy accuracy | sampled accuracy | mean greedy length (tokens) | prompts |")
+    print("|---|---|---|---|---|")
+    for t in tasks:
+        print(
+            f"| `{t}` | {figures[f'accuracy/{t}']:.3f} | {figures.get(f'pass_at_1/{t}', float('nan')):.3f} | "
+            f"{figures[f'mean_length/{t}']:.0f} | {figures[f'prompts/{t}']} |"
+        )
+    mean = sum(figures[f"accuracy/{t}"] for t in tasks) / len(tasks)
+    return [
+        {
+            "benchmark": "reasoning_baseline_accuracy",
+            "baseline": "none (absolute)",
+            "baseline_value": 1.0,
+            "rlpipe_value": mean,
+            "unit": "greedy accuracy, mean over the tasks",
+            "ratio": mean,
+        }
+    ]
