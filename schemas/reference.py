@@ -42,6 +42,8 @@ def _type(annotation, metadata=()) -> str:
     sections = _sections(annotation)
     if sections and typing.get_origin(annotation) is dict:
         return f"dict[str, {sections[0].__name__}]"
+    if sections and typing.get_origin(annotation) is list:
+        return f"list[{sections[0].__name__}]"
     if sections:
         return " | ".join(s.__name__ for s in sections) + (
             " | None" if type(None) in typing.get_args(annotation) else ""
@@ -74,6 +76,8 @@ def fields(cls: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str
             inner = f"{key}[name={section.model_fields['name'].default}]." if named else key + "."
             if typing.get_origin(field.annotation) is dict:  # sections by name: reward.functions.NAME.weight
                 inner = key + ".NAME."
+            elif typing.get_origin(field.annotation) is list:  # a list of sections: data.sources[].weight
+                inner = key + "[]."
             rows += fields(section, inner)
     return rows
 
