@@ -63,6 +63,11 @@ def batch_task(
     last_round = round_ + 1 >= b.max_rounds
     if kept < b.target_groups and not last_round:
         return AnotherRound(f"{kept} of {b.target_groups} groups after {round_ + 1} round(s)")
+    if groups.height == 0:  # partial rollouts: every sequence still in flight
+        raise EmptyBatchError(
+            f"batch: no group of iteration {iteration} ended within batch.max_rounds={b.max_rounds} rounds (the rest "
+            "is carried; with rollout.partial_tokens raise batch.max_rounds, so that a round's responses can end)"
+        )
     if kept == 0:
         raise EmptyBatchError(
             f"batch: every group of iteration {iteration} was filtered (zero reward variance) after "

@@ -1,20 +1,20 @@
 """Whole iterations on the long-response workload (`make bench ARGS=long_iteration`): infra/configs/long_reasoning.yaml
 (SmolLM2-135M-Instruct, step-by-step arithmetic, answers of up to 512 tokens, one round of 8 prompts × 8 an
-iteration, the groups that are not all right or all wrong trained) run for 10 iterations twice, one after the other in
+iteration, the groups that are not all right or all wrong trained) run for 6 iterations twice, one after the other in
 this process, nothing else running:
 
 - defaults: every response generated whole, π_old from the trainer's own pass (`loss.old_logprobs: trainer`);
 - partial: `rollout.partial_tokens: 128` (unfinished sequences carried into the next round or iteration, at most 2
-  updates old: `rl.max_staleness: 2`) and π_old from the sampler (`loss.old_logprobs: sampler`: the logprobs stage
-  runs only the reference pass the KL needs).
+  updates old: `rl.max_staleness: 2`; up to 4 rounds to fill the 8 groups) and π_old from the sampler
+  (`loss.old_logprobs: sampler`: the logprobs stage runs only the reference pass the KL needs).
 
 Both keep the config's token-budget micro-batches and gradient checkpointing, so the two differ in those two settings
 alone. The final eval is greedy plus one sample on the 128 held-out prompts (eval.samples 1).
 
 Rows:
-- long_iteration_samples: samples trained a second over iterations 2..9 (the first pays the engines' start, the last
+- long_iteration_samples: samples trained a second over iterations 2..5 (the first pays the engines' start, the last
   the final eval), partial against defaults;
-- long_iteration_accuracy: held-out greedy accuracy after the 10 iterations, partial against defaults.
+- long_iteration_accuracy: held-out greedy accuracy after the 6 iterations, partial against defaults.
 
 Printed beside them: each side's stage seconds an iteration, responses ended a second, and generated tokens.
 """
@@ -29,11 +29,13 @@ from tests.benchmarks import result_row, run_with_evals
 
 CONFIG = "infra/configs/long_reasoning.yaml"
 ROOT = Path("runs/bench/long_iteration")
-ITERATIONS = 10
+ITERATIONS = 6  # 10 would take ~2 h here (an iteration of the defaults side: ~7 min)
 COMMON = [f"storage_root={ROOT}", "rl.eval_every=1000", "eval.samples=1", "eval.pass_k=1"]
 SIDES = {
     "defaults": ["loss.old_logprobs=trainer"],
-    "partial": ["loss.old_logprobs=sampler", "rollout.partial_tokens=128", "rl.max_staleness=2"],
+    # Up to 4 rounds of 128 tokens a sequence to fill the batch (one would end no group in iteration 1: the first
+    # round's sequences are at most 128 tokens long, and a group ends when all 8 of its responses have).
+    "partial": ["loss.old_logprobs=sampler", "rollout.partial_tokens=128", "rl.max_staleness=2", "batch.max_rounds=4"],
 }
 STAGES = ("rollouts", "scores", "batch", "logprobs", "advantages", "optimize")
 
