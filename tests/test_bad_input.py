@@ -134,6 +134,19 @@ def test_every_group_filtered_for_max_rounds_stops_the_run(base_model):
     assert not list(run.glob("batch/iter=*/_manifest.json")) and not (run / "train_metrics").exists()
 
 
+def test_partial_rollouts_that_end_no_group_within_max_rounds_stop_with_one_line(base_model):
+    """One token a round and one round: no group's responses have all ended, and the line says what to raise."""
+    workspace, cfg = base_model
+    settings = ["rollout.partial_tokens=1", "batch.max_rounds=1", f"model.path={workspace}/models/base"]
+    args = [x for setting in settings for x in ("--set", setting)]
+    proc = rlpipe("run", str(cfg), "--run-id", "unended", *args, cwd=workspace, check=False)
+    lines = [x for x in proc.stderr.splitlines() if x.strip() and not x.startswith("progress:")]
+    assert proc.returncode == 1 and lines == [
+        "error: batch: no group of iteration 1 ended within batch.max_rounds=1 rounds (the rest is carried; with "
+        "rollout.partial_tokens raise batch.max_rounds, so that a round's responses can end)"
+    ], proc.stderr[-3000:]
+
+
 def test_cli_reports_a_missing_run_for_sql(workspace):
     proc = rlpipe("sql", "nope", "select 1", "--root", str(workspace), cwd=workspace, check=False)
     assert proc.returncode == 1 and "not found" in proc.stderr
