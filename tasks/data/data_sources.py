@@ -1,5 +1,6 @@
 """A mix of prompt sources (`data.sources`): their rows in one `dataset` table, each round's prompts dealt to them by
-weight, and the curriculum rule that steps a generated source through its task's difficulty levels.
+weight, and the curriculum rule that steps a source through difficulty levels (a reasoning-gym generator's, or its
+files' `level` column).
 
 Every row of a mix carries its source's name (`source`) and its difficulty level (`level`, 0 for a source without a
 curriculum) among the dataset's own columns (`extra`), so eval reports each source apart and SQL finds them.
