@@ -96,11 +96,12 @@ def test_max_tokens_beyond_the_model_context_is_refused_before_generating(base_m
 )
 def test_a_bad_generated_source_is_one_line_before_any_engine_starts(base_model, source, needle):
     workspace, cfg = base_model
+    root = workspace / "runs-bad-source"  # the module's workspace is shared: other tests' runs are under runs/
     sources = ["--set", f"data.sources=[{source}]", "--set", f"model.path={workspace}/models/base"]
-    proc = rlpipe("run", str(cfg), *NO_FILES, *sources, cwd=workspace, check=False)
+    proc = rlpipe("run", str(cfg), *NO_FILES, *sources, "--set", f"storage_root={root}", cwd=workspace, check=False)
     assert proc.returncode == 1 and needle in proc.stderr
     assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1, proc.stderr
-    assert not list((workspace / "runs").glob("*/*/iter=*/_manifest.json"))
+    assert not list(root.glob("*/*/iter=*/_manifest.json"))
 
 
 def test_every_group_filtered_for_max_rounds_stops_the_run(base_model):
