@@ -43,7 +43,12 @@ def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int, up
     # A curriculum's levels follow the scores of earlier iterations: an input of the fingerprint, so a changed score
     # redraws. Not a `reads_previous` of the spec: that would make the stage per iteration in the graph, and only a
     # curriculum reads them.
-    levels = source_levels(ctx, iteration) if any(s.curriculum for s in sources) else {}
+    if any(s.curriculum for s in sources):
+        # How far generation runs ahead (rl.max_staleness) moves the levels alone, and the levels are an input: read
+        # from the whole config, so that the stage's sections (and a change of rl) leave other runs' prompts alone.
+        levels = source_levels(ctx, iteration, load_run(storage_root, run_id).cfg.generation_ahead)
+    else:
+        levels = {}
 
     def compute():
         n = cfg.rollout.prompts_per_round
@@ -63,7 +68,7 @@ def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int, up
     return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
 
 
-def source_levels(ctx, iteration: int) -> dict[str, int]:
+def source_levels(ctx, iteration: int, lag: int) -> dict[str, int]:
     """Each curriculum source's level in `iteration` (tasks/data/data_sources.curriculum_levels), from its mean reward
     on its own prompts at its level in the earlier iterations' scores."""
     train = split_of(ctx, "train").select(
@@ -85,7 +90,6 @@ def source_levels(ctx, iteration: int) -> dict[str, int]:
 
         return of
 
-    lag = ctx.cfg.generation_ahead
     return {
         s.name: curriculum_levels(accuracy(s.name), iteration, s.curriculum, lag)[-1]
         for s in ctx.cfg.data.sources
@@ -97,8 +101,7 @@ SPEC = StageSpec(
     "prompts",
     reads=("dataset",),
     sections=("rollout",),
-    # data.sources: the mix's weights and curricula; rl.max_staleness: how far behind a curriculum's scores are.
-    keys=("data.sources", "rl.max_staleness"),
+    keys=("data.sources",),  # the mix's weights and curricula
     scope="round",
     task=prompts_task,
 )
