@@ -199,17 +199,9 @@ def check_seed_ranges(what: str, seed: int, train_draws: int, eval_seed: int, ev
         )
 
 
-class ReasoningGymGenerator(Section):
-    """A source's prompts generated here, offline, from one of reasoning-gym's tasks (docs/reasoning-tasks.md)."""
+class ReasoningGymDraws(Section):
+    """The seeds and the system prompt of prompts drawn from reasoning-gym (a generated source, the built-in task)."""
 
-    task: str = Field(..., description="reasoning-gym's task name (leg_counting, chain_sum, gsm_symbolic, ...).")
-    config: dict[str, Any] = Field(
-        default_factory=dict,
-        description="The task's settings: the fields of its config dataclass (leg_counting: min_animals, ...); its "
-        "size and seed are this section's. With a curriculum, the settings it steps through replace these.",
-    )
-    n_train: int = Field(1000, ge=1, description="Train prompts (with a curriculum: at each level).")
-    n_eval: int = Field(100, ge=1, description="Held-out prompts, none asked in training.")
     seed: int = Field(1234, ge=0, description="The train entries' seed (reasoning-gym draws entry i from seed + i).")
     eval_seed: int = Field(
         1_000_000_000,
@@ -221,6 +213,19 @@ class ReasoningGymGenerator(Section):
         description="The system message before each question; None: reasoning-gym's default, which asks for the "
         "final answer in <answer> tags.",
     )
+
+
+class ReasoningGymGenerator(ReasoningGymDraws):
+    """A source's prompts generated here, offline, from one of reasoning-gym's tasks (docs/reasoning-tasks.md)."""
+
+    task: str = Field(..., description="reasoning-gym's task name (leg_counting, chain_sum, gsm_symbolic, ...).")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The task's settings: the fields of its config dataclass (leg_counting: min_animals, ...); its "
+        "size and seed are this section's. With a curriculum, the settings it steps through replace these.",
+    )
+    n_train: int = Field(1000, ge=1, description="Train prompts (with a curriculum: at each level).")
+    n_eval: int = Field(100, ge=1, description="Held-out prompts, none asked in training.")
 
 
 class CurriculumConfig(Section):
@@ -445,7 +450,7 @@ class ReasoningGymSource(Section):
     )
 
 
-class ReasoningGymTask(Section):
+class ReasoningGymTask(ReasoningGymDraws):
     """Built-in task: prompt files from reasoning-gym's procedural tasks, generated offline from a seed, several
     mixed by weight; score them with the `reasoning_gym` reward (docs/reasoning-tasks.md)."""
 
@@ -458,17 +463,6 @@ class ReasoningGymTask(Section):
     )
     n_train: int = Field(2000, ge=1, description="Train prompts, dealt to the tasks by weight.")
     n_eval: int = Field(100, ge=1, description="Held-out prompts per task, none asked in training.")
-    seed: int = Field(1234, ge=0, description="The train entries' seed (reasoning-gym draws entry i from seed + i).")
-    eval_seed: int = Field(
-        1_000_000_000,
-        ge=0,
-        description="The held-out entries' seed; its range of 2 × n_eval draws must not meet the train range.",
-    )
-    system_prompt: str | None = Field(
-        None,
-        description="The system message before each question; None: reasoning-gym's default, which asks for the "
-        "final answer in <answer> tags.",
-    )
 
     @model_validator(mode="after")
     def _seeds(self) -> "ReasoningGymTask":
