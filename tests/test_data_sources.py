@@ -11,6 +11,7 @@ from schemas.config import CurriculumConfig, DataConfig
 from tasks.data.data_sources import (
     curriculum_levels,
     deal,
+    merged_sources,
     next_level,
     round_deal,
     sample_from_sources,
@@ -74,10 +75,7 @@ def mix_table(tmp_path, level_column=False) -> tuple[DataConfig, pl.DataFrame]:
             {"name": "b", "weight": 1, "train_files": str(tmp_path / "b.parquet")},
         ],
     )
-    frames = [rows["train"] for _, rows in source_rows(data, 0)]
-    from tasks.data.data_sources import merged_sources
-
-    return data, merged_sources(frames)
+    return data, merged_sources([rows["train"] for _, rows in source_rows(data, 0)])
 
 
 def test_sampling_from_a_mix_is_reproducible_and_walks_each_source_without_repeats(tmp_path):

@@ -163,15 +163,16 @@ def sample_from_sources(
     within an iteration while the source has rows left."""
     source = pl.col("extra").struct.field("source")
     level = pl.col("extra").struct.field("level")
+    deals = [round_deal(sources, n, seed, iteration, r) for r in range(round_ + 1)]  # this round's, and the ones before
     picked = []
     for i, s in enumerate(sources):
-        count = round_deal(sources, n, seed, iteration, round_)[i]
+        count = deals[round_][i]
         if not count:
             continue
         pool = train.filter((source == s.name) & ((level == levels[s.name]) if s.curriculum else True))
         order = list(range(pool.height))
         random.Random(f"{seed}-{iteration}-{s.name}").shuffle(order)
-        start = sum(round_deal(sources, n, seed, iteration, r)[i] for r in range(round_))
+        start = sum(deal[i] for deal in deals[:round_])
         picked.append(pool[[order[(start + j) % pool.height] for j in range(min(count, pool.height))]])
     return pl.concat(picked, how="vertical") if picked else train.clear()
 

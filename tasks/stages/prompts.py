@@ -23,7 +23,12 @@ def sample_prompts(dataset: pl.DataFrame, n: int, seed: int, iteration: int, rou
     random.Random(f"{seed}-{iteration}").shuffle(order)
     start = (round_ * n) % max(1, dataset.height)
     picked = [order[(start + i) % dataset.height] for i in range(min(n, dataset.height))]
-    return dataset[picked].select(
+    return as_prompts(dataset[picked], iteration, round_)
+
+
+def as_prompts(rows: pl.DataFrame, iteration: int, round_: int) -> pl.DataFrame:
+    """Drawn `dataset` rows as the round's `prompts` rows."""
+    return rows.select(
         pl.lit(iteration, pl.Int32).alias("iteration"),
         pl.lit(round_, pl.Int32).alias("round"),
         pl.exclude("split"),
@@ -55,14 +60,7 @@ def prompts_task(storage_root: str, run_id: str, iteration: int, round_: int, up
         if not sources:
             return Computed(sample_prompts(split_of(ctx, "train"), n, cfg.seed, iteration, round_))
         picked = sample_from_sources(split_of(ctx, "train"), sources, levels, n, cfg.seed, iteration, round_)
-        return Computed(
-            picked.select(
-                pl.lit(iteration, pl.Int32).alias("iteration"),
-                pl.lit(round_, pl.Int32).alias("round"),
-                pl.exclude("split"),
-            ),
-            extra={"levels": levels} if levels else {},
-        )
+        return Computed(as_prompts(picked, iteration, round_), extra={"levels": levels} if levels else {})
 
     inputs = {**upstream, "round": str(round_), **({"levels": json.dumps(levels, sort_keys=True)} if levels else {})}
     return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
