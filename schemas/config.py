@@ -988,8 +988,15 @@ class RolloutConfig(Section):
         "iteration trains on the groups whose every sample has ended. Each token's policy version is a column "
         "(`token_versions`); rl.max_staleness bounds a sample's age. None: every response is generated whole.",
     )
+    carry_surplus: bool = Field(
+        False,
+        description="Partial rollouts: a group that ended with every sample but was over batch.target_groups (the "
+        "round ended more than the batch needed) is carried into the next iteration's first round as an ended group, "
+        "scored again there and trained by that update (rl.max_staleness bounds its age as for any carried group), "
+        "instead of being dropped. Needs rollout.partial_tokens.",
+    )
     PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset({"engines", "tensor_parallel_size"})
-    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"min_tokens", "partial_tokens"})
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"min_tokens", "partial_tokens", "carry_surplus"})
 
     @model_validator(mode="after")
     def _min_within_max(self) -> "RolloutConfig":
@@ -1620,6 +1627,10 @@ class RunConfig(Section):
             raise ValueError(
                 f"rl.max_staleness {self.rl.max_staleness}: generation runs at most one update ahead of the trainer; "
                 "deeper staleness bounds partial rollouts (set rollout.partial_tokens)"
+            )
+        if self.rollout.carry_surplus and not self.rollout.partial_tokens:
+            raise ValueError(
+                "rollout.carry_surplus carries ended groups of partial rollouts: set rollout.partial_tokens"
             )
         if self.rollout.partial_tokens and self.agent.enabled:
             raise ValueError("rollout.partial_tokens: multi-turn rollouts (the agent section) are not carried yet")

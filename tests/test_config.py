@@ -57,7 +57,7 @@ def test_a_key_added_later_enters_the_fingerprint_only_when_set():
     legacy = {
         k: v
         for k, v in cfg.rollout.model_dump(mode="json").items()
-        if k not in {"min_tokens", "partial_tokens", "engines", "tensor_parallel_size"}
+        if k not in {"min_tokens", "partial_tokens", "carry_surplus", "engines", "tensor_parallel_size"}
     }
     expected = hashlib.sha256(json.dumps({"rollout": legacy, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()[
         :16
@@ -65,6 +65,10 @@ def test_a_key_added_later_enters_the_fingerprint_only_when_set():
     assert cfg.section_hash("rollout") == expected
     assert build_config({"rollout": {"min_tokens": 4}}).section_hash("rollout") != expected
     assert build_config({"rollout": {"partial_tokens": 4}}).section_hash("rollout") != expected
+    surplus = build_config({"rollout": {"partial_tokens": 4, "carry_surplus": True}}).section_hash("rollout")
+    assert surplus not in (expected, build_config({"rollout": {"partial_tokens": 4}}).section_hash("rollout"))
+    with pytest.raises(ConfigError, match="rollout.carry_surplus carries ended groups of partial rollouts"):
+        build_config({"rollout": {"carry_surplus": True}})
     with pytest.raises(ConfigError, match="rollout.min_tokens=9 exceeds rollout.max_tokens=8"):
         build_config({"rollout": {"min_tokens": 9, "max_tokens": 8}})
 

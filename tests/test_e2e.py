@@ -260,6 +260,45 @@ def test_partial_rollouts_carry_sequences_across_updates_and_resume_after_a_kill
     assert re.search(r"│ carry +│ 1-3 +│ complete", shown), shown
 
 
+@pytest.mark.long
+def test_carry_surplus_trains_the_groups_a_batch_left_over_in_the_next_update_and_resumes_after_a_kill(tiny_sft):
+    """rollout.carry_surplus: 16 groups in flight and a batch of 4, so a round ends more groups than the batch keeps.
+    Those over target_groups are carried, ended, into the next iteration's first round: its rollouts hold them with
+    the same tokens, logprobs and versions, and its batch keeps them first; one whose oldest token is more than
+    rl.max_staleness (1) updates old is dropped instead. A run killed in iteration 2's first round resumes to the same
+    tables."""
+    workspace, cfg = tiny_sft
+    run = (*PARTIAL_RUN, "--set", "rollout.carry_surplus=true")
+    rlpipe("run", str(cfg), "--run-id", "surplus", *run, cwd=workspace)
+    layout = RunLayout(workspace / "runs", "surplus")
+    same = ["prompt_id", "sample_idx", "token_ids", "sampler_logprobs", "token_versions", "prompt_iteration"]
+    carried_over = 0
+    for it in (1, 2):
+        over = read_table(layout, "batch", it).filter(pl.col("filter_reason") == "over_target")["prompt_id"]
+        left = read_table(layout, "rollouts", it).filter(pl.col("prompt_id").is_in(over.implode()))
+        fresh = left.filter(it - pl.col("token_versions").list.min() <= 1)  # not stale at version `it`
+        after = read_table(layout, "rollouts", it + 1).filter(pl.col("prompt_id").is_in(fresh["prompt_id"].implode()))
+        assert after["round"].unique().to_list() == ([0] if fresh.height else [])
+        assert (
+            after.select(same)
+            .sort("prompt_id", "sample_idx")
+            .equals(fresh.select(same).sort("prompt_id", "sample_idx"))
+        )
+        metrics = read_table(layout, "train_metrics", it + 1).row(0, named=True)
+        assert metrics["surplus_groups"] == over.len()
+        assert metrics["stale_groups"] >= over.len() - fresh["prompt_id"].n_unique()
+        kept = read_table(layout, "batch", it + 1).filter("kept")["prompt_id"]
+        assert kept.head(min(kept.len(), fresh["prompt_id"].n_unique())).is_in(fresh["prompt_id"].implode()).all()
+        carried_over += fresh["prompt_id"].n_unique()
+    assert carried_over > 0  # the run did leave groups over
+    run_until_killed(workspace, cfg, "surplus-killed", "rollouts:2", "run", *run)
+    killed = RunLayout(workspace / "runs", "surplus-killed")
+    rlpipe("resume", "surplus-killed", "--root", str(workspace / "runs"), cwd=workspace)
+    for stage in ("rollouts", "carry", "scores", "batch"):
+        for it in (1, 2, 3):
+            assert read_table(killed, stage, it).equals(read_table(layout, stage, it)), (stage, it)
+
+
 TRACKING = ("--set", "tracking=[tensorboard, mlflow]")
 
 

@@ -4,7 +4,7 @@ old. The stage itself, with vLLM and the trainer, is test_e2e.py's test_partial_
 
 import polars as pl
 
-from tasks.stages.partial_rollouts import CARRY_COLUMNS, advance, plan_round, split_ended
+from tasks.stages.partial_rollouts import CARRY_COLUMNS, advance, plan_round, split_ended, surplus_carry
 
 
 def carry_rows(rows: list[dict]) -> pl.DataFrame:
@@ -107,3 +107,31 @@ def test_a_chunk_extends_its_sequence_and_ended_groups_leave_the_pool():
     at_limit = advance(grown, generated.head(0), version=3, max_tokens=2)  # b reached max_tokens: ended, truncated
     rows, left = split_ended(at_limit)
     assert left.height == 0 and rows.filter(pl.col("prompt_id") == "b")["truncated"].to_list() == [True]
+
+
+def test_a_surplus_group_is_carried_ended_and_leaves_the_next_round_without_a_request():
+    """rollout.carry_surplus: of the batch's groups, only the one over target_groups is carried (not the kept one, not
+    the zero-variance one), every sample ended, its tokens, logprobs and versions as the rollouts hold them."""
+    ended = carry_rows(
+        [
+            {"prompt_id": g, "sample_idx": k, "token_ids": [3 + k], "token_versions": [1], "ended": True}
+            | {"finish_reason": "stop"}
+            for g in ("a", "b", "c")
+            for k in (0, 1)
+        ]
+    )
+    rollouts, _ = split_ended(ended)
+    batch = pl.DataFrame({"prompt_id": ["a", "b", "c"], "filter_reason": ["", "over_target", "zero_variance"]})
+    carry = surplus_carry(rollouts.with_columns(pl.lit(2, pl.Int32).alias("iteration")), batch)
+    assert carry.schema == pl.Schema(CARRY_COLUMNS)
+    assert carry["prompt_id"].to_list() == ["b", "b"] and carry["ended"].all()
+    assert carry["token_ids"].to_list() == [[3], [4]] and carry["token_versions"].to_list() == [[1], [1]]
+    # the next round: b holds no sequence of the sampler's batch (3 new groups fit) and asks for nothing; it leaves
+    # the pool at once, as an ended group
+    p = plan(carry, prompts(["b", "x", "y", "z", "w"]), max_staleness=1)
+    assert p.stale_groups == 0 and p.admitted_groups == 3
+    assert p.pool["prompt_id"].unique(maintain_order=True).to_list() == ["b", "x", "y", "z"]
+    assert p.requests["group"].unique(maintain_order=True).to_list() == ["x", "y", "z"]
+    rows, left = split_ended(p.pool)
+    assert rows["prompt_id"].to_list() == ["b", "b"] and left["prompt_id"].unique().sort().to_list() == ["x", "y", "z"]
+    assert plan(carry, prompts([]), max_staleness=0).stale_groups == 1  # the staleness bound applies to it too

@@ -144,11 +144,13 @@ def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
 
 
 def partial_metrics(rounds: list[dict]) -> dict[str, float]:
-    """Partial rollouts' pool over the iteration's rounds (none without them): groups dropped for their age, admitted
-    and ended, and the sequences still in flight after the last round."""
+    """Partial rollouts' pool over the iteration's rounds (none without them): groups dropped for their age, admitted,
+    carried over ended from the batch before (rollout.carry_surplus) and ended, and the sequences still in flight
+    after the last round."""
     if not rounds or "carried_sequences" not in rounds[-1]:
         return {}
-    out = {k: float(sum(r[k] for r in rounds)) for k in ("stale_groups", "admitted_groups", "ended_groups")}
+    keys = ("stale_groups", "admitted_groups", "surplus_groups", "ended_groups")
+    out = {k: float(sum(r.get(k, 0) for r in rounds)) for k in keys}
     return {**out, "carried_sequences": float(rounds[-1]["carried_sequences"])}
 
 

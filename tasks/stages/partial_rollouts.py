@@ -173,6 +173,15 @@ def split_ended(pool: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
     return rows, pool.filter(~pl.col("prompt_id").is_in(ended))
 
 
+def surplus_carry(rollouts: pl.DataFrame, batch: pl.DataFrame) -> pl.DataFrame:
+    """The groups an iteration's batch left over (`over_target`: they ended after the batch had its target_groups) as
+    carry rows whose every sample has ended, in the rollouts' order (rollout.carry_surplus): the next iteration's first
+    round passes them on as ended groups, unless the staleness bound drops them first."""
+    over = batch.filter(pl.col("filter_reason") == "over_target")["prompt_id"].implode()
+    rows = rollouts.filter(pl.col("prompt_id").is_in(over)).with_columns(pl.lit(True).alias("ended"))
+    return rows.select(*CARRY_COLUMNS).cast(CARRY_COLUMNS)
+
+
 def source_prompts(layout: RunLayout, rollouts: pl.DataFrame, prompts: pl.DataFrame, iteration: int) -> pl.DataFrame:
     """The prompts table's rows of the rollouts' groups: this iteration's, and, for groups carried from an earlier
     iteration (partial rollouts), the rows of the iteration that admitted them, one per prompt_id."""

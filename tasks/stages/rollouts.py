@@ -15,7 +15,7 @@ import polars as pl
 
 from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from schemas.tables import TURNS
-from storage import StageOutput, has_weight_files, read_stage
+from storage import StageOutput, has_weight_files, read_stage, stage_part
 from tasks.engines.launch import WorkerError
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.resident import close_all
@@ -30,7 +30,7 @@ from tasks.stages.common import (
     scratch_file,
     stage_task,
 )
-from tasks.stages.partial_rollouts import advance, carry_part, plan_round, read_carry, split_ended
+from tasks.stages.partial_rollouts import advance, carry_part, plan_round, read_carry, split_ended, surplus_carry
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import Weights, sampling_version, weights_after, weights_fingerprint
 
@@ -256,8 +256,15 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
         )
         tables = {}
         if r.partial_tokens:
-            carry = read_carry(carry_path)
+            carry, surplus = read_carry(carry_path), 0
+            if "surplus" in carried:  # the groups the batch before left over, ahead of the sequences in flight
+                before = iteration - 1
+                over = surplus_carry(
+                    read_stage(ctx.layout, "rollouts", before), read_stage(ctx.layout, "batch", before)
+                )
+                carry, surplus = pl.concat([over, carry]), over["prompt_id"].n_unique()
             df, left, resp, timing = partial_round(ctx, policy, prompts, carry, iteration, round_, seed, name)
+            timing["surplus_groups"] = surplus
             tables["carry"] = left.with_columns(*stamp)
             turns = None
         elif ctx.cfg.agent.enabled:
@@ -295,6 +302,11 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
     if r.partial_tokens:  # the sequences this round continues (read only if it runs), the bound that drops stale ones
         carry_path, fp = carry_part(ctx.layout, iteration, round_)
         carried = {"carry": fp, "max_staleness": str(ctx.cfg.rl.max_staleness)}
+        if r.carry_surplus and round_ == 0 and iteration > 1:
+            batch_before = stage_part(ctx.layout, "batch", iteration - 1)
+            if batch_before is None:
+                raise FileNotFoundError(f"partial rollouts: the batch of iteration {iteration - 1} is not complete")
+            carried["surplus"] = batch_before[1]
     inputs = {**upstream, "policy": policy_fp, **carried}
     return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
 

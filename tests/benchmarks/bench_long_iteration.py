@@ -1,20 +1,21 @@
 """Whole iterations on the long-response workload (`make bench ARGS=long_iteration`): infra/configs/long_reasoning.yaml
 (SmolLM2-135M-Instruct, step-by-step arithmetic, answers of up to 512 tokens, one round of 8 prompts × 8 an
-iteration, the groups that are not all right or all wrong trained) run for 6 iterations twice, one after the other in
+iteration, the groups that are not all right or all wrong trained) run for 10 iterations twice, one after the other in
 this process, nothing else running:
 
 - defaults: every response generated whole, π_old from the trainer's own pass (`loss.old_logprobs: trainer`);
 - partial: `rollout.partial_tokens: 128` (unfinished sequences carried into the next round or iteration, at most 2
-  updates old: `rl.max_staleness: 2`; up to 4 rounds to fill the 8 groups) and π_old from the sampler
-  (`loss.old_logprobs: sampler`: the logprobs stage runs only the reference pass the KL needs).
+  updates old: `rl.max_staleness: 2`; up to 4 rounds to fill the 8 groups; ended groups over the batch's 8 carried
+  into the next batch: `rollout.carry_surplus`) and π_old from the sampler (`loss.old_logprobs: sampler`: the
+  logprobs stage runs only the reference pass the KL needs).
 
 Both keep the config's token-budget micro-batches and gradient checkpointing, so the two differ in those two settings
 alone. The final eval is greedy plus one sample on the 128 held-out prompts (eval.samples 1).
 
 Rows:
-- long_iteration_samples: samples trained a second over iterations 2..5 (the first pays the engines' start, the last
+- long_iteration_samples: samples trained a second over iterations 2..9 (the first pays the engines' start, the last
   the final eval), partial against defaults;
-- long_iteration_accuracy: held-out greedy accuracy after the 6 iterations, partial against defaults.
+- long_iteration_accuracy: held-out greedy accuracy after the 10 iterations, partial against defaults.
 
 Printed beside them: each side's stage seconds an iteration, responses ended a second, and generated tokens.
 """
@@ -29,13 +30,20 @@ from tests.benchmarks import result_row, run_with_evals
 
 CONFIG = "infra/configs/long_reasoning.yaml"
 ROOT = Path("runs/bench/long_iteration")
-ITERATIONS = 6  # 10 would take ~2 h here (an iteration of the defaults side: ~7 min)
+ITERATIONS = 10  # about 100 minutes here, both sides
 COMMON = [f"storage_root={ROOT}", "rl.eval_every=1000", "eval.samples=1", "eval.pass_k=1"]
 SIDES = {
     "defaults": ["loss.old_logprobs=trainer"],
     # Up to 4 rounds of 128 tokens a sequence to fill the batch (one would end no group in iteration 1: the first
     # round's sequences are at most 128 tokens long, and a group ends when all 8 of its responses have).
-    "partial": ["loss.old_logprobs=sampler", "rollout.partial_tokens=128", "rl.max_staleness=2", "batch.max_rounds=4"],
+    # The ended groups a round leaves over the batch's 8 are trained by the next update (rollout.carry_surplus).
+    "partial": [
+        "loss.old_logprobs=sampler",
+        "rollout.partial_tokens=128",
+        "rl.max_staleness=2",
+        "batch.max_rounds=4",
+        "rollout.carry_surplus=true",
+    ],
 }
 STAGES = ("rollouts", "scores", "batch", "logprobs", "advantages", "optimize")
 
@@ -67,6 +75,9 @@ def measure(side: str) -> dict:
         f"{out['ended_per_s']:.3f} responses ended/s, {tokens} tokens in the ended responses; held-out greedy "
         f"accuracy {out['accuracy']:.3f}; {ends[-1] - start:.0f} s in all, the final eval included"
     )
+    if "surplus_groups" in m.columns:  # partial rollouts' pool, summed over the measured iterations
+        pool = {k: int(m[k].sum()) for k in ("admitted_groups", "ended_groups", "surplus_groups", "stale_groups")}
+        print(f"long_iteration {side}: groups {pool}; samples trained {int(m['samples'].sum())}")
     return out
 
 
