@@ -54,3 +54,44 @@ def test_last_line_format_and_the_entry_errors():
         reward(response="<answer>1</answer>", column="rg")
     with pytest.raises(ValueError, match="answer_format 'xml'"):
         reward(response="<answer>1</answer>", entry=json.dumps(entry), answer_format="xml")
+
+
+ANSWER_IS = r"(?i)answer is:?\s*(.+?)\.?\s*$"
+
+
+def test_pattern_format_takes_the_last_match_and_its_first_group():
+    entry = reasoning_gym.create_dataset("chain_sum", size=1, seed=3)[0]
+    reward = BUILTIN_REWARDS.get("reasoning_gym")
+    wrong = str(int(entry["answer"]) + 1)
+    response = f"The answer is {wrong}.\nNo, wait.\nSo, the final answer is {entry['answer']}."
+    assert extract_final(response, "pattern", r"(?im)answer is:?\s*(.+?)\.?\s*$") == entry["answer"]
+    assert (
+        reward(
+            response=response,
+            entry=json.dumps(entry),
+            answer_format="pattern",
+            pattern=r"(?im)answer is:?\s*(.+?)\.?\s*$",
+        )
+        == 1.0
+    )
+    assert extract_final("x = 12 and y = 13", "pattern", r"-?\d+") == "13"  # no group: the whole last match
+    assert extract_final("no number here", "pattern", r"-?\d+") is None
+    assert reward(response="nothing", entry=json.dumps(entry), answer_format="pattern", pattern=ANSWER_IS) == 0.0
+    with pytest.raises(ValueError, match="needs a pattern"):
+        extract_final("1", "pattern")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"answer_format": "pattern"}, "answer_format 'pattern' needs kwargs.pattern"),
+        ({"answer_format": "pattern", "pattern": "(unclosed"}, "kwargs.pattern is not a regular expression"),
+        ({"answer_format": "xml"}, "answer_format 'xml': one of tags, last_line, pattern"),
+    ],
+)
+def test_a_bad_answer_format_is_refused_before_any_engine_starts(kwargs, message):
+    from tasks.rewards.loader import RewardLoadError
+
+    preflight = BUILTIN_REWARDS.get("reasoning_gym").preflight
+    with pytest.raises(RewardLoadError, match=message):
+        preflight(None, kwargs, {"entry"})

@@ -138,9 +138,14 @@ def _code_tests_preflight(reward, kwargs: dict, columns: set[str]) -> None:
 code_tests.preflight = _code_tests_preflight
 
 
-def extract_final(response: str, answer_format: str = "tags") -> str | None:
+ANSWER_FORMATS = ("tags", "last_line", "pattern")
+
+
+def extract_final(response: str, answer_format: str = "tags", pattern: str | None = None) -> str | None:
     """The answer a response gives: `tags`, the content of its last <answer>…</answer> (reasoning-gym's own
-    extract_answer; None without one); `last_line`, its last non-empty line."""
+    extract_answer; None without one); `last_line`, its last non-empty line; `pattern`, the last match of the regular
+    expression `pattern` (its first group if it has one), stripped (None without a match): for a model that states its
+    answer in a phrase of its own ("The answer is 12.") rather than in tags."""
     if answer_format == "tags":
         from reasoning_gym.utils import extract_answer
 
@@ -148,7 +153,15 @@ def extract_final(response: str, answer_format: str = "tags") -> str | None:
     if answer_format == "last_line":
         lines = [line.strip() for line in response.splitlines() if line.strip()]
         return lines[-1] if lines else None
-    raise ValueError(f"answer_format {answer_format!r}: choose tags or last_line")
+    if answer_format == "pattern":
+        if not pattern:
+            raise ValueError("answer_format 'pattern' needs a pattern (a regular expression)")
+        matches = list(re.finditer(pattern, response))
+        if not matches:
+            return None
+        last = matches[-1]
+        return (last.group(1) if last.re.groups else last.group(0)).strip()
+    raise ValueError(f"answer_format {answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,12 +173,15 @@ def _task_scorer(task: str):
 
 
 @BUILTIN_REWARDS.register("reasoning_gym")
-def reasoning_gym_score(response: str, answer_format: str = "tags", column: str = "entry", **row) -> float:
+def reasoning_gym_score(
+    response: str, answer_format: str = "tags", column: str = "entry", pattern: str | None = None, **row
+) -> float:
     """reasoning-gym's own scorer of the row's task: the answer is extracted from the response (`answer_format`:
-    `tags` or `last_line`, extract_final) and scored by the task's `score_answer` against the row's entry, unchanged,
-    so partial credit stays as reasoning-gym defines it. The entry is the dataset column `column` (default `entry`):
-    the JSON of reasoning-gym's {question, answer, metadata}, whose metadata.source_dataset names the task. A row whose
-    entry cannot be read, or names no task reasoning-gym has, is that sample's error."""
+    `tags`, `last_line` or `pattern` with `pattern`, extract_final) and scored by the task's `score_answer` against
+    the row's entry, unchanged, so partial credit stays as reasoning-gym defines it. The entry is the dataset column
+    `column` (default `entry`): the JSON of reasoning-gym's {question, answer, metadata}, whose
+    metadata.source_dataset names the task. A row whose entry cannot be read, or names no task reasoning-gym has, is
+    that sample's error."""
     import json
 
     raw = row.get(column)
@@ -180,7 +196,7 @@ def reasoning_gym_score(response: str, answer_format: str = "tags", column: str 
 
     if task not in DATASETS:
         raise ValueError(f"column {column!r}: reasoning-gym has no task {task!r}")
-    return float(_task_scorer(task)(extract_final(response, answer_format), entry))
+    return float(_task_scorer(task)(extract_final(response, answer_format, pattern), entry))
 
 
 def _reasoning_gym_preflight(reward, kwargs: dict, columns: set[str]) -> None:
@@ -190,8 +206,19 @@ def _reasoning_gym_preflight(reward, kwargs: dict, columns: set[str]) -> None:
     column, answer_format = kwargs.get("column", "entry"), kwargs.get("answer_format", "tags")
     if column not in columns:
         raise RewardLoadError(f"reward function reasoning_gym: the dataset has no column {column!r} (kwargs.column)")
-    if answer_format not in ("tags", "last_line"):
-        raise RewardLoadError(f"reward function reasoning_gym: answer_format {answer_format!r}: tags or last_line")
+    if answer_format not in ANSWER_FORMATS:
+        raise RewardLoadError(
+            f"reward function reasoning_gym: answer_format {answer_format!r}: one of {', '.join(ANSWER_FORMATS)}"
+        )
+    if answer_format == "pattern":
+        try:
+            re.compile(kwargs.get("pattern") or "")
+        except re.error as exc:
+            raise RewardLoadError(
+                f"reward function reasoning_gym: kwargs.pattern is not a regular expression ({exc})"
+            ) from None
+        if not kwargs.get("pattern"):
+            raise RewardLoadError("reward function reasoning_gym: answer_format 'pattern' needs kwargs.pattern")
 
 
 reasoning_gym_score.preflight = _reasoning_gym_preflight

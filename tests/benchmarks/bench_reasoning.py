@@ -1,11 +1,15 @@
-"""SmolLM2-135M-Instruct on reasoning-gym's tasks before any training (`make bench ARGS=reasoning_baseline`):
-infra/configs/reasoning_baseline.yaml's ten tasks, each a source of 32 held-out prompts, evaluated as a run's start
-eval evaluates its starting model (greedy, and one sample at temperature 1, up to 512 tokens), scored by each task's
-own scorer. Prints the table docs/reasoning-tasks.md holds: per task the greedy accuracy (a response is correct at
-score 1, eval.judge_threshold), the sampled one and the mean greedy response length, from which the tasks it can
-learn (start between 0.05 and 0.6) with long responses (≥ 60 tokens) are chosen.
+"""SmolLM2-135M-Instruct on reasoning-gym's tasks before any training, as a run's start eval evaluates its starting
+model (greedy, and one sample at temperature 1, up to 512 tokens), each task a source of 32 held-out prompts scored by
+the task's own scorer. Prints the table docs/reasoning-tasks.md holds: per task the greedy accuracy (a response is
+correct at score 1, eval.judge_threshold), the sampled one and the mean greedy response length, from which the tasks
+it can learn (start between 0.05 and 0.6) with long responses (≥ 60 tokens) are chosen.
 
-Row: reasoning_baseline_accuracy (the mean over the tasks; baseline 0, as an absolute figure: the ratio is the value).
+- `make bench ARGS=reasoning_baseline`: infra/configs/reasoning_baseline.yaml, ten tasks at their default settings
+  with reasoning-gym's default prompt (the answer in <answer> tags);
+- `make bench ARGS=reasoning_easy`: infra/configs/reasoning_easy.yaml, ten tasks at easy settings, the answer the
+  phrase the model ends with ("The answer is 12.", answer_format: pattern).
+
+Rows: reasoning_baseline_accuracy, reasoning_easy_accuracy (the mean over the tasks; absolute: the ratio is the value).
 """
 
 from __future__ import annotations
@@ -15,12 +19,9 @@ from pathlib import Path
 
 import polars as pl
 
-CONFIG = "infra/configs/reasoning_baseline.yaml"
-RUN_ID = "baseline"
 
-
-def evaluate_start() -> tuple[pl.DataFrame, dict, float]:
-    """The start eval of a fresh run of CONFIG (its dataset, then eval 0), its per-prompt table, figures, seconds."""
+def evaluate_start(config: str, run_id: str) -> tuple[pl.DataFrame, dict, float]:
+    """The start eval of a fresh run of config (its dataset, then eval 0), its per-prompt table, figures, seconds."""
     import shutil
 
     from flows.deployments import prepare_checked_run
@@ -31,24 +32,24 @@ def evaluate_start() -> tuple[pl.DataFrame, dict, float]:
     from tasks.stages.dataset import dataset_task
     from tasks.stages.evaluate import eval_task
 
-    shutil.rmtree(Path(load_config(CONFIG).storage_root) / RUN_ID, ignore_errors=True)
+    shutil.rmtree(Path(load_config(config).storage_root) / run_id, ignore_errors=True)
     try:
-        root = prepare_checked_run(CONFIG, [], RUN_ID, None)
+        root = prepare_checked_run(config, [], run_id, None)
         t0 = time.time()
         with local_flow_settings():
-            dataset_task(root, RUN_ID)
-            eval_task(root, RUN_ID, 0)
+            dataset_task(root, run_id)
+            eval_task(root, run_id, 0)
         seconds = time.time() - t0
     finally:
         close_all()
-    layout = RunLayout(Path(root), RUN_ID)
+    layout = RunLayout(Path(root), run_id)
     return read_stage(layout, "eval", 0), read_manifest(layout, "eval", 0)["extra"], seconds
 
 
-def run() -> list[dict]:
-    _, figures, seconds = evaluate_start()
+def run(config: str = "infra/configs/reasoning_baseline.yaml", name: str = "baseline") -> list[dict]:
+    _, figures, seconds = evaluate_start(config, name)
     tasks = sorted(k.split("/", 1)[1] for k in figures if k.startswith("accuracy/"))
-    print(f"reasoning_baseline: {len(tasks)} tasks, start eval in {seconds:.0f} s")
+    print(f"reasoning_{name}: {len(tasks)} tasks, start eval in {seconds:.0f} s")
     print("| task | greedy accuracy | sampled accuracy | mean greedy length (tokens) | prompts |")
     print("|---|---|---|---|---|")
     for t in tasks:
@@ -59,7 +60,7 @@ def run() -> list[dict]:
     mean = sum(figures[f"accuracy/{t}"] for t in tasks) / len(tasks)
     return [
         {
-            "benchmark": "reasoning_baseline_accuracy",
+            "benchmark": f"reasoning_{name}_accuracy",
             "baseline": "none (absolute)",
             "baseline_value": 1.0,
             "rlpipe_value": mean,
@@ -67,3 +68,7 @@ def run() -> list[dict]:
             "ratio": mean,
         }
     ]
+
+
+def run_easy() -> list[dict]:
+    return run("infra/configs/reasoning_easy.yaml", "easy")

@@ -57,6 +57,7 @@ SUITES = {
     "multiturn": bench_multiturn.run,
     "arpo": bench_arpo.run,
     "reasoning_baseline": bench_reasoning.run,
+    "reasoning_easy": bench_reasoning.run_easy,
 }
 
 
