@@ -992,8 +992,8 @@ class RolloutConfig(Section):
         False,
         description="Partial rollouts: a group that ended with every sample but was over batch.target_groups (the "
         "round ended more than the batch needed) is carried into the next iteration's first round as an ended group, "
-        "scored again there and trained by that update (rl.max_staleness bounds its age as for any carried group), "
-        "instead of being dropped. Needs rollout.partial_tokens.",
+        "scored again there and put first in that batch (rl.max_staleness bounds its age as for any carried group), "
+        "instead of being dropped. Needs rollout.partial_tokens and rl.max_staleness ≥ 1.",
     )
     PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset({"engines", "tensor_parallel_size"})
     HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"min_tokens", "partial_tokens", "carry_surplus"})
@@ -1631,6 +1631,11 @@ class RunConfig(Section):
         if self.rollout.carry_surplus and not self.rollout.partial_tokens:
             raise ValueError(
                 "rollout.carry_surplus carries ended groups of partial rollouts: set rollout.partial_tokens"
+            )
+        if self.rollout.carry_surplus and self.rl.max_staleness == 0:
+            raise ValueError(
+                "rollout.carry_surplus with rl.max_staleness 0: a group carried to the next update is one update old "
+                "and would always be dropped (set rl.max_staleness ≥ 1)"
             )
         if self.rollout.partial_tokens and self.agent.enabled:
             raise ValueError("rollout.partial_tokens: multi-turn rollouts (the agent section) are not carried yet")

@@ -65,10 +65,13 @@ def test_a_key_added_later_enters_the_fingerprint_only_when_set():
     assert cfg.section_hash("rollout") == expected
     assert build_config({"rollout": {"min_tokens": 4}}).section_hash("rollout") != expected
     assert build_config({"rollout": {"partial_tokens": 4}}).section_hash("rollout") != expected
-    surplus = build_config({"rollout": {"partial_tokens": 4, "carry_surplus": True}}).section_hash("rollout")
+    surplus = build_config({"rollout": {"partial_tokens": 4, "carry_surplus": True}, "rl": {"max_staleness": 1}})
+    surplus = surplus.section_hash("rollout")
     assert surplus not in (expected, build_config({"rollout": {"partial_tokens": 4}}).section_hash("rollout"))
     with pytest.raises(ConfigError, match="rollout.carry_surplus carries ended groups of partial rollouts"):
         build_config({"rollout": {"carry_surplus": True}})
+    with pytest.raises(ConfigError, match="rollout.carry_surplus with rl.max_staleness 0"):
+        build_config({"rollout": {"partial_tokens": 4, "carry_surplus": True}})
     with pytest.raises(ConfigError, match="rollout.min_tokens=9 exceeds rollout.max_tokens=8"):
         build_config({"rollout": {"min_tokens": 9, "max_tokens": 8}})
 

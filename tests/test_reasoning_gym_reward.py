@@ -76,6 +76,9 @@ def test_pattern_format_takes_the_last_match_and_its_first_group():
     )
     assert extract_final("x = 12 and y = 13", "pattern", r"-?\d+") == "13"  # no group: the whole last match
     assert extract_final("no number here", "pattern", r"-?\d+") is None
+    # the group of the branch that did not match is no answer, nor is an empty match
+    assert extract_final("ANSWER: 5", "pattern", r"answer is (\d+)|ANSWER: (\d+)") is None
+    assert extract_final("answer is ", "pattern", r"answer is (\d*)") is None
     assert reward(response="nothing", entry=json.dumps(entry), answer_format="pattern", pattern=ANSWER_IS) == 0.0
     with pytest.raises(ValueError, match="needs a pattern"):
         extract_final("1", "pattern")
@@ -87,6 +90,8 @@ def test_pattern_format_takes_the_last_match_and_its_first_group():
         ({"answer_format": "pattern"}, "answer_format 'pattern' needs kwargs.pattern"),
         ({"answer_format": "pattern", "pattern": "(unclosed"}, "kwargs.pattern is not a regular expression"),
         ({"answer_format": "xml"}, "answer_format 'xml': one of tags, last_line, pattern"),
+        ({"answer_format": "pattern", "pattern": 12}, "kwargs.pattern must be a string"),
+        ({"pattern": "x"}, "kwargs.pattern is read only with answer_format pattern"),
     ],
 )
 def test_a_bad_answer_format_is_refused_before_any_engine_starts(kwargs, message):

@@ -160,7 +160,9 @@ def extract_final(response: str, answer_format: str = "tags", pattern: str | Non
         if not matches:
             return None
         last = matches[-1]
-        return (last.group(1) if last.re.groups else last.group(0)).strip()
+        # a group outside the branch that matched is None: no answer, as an empty one is
+        found = last.group(1) if last.re.groups else last.group(0)
+        return (found or "").strip() or None
     raise ValueError(f"answer_format {answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}")
 
 
@@ -210,7 +212,13 @@ def _reasoning_gym_preflight(reward, kwargs: dict, columns: set[str]) -> None:
         raise RewardLoadError(
             f"reward function reasoning_gym: answer_format {answer_format!r}: one of {', '.join(ANSWER_FORMATS)}"
         )
+    if "pattern" in kwargs and answer_format != "pattern":
+        raise RewardLoadError("reward function reasoning_gym: kwargs.pattern is read only with answer_format pattern")
     if answer_format == "pattern":
+        if not isinstance(kwargs.get("pattern", ""), str):
+            raise RewardLoadError(
+                "reward function reasoning_gym: kwargs.pattern must be a string (a regular expression)"
+            )
         try:
             re.compile(kwargs.get("pattern") or "")
         except re.error as exc:

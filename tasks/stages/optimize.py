@@ -145,8 +145,8 @@ def rollout_engine_metrics(rounds: list[dict]) -> dict[str, float]:
 
 def partial_metrics(rounds: list[dict]) -> dict[str, float]:
     """Partial rollouts' pool over the iteration's rounds (none without them): groups dropped for their age, admitted,
-    carried over ended from the batch before (rollout.carry_surplus) and ended, and the sequences still in flight
-    after the last round."""
+    carried over ended from the batch before and not stale (rollout.carry_surplus), ended by generation, and the
+    sequences still in flight after the last round."""
     if not rounds or "carried_sequences" not in rounds[-1]:
         return {}
     keys = ("stale_groups", "admitted_groups", "surplus_groups", "ended_groups")

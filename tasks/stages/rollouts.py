@@ -256,15 +256,17 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
         )
         tables = {}
         if r.partial_tokens:
-            carry, surplus = read_carry(carry_path), 0
+            carry, over = read_carry(carry_path), pl.Series("prompt_id", [], pl.Utf8)
             if "surplus" in carried:  # the groups the batch before left over, ahead of the sequences in flight
                 before = iteration - 1
-                over = surplus_carry(
+                surplus = surplus_carry(
                     read_stage(ctx.layout, "rollouts", before), read_stage(ctx.layout, "batch", before)
                 )
-                carry, surplus = pl.concat([over, carry]), over["prompt_id"].n_unique()
+                carry, over = pl.concat([surplus, carry]), surplus["prompt_id"].unique()
             df, left, resp, timing = partial_round(ctx, policy, prompts, carry, iteration, round_, seed, name)
-            timing["surplus_groups"] = surplus
+            # the surplus groups the staleness bound kept (the others are stale_groups), not ended by this round
+            kept_over = df.filter(pl.col("prompt_id").is_in(over.implode()))["prompt_id"].n_unique()
+            timing = {**timing, "surplus_groups": kept_over, "ended_groups": timing["ended_groups"] - kept_over}
             tables["carry"] = left.with_columns(*stamp)
             turns = None
         elif ctx.cfg.agent.enabled:

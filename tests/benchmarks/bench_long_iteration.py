@@ -48,6 +48,20 @@ SIDES = {
 STAGES = ("rollouts", "scores", "batch", "logprobs", "advantages", "optimize")
 
 
+def generated(layout, k: int, surplus: bool) -> pl.DataFrame:
+    """Iteration k's rollouts but the groups carried, ended already, from the batch before (rollout.carry_surplus),
+    which iteration k − 1's rows counted (a prompt_id is a group's key within an iteration); `surplus`: whether the
+    side carries them."""
+    from storage import read_stage
+
+    rows = read_stage(layout, "rollouts", k)
+    if not surplus:
+        return rows
+    before = read_stage(layout, "batch", k - 1).filter(pl.col("filter_reason") == "over_target")["prompt_id"]
+    carried = (pl.col("round") == 0) & pl.col("prompt_id").is_in(before.implode())
+    return rows.filter(~carried)
+
+
 def measure(side: str) -> dict:
     from storage import read_stage
 
@@ -55,14 +69,15 @@ def measure(side: str) -> dict:
     measured = range(2, ITERATIONS)  # iteration 1 starts the engines; the last one's end includes the final eval
     walls = [ends[k - 1] - ends[k - 2] for k in measured]
     m = pl.concat([read_stage(layout, "train_metrics", k) for k in measured], how="diagonal")
-    ended = sum(read_stage(layout, "rollouts", k).height for k in measured)
-    tokens = sum(int(read_stage(layout, "rollouts", k)["length"].sum()) for k in measured)
+    surplus = "rollout.carry_surplus=true" in SIDES[side]
+    ended = pl.concat([generated(layout, k, surplus) for k in measured], how="diagonal_relaxed")
+    tokens = int(ended["length"].sum())
     evals = read_stage(layout, "eval", ITERATIONS)
     out = {
         "side": side,
         "seconds": sum(walls) / len(walls),
         "samples_per_s": float(m["samples"].sum()) / sum(walls),
-        "ended_per_s": ended / sum(walls),
+        "ended_per_s": ended.height / sum(walls),
         "tokens": tokens,
         "accuracy": float(evals["greedy_correct"].mean()),
         "stages": {s: float(m[f"seconds_{s}"].mean()) for s in STAGES if f"seconds_{s}" in m.columns},
