@@ -215,18 +215,19 @@ def _reasoning_gym_preflight(reward, kwargs: dict, columns: set[str]) -> None:
     if "pattern" in kwargs and answer_format != "pattern":
         raise RewardLoadError("reward function reasoning_gym: kwargs.pattern is read only with answer_format pattern")
     if answer_format == "pattern":
-        if not isinstance(kwargs.get("pattern", ""), str):
+        pattern = kwargs.get("pattern")
+        if not pattern:
+            raise RewardLoadError("reward function reasoning_gym: answer_format 'pattern' needs kwargs.pattern")
+        if not isinstance(pattern, str):
             raise RewardLoadError(
                 "reward function reasoning_gym: kwargs.pattern must be a string (a regular expression)"
             )
         try:
-            re.compile(kwargs.get("pattern") or "")
+            re.compile(pattern)
         except re.error as exc:
             raise RewardLoadError(
                 f"reward function reasoning_gym: kwargs.pattern is not a regular expression ({exc})"
             ) from None
-        if not kwargs.get("pattern"):
-            raise RewardLoadError("reward function reasoning_gym: answer_format 'pattern' needs kwargs.pattern")
 
 
 reasoning_gym_score.preflight = _reasoning_gym_preflight

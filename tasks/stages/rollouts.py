@@ -30,7 +30,15 @@ from tasks.stages.common import (
     scratch_file,
     stage_task,
 )
-from tasks.stages.partial_rollouts import advance, carry_part, plan_round, read_carry, split_ended, surplus_carry
+from tasks.stages.partial_rollouts import (
+    advance,
+    carry_part,
+    empty_carry,
+    plan_round,
+    read_carry,
+    split_ended,
+    surplus_carry,
+)
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import Weights, sampling_version, weights_after, weights_fingerprint
 
@@ -256,17 +264,14 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
         )
         tables = {}
         if r.partial_tokens:
-            carry, over = read_carry(carry_path), pl.Series("prompt_id", [], pl.Utf8)
-            if "surplus" in carried:  # the groups the batch before left over, ahead of the sequences in flight
+            surplus = empty_carry()
+            if "surplus" in carried:  # the groups the batch before left over (rollout.carry_surplus)
                 before = iteration - 1
                 surplus = surplus_carry(
                     read_stage(ctx.layout, "rollouts", before), read_stage(ctx.layout, "batch", before)
                 )
-                carry, over = pl.concat([surplus, carry]), surplus["prompt_id"].unique()
-            df, left, resp, timing = partial_round(ctx, policy, prompts, carry, iteration, round_, seed, name)
-            # the surplus groups the staleness bound kept (the others are stale_groups), not ended by this round
-            kept_over = df.filter(pl.col("prompt_id").is_in(over.implode()))["prompt_id"].n_unique()
-            timing = {**timing, "surplus_groups": kept_over, "ended_groups": timing["ended_groups"] - kept_over}
+            carry = read_carry(carry_path)
+            df, left, resp, timing = partial_round(ctx, policy, prompts, carry, surplus, iteration, round_, seed, name)
             tables["carry"] = left.with_columns(*stamp)
             turns = None
         elif ctx.cfg.agent.enabled:
@@ -313,11 +318,15 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
     return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
 
 
-def partial_round(ctx: RunContext, policy: Weights, prompts, carry, iteration: int, round_: int, seed: int, name: str):
+def partial_round(
+    ctx: RunContext, policy: Weights, prompts, carry, surplus, iteration: int, round_: int, seed: int, name: str
+):
     """One round of partial rollouts (tasks/stages/partial_rollouts.py): the pool's unfinished sequences each get at
-    most rollout.partial_tokens more tokens. Returns the groups that ended (rollouts rows), the next carry table, the
-    engines' response and the generation totals with the round's pool figures."""
+    most rollout.partial_tokens more tokens; `surplus` (the ended groups the batch before left over, or none) goes
+    ahead of the carried sequences. Returns the groups that ended (rollouts rows), the next carry table, the engines'
+    response and the generation totals with the round's pool figures."""
     r = ctx.cfg.rollout
+    carry = pl.concat([surplus, carry])
     taken = (
         read_stage(ctx.layout, "rollouts", iteration).filter(pl.col("round") < round_)["prompt_id"].unique()
         if round_
@@ -358,11 +367,14 @@ def partial_round(ctx: RunContext, policy: Weights, prompts, carry, iteration: i
         }
     pool = advance(plan.pool, generated, version=policy.version, max_tokens=r.max_tokens)
     rows, left = split_ended(pool)
+    # the surplus groups the staleness bound kept (the others are stale_groups) left at once: generation ended none
+    kept_surplus = rows.filter(pl.col("prompt_id").is_in(surplus["prompt_id"].implode()))["prompt_id"].n_unique()
     timing = {
         **resp["jobs"][0],
         "stale_groups": plan.stale_groups,
         "admitted_groups": plan.admitted_groups,
-        "ended_groups": rows["prompt_id"].n_unique(),
+        "surplus_groups": kept_surplus,
+        "ended_groups": rows["prompt_id"].n_unique() - kept_surplus,
         "carried_sequences": left.height,
     }
     return rows, left, resp, timing

@@ -30,7 +30,7 @@ from tests.benchmarks import result_row, run_with_evals
 
 CONFIG = "infra/configs/long_reasoning.yaml"
 ROOT = Path("runs/bench/long_iteration")
-ITERATIONS = 10  # about 100 minutes here, both sides
+ITERATIONS = 10  # about 65 minutes here, both sides
 COMMON = [f"storage_root={ROOT}", "rl.eval_every=1000", "eval.samples=1", "eval.pass_k=1"]
 SIDES = {
     "defaults": ["loss.old_logprobs=trainer"],
