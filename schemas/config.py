@@ -1347,8 +1347,9 @@ class EnginesConfig(Section):
     weight_sync: Literal["collective", "file"] = Field(
         "collective",
         description="How the rollout replicas get the policy after an update. collective: trainer rank 0 broadcasts "
-        "its weights (with LoRA the adapter only) over a process group, in buckets, through a vLLM worker extension "
-        "(gloo, tensors in host memory; NCCL between trainer and replicas on separate GPUs), and a weights-only "
+        "its weights (with LoRA the adapter only) through vLLM's weight-transfer API, in packed chunks (vLLM's nccl "
+        "engine between trainer and replicas on GPUs of their own; rlpipe's gloo engine, tensors in host memory, "
+        "otherwise and for adapters), and a weights-only "
         "checkpoint (checkpoint.every) is written without weight files: a command that needs them on disk (rlpipe "
         "export, a resumed run) replays the updates since the last full checkpoint. file: every checkpoint holds its "
         "weights and each replica reloads them from disk (needed without engines.resident_trainer).",
@@ -1357,9 +1358,9 @@ class EnginesConfig(Section):
         16,
         ge=1,
         le=65536,
-        description="The collective sync's bucket size: tensors are sent as flat buckets of at most this many MiB, "
-        "each received while the one before it is loaded (on 2 CPU cores over loopback 16 MiB buckets moved 538 MB in "
-        "0.16-0.21 s, 256 MiB ones in 0.36 s).",
+        description="The collective sync's chunk size: tensors are sent packed into flat chunks of at most this many "
+        "MiB (vLLM's packed_buffer_size_bytes; a larger tensor is a chunk of its own). On 2 CPU cores over loopback "
+        "16 MiB chunks moved 538 MB in 0.16-0.21 s, 256 MiB ones in 0.36 s.",
     )
     keep_optimizer_states: int | None = Field(
         2,

@@ -42,10 +42,19 @@ class VLLMSettings:
     prefix_caching: bool = True  # vLLM's automatic prefix caching: a multi-turn turn re-reads its whole trajectory
     max_logprobs: int = 20  # the most candidates a request may ask for (vLLM's default; an LLM judge may ask more)
     sleep: bool = False  # engines.colocate_sleep: asleep (vLLM's sleep level 1) between its generations
+    # the vLLM weight-transfer engine its workers make (tasks/engines/weight_sync.py::backend)
+    weight_transfer: Literal["rlpipe_gloo", "nccl"] = "rlpipe_gloo"
 
     @classmethod
     def from_config(
-        cls, model_path: str, model: ModelConfig, rollout: RolloutConfig, seed: int, lora: LoraConfig, sleep: bool
+        cls,
+        model_path: str,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        seed: int,
+        lora: LoraConfig,
+        sleep: bool,
+        weight_transfer: str,
     ) -> "VLLMSettings":
         return cls(
             model_path=model_path,
@@ -56,6 +65,7 @@ class VLLMSettings:
             tensor_parallel_size=rollout.tensor_parallel_size,
             max_lora_rank=lora.rank,
             sleep=sleep,
+            weight_transfer=weight_transfer,
         )
 
 
@@ -89,34 +99,39 @@ class GenerateRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class WeightGroup:
-    """A process group that carries weights from trainer rank 0 (its rank 0) to the rollout replicas' vLLM workers
-    (ranks 1 to world_size − 1), built by its members (tasks/engines/workers/weight_group.py)."""
+    """The group that carries weights from trainer rank 0 (its rank 0) to the rollout replicas' vLLM workers (ranks 1
+    to world_size − 1, tensor_parallel_size a replica), through vLLM's weight-transfer engine `backend`
+    (tasks/engines/workers/weight_transfer.py)."""
 
     key: str  # a member keeps its group while requests name the same key
-    init_method: str  # file://PATH (every member on one machine) or tcp://HOST:PORT (trainer rank 0's node)
+    backend: Literal["rlpipe_gloo", "nccl"]
+    # rlpipe_gloo: file://PATH (every member on one machine) or tcp://HOST:PORT (trainer rank 0's node); nccl:
+    # tcp://HOST:PORT, where vLLM's TCP store rendezvous is
+    init_method: str
     world_size: int
-    backend: Literal["gloo", "nccl"]
+    tensor_parallel_size: int  # each replica's workers
     timeout_s: float  # a member that waits longer in a broadcast fails
-    bucket_bytes: int
+    bucket_bytes: int  # a packed chunk's bound
 
 
 @dataclass(frozen=True, kw_only=True)
 class SendWeightsRequest:
     """To every trainer rank: send the policy weights of `checkpoint`, which the resident trainer holds, over `group`
-    (rank 0 sends; under ZeRO-3 every rank takes part in gathering them). LoRA sends the adapter only."""
+    to the replicas the message names (rank 0 sends and drives them; under ZeRO-3 every rank takes part in gathering
+    the weights). LoRA sends the adapter only."""
 
     checkpoint: str
     group: WeightGroup
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReceiveWeightsRequest:
-    """To a vLLM replica: load the weights of `model_path` from `group`, its workers at ranks first_rank, first_rank
-    + 1, … (one per tensor-parallel rank)."""
+class WeightUpdateCall:
+    """To a vLLM replica, from the trainer's weight-transfer client: one of vLLM's four weight-sync calls, with its
+    init or update info as vLLM's engines take it (empty for start and finish)."""
 
-    model_path: str
-    group: WeightGroup
-    first_rank: int
+    op: Literal["init", "start", "update", "finish"]
+    info: dict
+    model_path: str  # the checkpoint whose weights these are
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,7 +388,7 @@ KINDS = {
         GenerateRequest,
         WeightGroup,
         SendWeightsRequest,
-        ReceiveWeightsRequest,
+        WeightUpdateCall,
         EngineSettings,
         Schedule,
         SFTRequest,

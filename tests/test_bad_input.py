@@ -264,5 +264,13 @@ def test_sleep_mode_is_refused_where_vllm_has_none():
     with pytest.raises(PlatformError, match=r"engines.colocate_sleep: vLLM's sleep mode needs a CUDA or ROCm GPU; "):
         check_sleep(cfg)
     check_sleep(build_config({}))  # off: nothing to check
-    settings = VLLMSettings.from_config("m", cfg.model, cfg.rollout, 0, cfg.lora, cfg.engines.colocate_sleep)
+    settings = VLLMSettings.from_config(
+        model_path="m",
+        model=cfg.model,
+        rollout=cfg.rollout,
+        seed=0,
+        lora=cfg.lora,
+        sleep=cfg.engines.colocate_sleep,
+        weight_transfer="rlpipe_gloo",
+    )
     assert settings.sleep is True  # what the replica starts with (enable_sleep_mode, a sleep after each generation)

@@ -30,7 +30,7 @@ def test_device_check_on_the_cpu_writes_its_report(tmp_path):
     assert 0 < bf16["grad_rel"] <= bf16["tolerance"]["grad_rel"] and bf16["agree"] >= bf16["tolerance"]["agree"]
     tp = report["throughput"]["tiny"]
     assert tp["tokens"] > 0 and tp["tokens_per_s"] > 0 and 0 < tp["mfu"] < 1
-    assert report["weight_send"]["run"] is False and "issue 59" in report["weight_send"]["why"]
+    assert report["weight_send"]["run"] is False and "vLLM's weight-transfer API" in report["weight_send"]["why"]
     assert "equality float32" in proc.stdout and "throughput tiny" in proc.stdout  # the summary table, printed last
 
 

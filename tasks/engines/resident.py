@@ -210,9 +210,23 @@ class ResidentProcess:
         self.rendezvous.parent.mkdir(parents=True, exist_ok=True)
         return {data_parallel.RENDEZVOUS_ENV: f"file://{self.rendezvous}", "GLOO_SOCKET_IFNAME": "lo"}
 
-    def call(self, request, settings=None, label: str = "") -> dict:
+    def call(self, request, settings=None, label: str = "", extra: dict | None = None) -> dict:
         """Send one typed request (schemas.requests) to every rank, starting the engine first if needed, with
-        `settings` (a typed start-up request, or None); rank 0's answer."""
+        `settings` (a typed start-up request, or None), and `extra` beside it in the message (what is not data: Ray
+        actor handles); rank 0's answer."""
+        self.start(settings)
+        msg = {"request": to_wire(request), "label": label, **(extra or {})}
+        answers = self._wait([a.call.remote(msg) for a in self.actors], "died", deadline=None)
+        failed = [r for r, a in enumerate(answers) if "error" in a]
+        if failed:
+            if self.ranks > 1:  # the ranks may be in different places: the group ends, the next call restarts it
+                raise self._ended("failed", answers[failed[0]]["error"], rank=failed[0])
+            raise WorkerError(f"{self.name} failed: {answers[0]['error']} [log: {self.log}]")
+        return answers[0]
+
+    def start(self, settings=None) -> None:
+        """The engine started with `settings` (a typed start-up request, or None) if it is not running, and waited
+        for."""
         with self.starting_lock:
             self._spawn(settings, held=False)
             if self.starting is not None:
@@ -222,14 +236,6 @@ class ResidentProcess:
                     raise self._ended("failed to start", next(e for e in errors if e), rank=_first(errors))
                 if time.time() - self.spawned >= 10:
                     self._progress(f"{self.name} started in {time.time() - self.spawned:.0f}s")
-        msg = {"request": to_wire(request), "label": label}
-        answers = self._wait([a.call.remote(msg) for a in self.actors], "died", deadline=None)
-        failed = [r for r, a in enumerate(answers) if "error" in a]
-        if failed:
-            if self.ranks > 1:  # the ranks may be in different places: the group ends, the next call restarts it
-                raise self._ended("failed", answers[failed[0]]["error"], rank=failed[0])
-            raise WorkerError(f"{self.name} failed: {answers[0]['error']} [log: {self.log}]")
-        return answers[0]
 
     def _wait(self, refs: list, what: str, deadline: float | None) -> list:
         """Every rank's result, echoing rank 0's progress lines meanwhile. A rank whose actor died (its process, its
@@ -318,10 +324,11 @@ class ResidentProcess:
         hung = sorted(r for ref, r in pending.items() if ref not in done)
         error = results[failed] if isinstance(results[failed], str) else results[failed]["error"]
         if hung:
-            where = ", ".join(f"rank {r} on node {self._node(r)}" for r in hung)
+            where = ", ".join(f"rank {r} on node {self.node(r)}" for r in hung)
             raise self._ended("failed", f"{error}; {where} did not answer (hung)", rank=failed)
 
-    def _node(self, r: int) -> str:
+    def node(self, r: int) -> str:
+        """Rank r's node, as the error lines name it."""
         n = self.nodes[r] if r < len(self.nodes) else None
         return f"{n['ip']} ({n['node_id'][:12]})" if n else "unknown"
 
@@ -334,7 +341,7 @@ class ResidentProcess:
     def _ended(self, what: str, cause: str, rank: int) -> WorkerError:
         """The group after one of its ranks died or failed: every actor ended, one line naming the rank and its node."""
         actor = f"actor {self.actors[rank]._actor_id.hex()[:12]}" if rank < len(self.actors) else "actor"
-        which = f" ({f'rank {rank} of {self.ranks}, ' if self.ranks > 1 else ''}{actor} on node {self._node(rank)})"
+        which = f" ({f'rank {rank} of {self.ranks}, ' if self.ranks > 1 else ''}{actor} on node {self.node(rank)})"
         if "not answer" not in cause and cause.endswith("died"):
             cause = f"{cause}; its log: {last_error_line(_rank_log(self.log, rank))}"
         self.kill()

@@ -1,9 +1,9 @@
 """The client side of the collective weight sync (`engines.weight_sync: collective`).
 
 Before a generation that names weights some rollout replicas do not hold, the run's resident trainer, which holds them
-(the engine its last update or replay kept), sends them to those replicas over a process group: the trainer's ranks
-and the replicas are called at once, trainer rank 0 broadcasts, every replica's vLLM workers receive and load
-(tasks/engines/workers/weight_group.py, tasks/engines/workers/vllm_receiver.py). No file is written or read.
+(the engine its last update or replay kept), sends them to those replicas through vLLM's weight-transfer API: every
+trainer rank is called, with the replicas' Ray actors beside the request, and trainer rank 0 drives the replicas' side
+of vLLM's calls while it broadcasts (tasks/engines/workers/weight_transfer.py). No file is written or read.
 
 Otherwise (engines.weight_sync file, or weights this process's trainer does not hold, e.g. the starting model) nothing
 happens here: each replica reloads the checkpoint's files in place as it takes the generation request.
@@ -21,14 +21,13 @@ import atexit
 import hashlib
 import os
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from schemas.config import EnginesConfig
-from schemas.requests import ReceiveWeightsRequest, SendWeightsRequest, VLLMSettings, WeightGroup
+from schemas.requests import SendWeightsRequest, VLLMSettings, WeightGroup
 from storage import RunLayout
 from tasks.engines import ray_cluster
-from tasks.engines.resident import HUNG_GRACE_S
 from tasks.engines.trainer_client import resident_trainer, trainer_holds
 
 _GROUP: dict = {"members": None, "group": None, "file": None, "made": 0}
@@ -45,31 +44,30 @@ def sync_replicas(
         return None
     trainer = resident_trainer(layout, engines)
     t0 = time.time()
-    group = _group_for(trainer, stale, engines, settings.tensor_parallel_size)
-    with ThreadPoolExecutor(1 + len(stale)) as pool:
-        sending = pool.submit(
-            trainer.call, SendWeightsRequest(checkpoint=checkpoint, group=group), None, "send-weights"
-        )
-        receiving = [
-            pool.submit(
-                replica.call,
-                ReceiveWeightsRequest(
-                    model_path=checkpoint, group=group, first_rank=1 + k * settings.tensor_parallel_size
-                ),
-                settings,
-            )
-            for k, replica in enumerate(stale)
-        ]
-        answers = _all_or_end([sending, *receiving], [trainer, *stale])
+    with ThreadPoolExecutor(len(stale)) as pool:  # the trainer drives the replicas' actors: each must be running
+        list(pool.map(lambda r: r.start(settings), stale))
+    group = _group_for(trainer, stale, engines, settings)
+    named = [(f"{r.name} (actor {r.actors[0]._actor_id.hex()[:12]} on node {r.node(0)})", r.actors[0]) for r in stale]
+    request = SendWeightsRequest(checkpoint=checkpoint, group=group)
+    try:
+        answer = trainer.call(request, None, "send-weights", {"replicas": named})
+    except Exception:
+        # The group is forgotten (the next sync makes a new one) and the replicas ended: one may still wait in it,
+        # and each holds weights of no checkpoint; an ended engine restarts at its next request.
+        _forget()
+        for replica in stale:
+            replica.kill()
+        raise
     for replica in stale:
         replica.weights = checkpoint
-    gaps = [a["sync_logprob_gap"] for a in answers[1:] if a["sync_logprob_gap"] is not None]
+    replicas = answer["replicas"]
+    gaps = [a["sync_logprob_gap"] for a in replicas if a["sync_logprob_gap"] is not None]
     _UNREPORTED[checkpoint] = result = {
         # Each replica's receive and load, as the file path's reload is counted (the probe check apart); the trainer's
         # gather and broadcast run meanwhile.
-        "sync_seconds": max(a["sync_seconds"] for a in answers[1:]),
+        "sync_seconds": max(a["sync_seconds"] for a in replicas),
         "sync_wall_seconds": time.time() - t0,
-        "sync_bytes": answers[0]["sync_bytes"],
+        "sync_bytes": answer["sync_bytes"],
         "sync_logprob_gap": max(gaps) if gaps else None,
     }
     return result
@@ -85,23 +83,7 @@ def unreported_sync(checkpoint: str) -> dict | None:
     return _UNREPORTED.pop(checkpoint, None)
 
 
-def _all_or_end(futures: list, parties: list) -> list:
-    """Every party's answer. When one fails, the others get HUNG_GRACE_S to fail too (their peer left the group, so
-    they normally do at once); one still waiting then is ended, and the group is forgotten: the next sync makes a new
-    one, and an ended engine restarts at its next request."""
-    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-    failed = [f for f in futures if f.done() and f.exception() is not None]
-    if not failed:
-        return [f.result() for f in futures]
-    _forget()
-    _, waiting = wait(futures, timeout=HUNG_GRACE_S)
-    for future, party in zip(futures, parties):
-        if future in waiting:
-            party.kill()
-    raise failed[0].exception()
-
-
-def _group_for(trainer, replicas: list, engines: EnginesConfig, tp: int) -> WeightGroup:
+def _group_for(trainer, replicas: list, engines: EnginesConfig, settings: VLLMSettings) -> WeightGroup:
     """The group of trainer rank 0 and these replicas: the one kept since the last sync when the members are the same
     actors, else a new one."""
     members = (trainer.actors[0]._actor_id.hex(), *(r.actors[0]._actor_id.hex() for r in replicas))
@@ -111,7 +93,7 @@ def _group_for(trainer, replicas: list, engines: EnginesConfig, tp: int) -> Weig
     _GROUP["made"] += 1
     key = hashlib.sha256(f"{os.getpid()}:{_GROUP['made']}:{members}".encode()).hexdigest()[:16]
     head = trainer.nodes[0]  # where trainer rank 0 runs
-    if head["ip"] == ray_cluster.LOOPBACK:
+    if head["ip"] == ray_cluster.LOOPBACK and settings.weight_transfer != "nccl":  # vLLM's NCCL meets over TCP only
         _GROUP["file"] = ray_cluster.meeting_file(engines.ray_address, "weights")
         _GROUP["file"].parent.mkdir(parents=True, exist_ok=True)
         init_method = f"file://{_GROUP['file']}"
@@ -122,9 +104,10 @@ def _group_for(trainer, replicas: list, engines: EnginesConfig, tp: int) -> Weig
         init_method = f"tcp://{head['ip']}:{port}"
     group = WeightGroup(
         key=key,
+        backend=settings.weight_transfer,
         init_method=init_method,
-        world_size=1 + len(replicas) * tp,
-        backend=backend(engines),
+        world_size=1 + len(replicas) * settings.tensor_parallel_size,
+        tensor_parallel_size=settings.tensor_parallel_size,
         timeout_s=engines.collective_timeout_s,
         bucket_bytes=engines.weight_sync_bucket_mb * 2**20,
     )
@@ -132,14 +115,18 @@ def _group_for(trainer, replicas: list, engines: EnginesConfig, tp: int) -> Weig
     return group
 
 
-def backend(engines: EnginesConfig) -> str:
-    """NCCL when the trainer and the replicas are on GPUs of their own (disjoint device lists, or Ray GPU bundles on
-    both sides, which Ray fills with different devices); gloo otherwise: on CPU, and for GPUs the trainer and vLLM share
-    (NCCL refuses two ranks on one device), the tensors then travel through host memory."""
+def backend(engines: EnginesConfig, lora: bool) -> str:
+    """The vLLM weight-transfer engine: vLLM's `nccl` when the trainer and the replicas are on GPUs of their own
+    (disjoint device lists, or Ray GPU bundles on both sides, which Ray fills with different devices); rlpipe's
+    `rlpipe_gloo` otherwise: on CPU, for GPUs the trainer and vLLM share (NCCL refuses two ranks on one device, and the
+    tensors then travel through host memory), and for a LoRA adapter (vLLM's engines load into the model's own weights
+    and cannot carry one)."""
+    if lora:
+        return "rlpipe_gloo"
     if engines.trainer_devices and engines.rollout_devices:
-        return "gloo" if set(engines.trainer_devices) & set(engines.rollout_devices) else "nccl"
+        return "rlpipe_gloo" if set(engines.trainer_devices) & set(engines.rollout_devices) else "nccl"
     gpu_bundles = engines.trainer_bundle.get("GPU", 0) >= 1 and engines.rollout_bundle.get("GPU", 0) >= 1
-    return "nccl" if gpu_bundles else "gloo"
+    return "nccl" if gpu_bundles else "rlpipe_gloo"
 
 
 def _forget() -> None:

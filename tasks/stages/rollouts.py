@@ -20,7 +20,7 @@ from tasks.engines.launch import WorkerError
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
-from tasks.engines.weight_sync import sync_replicas, unreported_sync
+from tasks.engines.weight_sync import backend, sync_replicas, unreported_sync
 from tasks.stages import agent_rollouts
 from tasks.stages.common import (
     Computed,
@@ -185,7 +185,15 @@ def sampler_settings(ctx: RunContext, model_path: str) -> VLLMSettings:
     synced before it generates."""
     start = model_path if has_weight_files(model_path) else ctx.cfg.model.path
     cfg = ctx.cfg
-    return VLLMSettings.from_config(start, cfg.model, cfg.rollout, cfg.seed, cfg.lora, cfg.engines.colocate_sleep)
+    return VLLMSettings.from_config(
+        model_path=start,
+        model=cfg.model,
+        rollout=cfg.rollout,
+        seed=cfg.seed,
+        lora=cfg.lora,
+        sleep=cfg.engines.colocate_sleep,
+        weight_transfer=backend(cfg.engines, lora=cfg.lora.rank is not None),
+    )
 
 
 def merge_engine_responses(resps: list[dict]) -> dict:

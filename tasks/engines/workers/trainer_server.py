@@ -21,7 +21,7 @@ def make_answer(warm_start):
     import deepspeed  # noqa: F401  (the imports are paid once, here)
     import torch  # noqa: F401
 
-    from tasks.engines.workers import data_parallel, deepspeed_train, torch_logprobs, weight_group
+    from tasks.engines.workers import data_parallel, deepspeed_train, torch_logprobs
     from tasks.engines.workers.engine_cache import EngineCache
 
     data_parallel.init_process_group()  # every rank joins before the first request
@@ -35,7 +35,7 @@ def make_answer(warm_start):
     handlers = {
         LogprobsRequest: torch_logprobs.handle,
         UpdateRequest: deepspeed_train.handle,
-        SendWeightsRequest: weight_group.send_held,
+        SendWeightsRequest: send_weights,  # with the message's replicas, below
     }
 
     def answer(msg: dict) -> dict:
@@ -53,7 +53,10 @@ def make_answer(warm_start):
             f"{msg.get('label', '')}",
             flush=True,
         )
-        resp = handlers[type(request)](request, cache)
+        if isinstance(request, SendWeightsRequest):  # the replicas' Ray actors travel beside the request
+            resp = send_weights(request, cache, msg["replicas"])
+        else:
+            resp = handlers[type(request)](request, cache)
         reused = {f"reused_{k}": cache.hits[k] - hits[k] for k in hits}
         print(f"[trainer] done in {time.time() - t0:.2f}s {reused}", flush=True)
         return {**resp, **reused}
@@ -69,6 +72,14 @@ def make_answer(warm_start):
 
     answer.finish = finish_deferred  # before the trainer shuts down (tasks/engines/resident.py)
     return answer
+
+
+def send_weights(request, cache, replicas: list) -> dict:
+    """A SendWeightsRequest: the held policy to `replicas` [(name, Ray actor)] through vLLM's weight-transfer API.
+    vLLM is imported here, at the first sync: a trainer on a machine without vLLM (the device check) never needs it."""
+    from tasks.engines.workers.weight_transfer import send_held
+
+    return send_held(request, cache, replicas)
 
 
 def load_ahead(start, cache) -> None:

@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 
-from schemas.requests import GenerationJob, ReceiveWeightsRequest, VLLMSettings, from_wire, to_wire
+from schemas.requests import GenerationJob, VLLMSettings, WeightUpdateCall, from_wire
 
 
 def head_entropy(steps, k: int) -> float:
@@ -90,6 +90,9 @@ def _start_engine(settings: VLLMSettings):
             install()  # its LoRA products, one matmul per adapter (tasks/engines/workers/vllm_cpu_lora.py)
     if settings.sleep:  # engines.colocate_sleep: vLLM allocates through its own allocator to release it later
         extra["enable_sleep_mode"] = True
+    from tasks.engines.workers.weight_transfer import register
+
+    register()  # this process's workers (vLLM's own processes register it as a plugin)
     return LLM(
         model=settings.model_path,
         dtype=settings.dtype,
@@ -98,8 +101,8 @@ def _start_engine(settings: VLLMSettings):
         enforce_eager=True,
         enable_prefix_caching=settings.prefix_caching,
         max_logprobs=settings.max_logprobs,
-        # Weights over a process group from the trainer (engines.weight_sync collective)
-        worker_extension_cls="tasks.engines.workers.vllm_receiver.WeightReceiver",
+        # The trainer's weights through vLLM's weight-transfer API (engines.weight_sync collective)
+        weight_transfer_config={"backend": settings.weight_transfer},
         **extra,
     )
 
@@ -168,16 +171,10 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
 
 
 def _refresh_lm_head(worker) -> None:
-    """Rebuild the output projection's kernel state from its current weight.
+    """The tied output layer re-packed after an in-place reload (weight_transfer.refresh_lm_head), in a worker."""
+    from tasks.engines.workers.weight_transfer import refresh_lm_head
 
-    The in-place reload re-processes each layer it loads. With tied embeddings the lm_head shares the embedding's
-    weight, is loaded through it, and keeps the GEMM handle it packed from the OLD weight at start-up (on CPU,
-    dispatch_cpu_unquantized_gemm), so the sampler kept the old output layer: a 0.42 mean logprob gap on the
-    demo model, 3.7e-7 after this refresh. For untied models it recomputes what the reload already did."""
-    model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    if head is not None and hasattr(head, "quant_method"):
-        head.quant_method.process_weights_after_loading(head)
+    refresh_lm_head(worker.model_runner.get_model())
 
 
 def require_weight_files(model_path: str) -> None:
@@ -196,16 +193,6 @@ def sync_weights(llm, model_path: str) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_path": model_path})
     llm.collective_rpc(_refresh_lm_head)
     llm.reset_prefix_cache()
-
-
-def receive_weights(llm, request: ReceiveWeightsRequest, adapters) -> tuple[object, int]:
-    """The weights `request` names, from the trainer over its process group (tasks/engines/workers/vllm_receiver.py):
-    loaded in place, or as the adapter to sample with (returned, with the bytes received)."""
-    out = llm.collective_rpc("rlpipe_receive_weights", args=(to_wire(request),))[0]
-    if "adapter_dir" in out:
-        return adapters.received(out["adapter_dir"], request.model_path), out["bytes"]
-    llm.reset_prefix_cache()
-    return None, out["bytes"]
 
 
 class Adapters:
@@ -228,7 +215,7 @@ class Adapters:
         return self._load(os.path.abspath(model_path))
 
     def received(self, folder: str, model_path: str):
-        """The LoRARequest for an adapter received over the process group into `folder` (removed once loaded)."""
+        """The LoRARequest for an adapter received from the trainer into `folder` (removed once loaded)."""
         self._check_base(model_path)
         try:
             return self._load(folder)
@@ -304,8 +291,8 @@ def _forced_logprobs(llm, sequences: list[list[int]], lora) -> list[list[float]]
 
 
 def make_answer(settings: VLLMSettings):
-    """Resident mode: start one engine, then answer its messages: a GenerateRequest, or a ReceiveWeightsRequest (the
-    weights from the trainer over a process group, engines.weight_sync collective).
+    """Resident mode: start one engine, then answer its messages: a GenerateRequest, or a WeightUpdateCall (one step of
+    a sync from the trainer through vLLM's weight-transfer API, engines.weight_sync collective).
 
     A `generate` for other weights than the engine holds first syncs them in place from the checkpoint's files (tied
     embeddings included). After the start and after every sync the answer carries `sync_logprob_gap`, the sampler's gap
@@ -337,19 +324,41 @@ def make_answer(settings: VLLMSettings):
             llm.wake_up()
             state["asleep"] = False
 
-    def receive(request: ReceiveWeightsRequest) -> dict:
+    transfer = {"t0": 0.0, "bytes": 0, "adapter_dir": None}
+
+    def weight_call(call: WeightUpdateCall) -> dict:
+        """One of vLLM's weight-sync calls, made by the trainer's client (tasks/engines/workers/weight_transfer.py);
+        the finish answers with the sync's seconds, bytes and probe gap."""
+        from tasks.engines.workers.weight_transfer import adapter_folder, tensor_bytes
+
         awake()
-        state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
-        t1 = time.time()
-        state["lora"], received = receive_weights(llm, request, adapters)
-        state["current"], seconds = request.model_path, time.time() - t1
-        state["gap"] = sampler_probe_gap(llm, state["current"], state["lora"])
-        return {"sync_seconds": seconds, "sync_bytes": received, "sync_logprob_gap": state["gap"]}
+        if call.op == "init":
+            llm.init_weight_transfer_engine({"init_info": call.info})
+        elif call.op == "start":
+            state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
+            transfer.update(t0=time.time(), adapter_dir=None)
+            llm.start_weight_update()
+        elif call.op == "update":
+            info = dict(call.info)
+            if adapters is not None:  # LoRA: the adapter written as a folder, loaded at the finish
+                info["adapter_dir"] = transfer["adapter_dir"] = adapter_folder(call.model_path)
+            transfer["bytes"] = sum(tensor_bytes(info["dtype_names"], info["shapes"]))
+            llm.update_weights({"update_info": info})
+        else:
+            llm.finish_weight_update()
+            if transfer["adapter_dir"] is not None:
+                state["lora"] = adapters.received(transfer["adapter_dir"], call.model_path)
+            else:
+                llm.reset_prefix_cache()
+            state["current"], seconds = call.model_path, time.time() - transfer["t0"]
+            state["gap"] = sampler_probe_gap(llm, state["current"], state["lora"])
+            return {"sync_seconds": seconds, "sync_bytes": transfer["bytes"], "sync_logprob_gap": state["gap"]}
+        return {}
 
     def answer(msg: dict) -> dict:
         request = from_wire(msg["request"])
-        if isinstance(request, ReceiveWeightsRequest):
-            return receive(request)
+        if isinstance(request, WeightUpdateCall):
+            return weight_call(request)
         awake()
         sync_seconds = 0.0
         if request.model_path != state["current"]:
