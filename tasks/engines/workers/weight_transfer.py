@@ -29,11 +29,13 @@ Imports: torch and vLLM at the top: only those processes import this module.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import ClassVar
@@ -191,8 +193,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         refresh_lm_head(self.model)
 
     def shutdown(self) -> None:
-        leave(self.group)
-        self.group = None
+        close_group(self)
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -264,23 +265,26 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         cut alike; chunk k + 1 is packed while chunk k is on its way."""
         nbytes = tensor_bytes(update.dtype_names, update.shapes)
         pairs = checked(source, meta)
-        sending = None
-        for k, span in enumerate(chunks(nbytes, self.info.buffer_size_bytes)):
-            flat = host_buffer("send", k, sum(nbytes[i] for i in span))
-            parts = [next(pairs)[1].detach().contiguous().view(-1).view(torch.uint8).cpu() for _ in span]
-            torch.cat(parts, out=flat)
-            work = self.group.broadcast(flat, 0)
+        sending = work = None
+        try:
+            for k, span in enumerate(chunks(nbytes, self.info.buffer_size_bytes)):
+                flat = host_buffer("send", k, sum(nbytes[i] for i in span))
+                parts = [next(pairs)[1].detach().contiguous().view(-1).view(torch.uint8).cpu() for _ in span]
+                torch.cat(parts, out=flat)
+                work = self.group.broadcast(flat, 0)
+                if sending is not None:
+                    sending.wait()
+                sending = work
             if sending is not None:
                 sending.wait()
-            sending = work
-        if sending is not None:
-            sending.wait()
+        except BaseException:
+            sending = work = None  # a pending work holds the group, and its sockets open, from the traceback
+            raise
         for extra, _ in pairs:  # metadata() declared fewer tensors than the source yields
             raise ValueError(f"the weight source yielded more tensors than its metadata declared, first {extra!r}")
 
     def shutdown(self) -> None:
-        leave(self.group)
-        self.group = None
+        close_group(self)
 
 
 def _replica_error(receiving, exc: Exception) -> Exception:
@@ -288,6 +292,8 @@ def _replica_error(receiving, exc: Exception) -> Exception:
     a replica that failed is what broke the broadcast more often than not), with the trainer's side after it."""
     try:
         receiving.result(timeout=GRACE_S)
+    except FutureTimeout:
+        return RuntimeError(f"no replica answered in {GRACE_S:g} s; the trainer's send: {type(exc).__name__}: {exc}")
     except Exception as replica:  # noqa: BLE001  (whatever the replica raised, it is reported)
         return RuntimeError(f"{replica} (the trainer's send: {type(exc).__name__}: {exc})")
     return exc
@@ -348,13 +354,18 @@ def join(info: GlooInitInfo, rank: int):
     return dist.ProcessGroupGloo(dist.PrefixStore(info.key, store), rank, info.world_size, options)
 
 
-def leave(group) -> None:
-    """Close a group (its sockets close: a peer still waiting in it fails at once)."""
+def close_group(owner) -> None:
+    """Close `owner.group`. Its sockets close, and a peer still waiting in it fails at once, only when the group object
+    is destroyed (measured: after shutdown() or abort() alone the peer waited for its timeout), so no reference is
+    kept here, and a collection follows for any left in cycles."""
+    group, owner.group = owner.group, None
     if group is not None:
         try:
             group.shutdown()
         except Exception:  # noqa: BLE001  (a group that failed may refuse even this; it is dropped all the same)
             pass
+        del group
+        gc.collect()
 
 
 # Chunk buffers in host memory, kept between syncs: fresh memory costs a page fault and a zeroed page per 4 KiB, 0.22 s
