@@ -2,15 +2,16 @@
 ITERATIONS iterations at the default checkpoint.every (10: full checkpoint at the last iteration only), with small
 batches (what a sync costs does not depend on the batch), four runs one after the other in this process: full weights
 and LoRA (rank 16, every linear layer), each with `engines.weight_sync` collective (the default: trainer rank 0
-broadcasts over a gloo group, weights-only checkpoints hold no weight files) and file (each checkpoint holds its
-weights, the sampler reloads them from disk).
+sends through vLLM's weight-transfer API, over rlpipe's gloo engine here; weights-only checkpoints hold no weight
+files) and file (each checkpoint holds its weights, the sampler reloads them from disk).
 
 An update's weights reach the sampler in two parts, both timed per iteration: the trainer writing them
 (`seconds_save_weights`: with file the safetensors; with collective only the model's config in their place) and the
 sync inside the next rollouts (`weight_sync_seconds`: the file path's in-place reload from disk; the collective path's
-receive and in-place load in the replica, while the trainer gathers and broadcasts). The probe check after either, and
-the tokenizer and probe the checkpoint gets either way, are apart. Medians over the weights-only iterations 2..N−1:
-the first sync of a run also makes the group and its buffers (printed apart).
+vLLM calls on the replica, from its start to its finish: receive and in-place load, while the trainer gathers and
+broadcasts). The probe check after either, and the tokenizer and probe the checkpoint gets either way, are apart.
+Medians over the weights-only iterations 2..N−1: the first sync of a run also makes the group and its buffers (printed
+apart).
 
 Rows (ratio: collective over the baseline; smaller is better):
 - sync_seconds_full, sync_seconds_lora: weights written + sync, collective over file;
