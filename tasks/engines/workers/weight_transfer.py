@@ -449,7 +449,8 @@ def send_held(request, cache, replicas: list | None) -> dict:
         raise
     if not sender.is_sender:
         return {"send_seconds": time.time() - t0}
-    sent = sum(m.dtype.itemsize * int(torch.Size(m.shape).numel()) for m in _SOURCE.metadata())
+    meta = _SOURCE.metadata()
+    sent = sum(tensor_bytes([str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta]))
     return {"sync_bytes": sent, "send_seconds": time.time() - t0, "replicas": _SENDER["client"].finished}
 
 
