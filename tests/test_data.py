@@ -80,11 +80,31 @@ def test_prompts_tokenized_in_one_call_equal_one_by_one(request, tokenizer, conf
     assert got == [f(p) for p in prompts] and len({len(p.token_ids) for p in got}) > 1
 
 
-def test_chat_messages_without_a_chat_template_are_refused(chatml):
-    with pytest.raises(FormattingError, match="needs a chat template"):
-        PromptFormatter(CHAR, PromptConfig())([{"role": "user", "content": "1+1="}])
+def test_a_conversation_without_a_chat_template_is_refused(chatml):
+    turns = [
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2"},
+    ]
+    with pytest.raises(
+        FormattingError, match=r"chat messages \(user, assistant, user\) needs a chat template, and the"
+    ):
+        PromptFormatter(CHAR, PromptConfig())(turns)
     with pytest.raises(FormattingError, match="is never"):
-        PromptFormatter(chatml, PromptConfig(chat_template="never"))([{"role": "user", "content": "hi"}])
+        PromptFormatter(chatml, PromptConfig(chat_template="never"))(turns)
+
+
+def test_one_user_message_fills_a_base_models_template_as_a_string_prompt_does():
+    """reasoning-gym's rows (a system and a user message) on a model without a chat template: the template is filled
+    as it is for the same prompt given as a string, the row's own system message as {system}."""
+    f = PromptFormatter(CHAR, PromptConfig(template="{system}Q:{prompt}A:", system_prompt="S."))
+    assert f([{"role": "user", "content": "1+1="}]) == f("1+1=")
+    assert f("1+1=").text == "S.Q:1+1=A:"
+    own = f([{"role": "system", "content": "T."}, {"role": "user", "content": "1+1="}])
+    assert own.text == "T.Q:1+1=A:" and own.token_ids == CHAR("T.Q:1+1=A:")["input_ids"]
+    assert (
+        PromptFormatter(CHAR, PromptConfig(template="Q:{prompt}A:"))([{"role": "user", "content": "2"}]).text == "Q:2A:"
+    )
     with pytest.raises(FormattingError, match="always but the tokenizer has no chat template"):
         PromptFormatter(CHAR, PromptConfig(chat_template="always"))
 

@@ -111,8 +111,19 @@ def test_chat_prompts_go_through_the_chat_template(tmp_path):
         == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nwhat is one plus one?<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+    plain = load_preferences(path, 0.5, 0, FORMATTER)  # the character tokenizer has none: one user message fills
+    assert plain["prompt"][0] == FORMATTER("what is one plus one?").text  # its plain template, as a string would
+    path.write_text(
+        json.dumps(
+            {
+                "prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}],
+                "chosen": "two",
+                "rejected": "three",
+            }
+        )
+    )
     with pytest.raises(PreferenceDataError, match="needs a chat template"):
-        load_preferences(path, 0.5, 0, FORMATTER)  # the character tokenizer has none
+        load_preferences(path, 0.5, 0, FORMATTER)  # a conversation does need one
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,10 @@ def case_files(tmp):
         "null_prompt": write(tmp / "null_prompt.jsonl", [GOOD[0], {"prompt": None, "answer": "3"}]),
         "int_prompt": write(tmp / "int_prompt.parquet", [{"prompt": 7, "answer": "2"}]),
         "bad_role": write(tmp / "bad_role.jsonl", [{"prompt": [{"role": "robot", "content": "hi"}], "answer": "2"}]),
-        "chat": write(tmp / "chat.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}]),
+        "chat": write(
+            tmp / "chat.jsonl",
+            [{"prompt": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}], "answer": "2"}],
+        ),
         "dup_ids": write(tmp / "dup_ids.parquet", [{"id": "a", **GOOD[0]}, {"id": "a", **GOOD[1]}]),
         "nested": write(tmp / "nested.parquet", [{"prompt": "1+1=", "reward_model": {"style": "rule"}}]),
         "shadow": write(tmp / "shadow.parquet", [{**GOOD[0], "response": "x"}]),
@@ -103,7 +106,7 @@ CASES = [
     (
         "chat messages, no chat template",
         ["data.train_files={chat}"],
-        "{chat} row 0: a prompt given as chat messages needs a chat template",
+        "{chat} row 0: a prompt given as chat messages (user, assistant) needs a chat template",
     ),
     (
         "chat template forced",

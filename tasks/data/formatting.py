@@ -4,7 +4,9 @@ exactly the tokens the sampler was given.
 
 - Chat: the tokenizer's own chat template with the generation prompt (`apply_chat_template(...,
   add_generation_prompt=True)`), tokenized without adding special tokens again (the template writes them).
-- Template (base models): `prompt.template` filled in, tokenized with the tokenizer's special tokens (its BOS).
+- Template (base models): `prompt.template` filled in, tokenized with the tokenizer's special tokens (its BOS). A
+  prompt of chat messages fills it too when it is one user message ({prompt}) after an optional system message
+  ({system}); a conversation needs a chat template.
 - A response is its tokens plus EOS when it ended by itself.
 Imports: transformers inside `load_tokenizer` (0.9 s): the Prefect process formats prompts once, in preflight.
 """
@@ -85,12 +87,17 @@ class PromptFormatter:
         messages = self.messages(prompt)
         if self.chat:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), messages
-        if not isinstance(prompt, str):
+        # A base model reads the plain template; one user message (after an optional system message: reasoning-gym's
+        # rows, many chat datasets) fills it as a string prompt would, its system message {system}.
+        roles = [m["role"] for m in messages]
+        if roles not in (["user"], ["system", "user"]):
             raise FormattingError(
-                "a prompt given as chat messages needs a chat template, and "
+                f"a prompt given as chat messages ({', '.join(roles)}) needs a chat template, and "
                 + ("the tokenizer has none" if self.cfg.chat_template == "auto" else "prompt.chat_template is never")
+                + " (without one, only a user message, after an optional system message, fills prompt.template)"
             )
-        return self.cfg.template.format(prompt=prompt, system=self.cfg.system_prompt or ""), messages
+        system = messages[0]["content"] if roles[0] == "system" else ""
+        return self.cfg.template.format(prompt=messages[-1]["content"], system=system), messages
 
     def token_ids(self, texts: list[str]) -> list[list[int]]:
         """The texts' tokens, in one call (a fast tokenizer encodes a batch at once: 4x faster than one by one on the
