@@ -40,7 +40,8 @@ def _tokenizer_parts() -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0, add_bos: bool | None = None) -> Path:
+    """`add_bos`: the file's tokenizer.ggml.add_bos_token (None: not written, as llama.cpp's Llama files often omit)."""
     import gguf
 
     tokens, merges = _tokenizer_parts()
@@ -65,6 +66,8 @@ def write_tiny_gguf(path: Path, architecture: str = "llama", seed: int = 0) -> P
     w.add_token_merges(merges)
     w.add_bos_token_id(tokens.index("<|im_start|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_chat_template(CHATML)
 

@@ -52,6 +52,21 @@ def test_the_folder_gives_the_logits_of_transformers_gguf_model(imported):
     assert info["architecture"] == "llama" and len(info["gguf_sha256"]) == 64
 
 
+def test_the_tokenizer_adds_bos_as_the_file_records(imported, tmp_path):
+    """Gemma 3's file sets tokenizer.ggml.add_bos_token, which transformers' GGUF tokenizer leaves out."""
+    from tasks.data.gguf_import import import_gguf
+
+    _, plain = imported
+    bos = AutoTokenizer.from_pretrained(plain).bos_token_id
+    assert AutoTokenizer.from_pretrained(plain)("hello").input_ids[0] != bos  # the fixture's file records nothing
+    for add_bos in (True, False):
+        src = write_tiny_gguf(tmp_path / f"bos_{add_bos}.gguf", add_bos=add_bos)
+        ids = AutoTokenizer.from_pretrained(import_gguf(src, tmp_path / f"out_{add_bos}"))("hello").input_ids
+        assert (ids[0] == bos) is add_bos and ids[int(add_bos) :] == AutoTokenizer.from_pretrained(plain)(
+            "hello"
+        ).input_ids
+
+
 def test_bfloat16_import_halves_the_weights(imported, tmp_path):
     from tasks.data.gguf_import import import_gguf
 

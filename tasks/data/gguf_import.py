@@ -4,8 +4,9 @@ transformers reads GGUF files itself (`from_pretrained(folder, gguf_file=...)`):
 and a tokenizer (chat template included) and dequantizes every tensor to float. The model it returns stays flagged as
 quantized, though (its config carries a `quantization_config` and `save_pretrained` refuses it), so vLLM and the
 trainer could not use it. This module rebuilds the same architecture from a clean copy of that config, moves the
-dequantized weights into it, and saves safetensors, the tokenizer (with its chat template) and the generation config.
-The result loads with `AutoModelForCausalLM.from_pretrained(out_dir)`, in vLLM and in the trainer, like any folder.
+dequantized weights into it, and saves safetensors, the tokenizer (with its chat template, adding BOS and EOS as the
+file records) and the generation config. The result loads with `AutoModelForCausalLM.from_pretrained(out_dir)`, in
+vLLM and in the trainer, like any folder.
 
 Every failure a user can cause (no such file, not a GGUF file, a truncated one, an architecture transformers cannot
 read from GGUF) is one line naming the file and what is wrong.
@@ -77,6 +78,7 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float3
     torch_dtype = getattr(torch, dtype)
     where = {"pretrained_model_name_or_path": str(src.resolve().parent), "gguf_file": src.name}
     tokenizer = AutoTokenizer.from_pretrained(**where)
+    _add_special_tokens_as_recorded(tokenizer, src)
     loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=torch_dtype)
     model = _without_quantization_flag(loaded, torch_dtype)
     tmp = out.with_name(out.name + ".tmp")
@@ -88,6 +90,17 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float3
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def _add_special_tokens_as_recorded(tokenizer, src: Path) -> None:
+    """Whether the tokenizer adds BOS and EOS, as the file's tokenizer.ggml.add_bos_token and add_eos_token say:
+    transformers' GGUF tokenizer leaves them out, and a model trained with BOS degenerates without it (Gemma 3 270M:
+    "The capital of France is" went on " France. The The The ...", and with BOS " the capital of the country ...")."""
+    reader = GGUFReader(str(src))
+    for token in ("bos", "eos"):
+        field = reader.get_field(f"tokenizer.ggml.add_{token}_token")
+        if field is not None and bool(field.contents()) != getattr(tokenizer, f"add_{token}_token", False):
+            setattr(tokenizer, f"add_{token}_token", bool(field.contents()))  # rebuilds the post-processor
 
 
 def _without_quantization_flag(loaded, torch_dtype):
