@@ -184,7 +184,8 @@ def test_chunked_logits_give_the_whole_passs_logprobs_entropies_and_gradients(ma
     (lp0, e0, g0), (lp1, e1, g1) = results
     assert calls == [3]  # the second pass only, in chunks of 3 tokens
     assert torch.allclose(lp0, lp1, atol=1e-6) and torch.allclose(e0, e1, atol=1e-6)
-    assert torch.allclose(g0, g1, atol=1e-6, rtol=1e-5) and g0.abs().sum() > 0
+    # fp32 sums in another order: up to 1.7e-6 apart on an AMD EPYC (gradients up to 5.4); a missing cap is O(1)
+    assert torch.allclose(g0, g1, atol=5e-6, rtol=1e-5) and g0.abs().sum() > 0
 
 
 def test_gradient_checkpointing_engages_in_eval_mode_without_dropout():
