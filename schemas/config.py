@@ -942,7 +942,13 @@ class RolloutConfig(Section):
         le=1_048_576,
         description="Tokens every response has before EOS or a stop token may end it (vLLM's min_tokens); 0: none.",
     )
-    temperature: float = Field(1.0, gt=0, description="The sampling temperature.")
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="The sampling temperature T. The trainer scores the samples under the same softmax(logits / T) "
+        "(π_old, the reference and the update, as verl, OpenRLHF and TRL do); vLLM's own logprobs stay at T = 1, "
+        "so loss.old_logprobs sampler and the sampler-read corrections need T = 1.",
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling's p (1: off).")
     kv_cache_gib: float = Field(
         1.0,
@@ -1640,6 +1646,20 @@ class RunConfig(Section):
             )
         if self.rollout.partial_tokens and self.agent.enabled:
             raise ValueError("rollout.partial_tokens: multi-turn rollouts (the agent section) are not carried yet")
+        return self
+
+    @model_validator(mode="after")
+    def _sampler_logprobs_fit(self) -> "RunConfig":
+        # vLLM reports the raw model's logprobs (its default logprobs_mode, which the LoRA weight-sync probe relies
+        # on), while the trainer scores softmax(logits / T): at T ≠ 1 the two are different distributions.
+        lo = self.loss
+        if self.rollout.temperature != 1.0 and (lo.old_logprobs == "sampler" or lo.reads_sampler):
+            raise ValueError(
+                f"rollout.temperature {self.rollout.temperature} with loss.old_logprobs sampler, a rollout correction "
+                "or loss.off_policy_mask_threshold: vLLM's logprobs are at temperature 1 and the trainer's at the "
+                "sampling temperature, so they cannot stand for each other (sample at temperature 1, or keep "
+                "loss.old_logprobs: trainer without the sampler-read settings)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -251,6 +251,8 @@ class LossSettings:
     kl_beta: float = KLConfig.model_fields["beta"].default  # the iteration's β (tasks/stages/kl_control.py)
     entropy_coef: float = LossConfig.model_fields["entropy_coef"].default  # the iteration's (kl_control.py too)
     max_tokens: int = RolloutConfig.model_fields["max_tokens"].default  # L_max of seq-mean-token-sum-norm
+    # The distribution the samples were drawn from is softmax(logits / T): the update's logprobs divide by it too.
+    temperature: float = RolloutConfig.model_fields["temperature"].default
 
     CONFIG_KEYS: ClassVar[dict[str, str]] = {
         "loss": "loss",
@@ -258,6 +260,7 @@ class LossSettings:
         "kl_beta": "kl.beta, or the adaptive controller's β when kl.target is set",
         "entropy_coef": "loss.entropy_coef, or the adaptive controller's when loss.entropy_target is set",
         "max_tokens": "rollout.max_tokens",
+        "temperature": "rollout.temperature",
     }
 
     @classmethod
@@ -265,7 +268,12 @@ class LossSettings:
         """From a run's config (a stage's view of it, with the loss, kl and rollout sections) and the iteration's β
         and entropy coefficient."""
         return cls(
-            loss=cfg.loss, kl=cfg.kl, kl_beta=kl_beta, entropy_coef=entropy_coef, max_tokens=cfg.rollout.max_tokens
+            loss=cfg.loss,
+            kl=cfg.kl,
+            kl_beta=kl_beta,
+            entropy_coef=entropy_coef,
+            max_tokens=cfg.rollout.max_tokens,
+            temperature=cfg.rollout.temperature,
         )
 
     @property
@@ -337,6 +345,9 @@ class LogprobsRequest:
     # loss.old_logprobs sampler: π_old is the samples file's sampler_logprobs, and the policy is not run (no entropy)
     old_from_sampler: bool = False
     with_ref: bool = True  # False: no KL reads the reference, and π_old is the sampler's: the ref pass is skipped too
+    # rollout.temperature: the policy's and the reference's logprobs are of softmax(logits / T), the distribution the
+    # samples were drawn from (as verl, OpenRLHF and TRL score them); the teacher's are its own (T = 1).
+    temperature: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

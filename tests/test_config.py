@@ -246,6 +246,18 @@ def test_sampler_old_logprobs_refuse_a_rollout_correction_and_token_budgets_are_
     assert cfg.loss.old_logprobs == "sampler" and cfg.optim.logprob_micro_batch_tokens is None
 
 
+@pytest.mark.parametrize(
+    "loss", [{"old_logprobs": "sampler"}, {"rollout_is": "token"}, {"off_policy_mask_threshold": 1}]
+)
+def test_settings_that_read_the_samplers_logprobs_need_temperature_1(loss):
+    """vLLM's logprobs are the raw model's (T = 1) and the trainer's are at the sampling temperature."""
+    with pytest.raises(ConfigError, match="rollout.temperature 0.7 with loss.old_logprobs sampler") as err:
+        build_config({"loss": loss, "rollout": {"temperature": 0.7}})
+    assert "\n" not in str(err.value)
+    assert build_config({"loss": loss}).rollout.temperature == 1.0
+    assert build_config({"rollout": {"temperature": 0.7}}).loss.old_logprobs == "trainer"
+
+
 def test_gdpo_takes_a_reward_whose_only_weighted_part_is_a_judge_or_the_process_model():
     """The GDPO check counted functions and the reward model while the advantages stage's parts also hold judges and
     the PRM: a judge-only reward was refused. Both now ask reward.weighted_parts()."""

@@ -958,3 +958,37 @@ def test_sampler_old_logprobs_and_token_budgets_give_the_trainers_update(one_ite
     metrics = read_table(bare, "train_metrics", 1).row(0, named=True)
     assert math.isnan(metrics["kl_ref"])
     assert max_weight_gap(base.checkpoint_dir(1), bare.checkpoint_dir(1)) > 1e-5  # the KL term is gone
+
+
+def test_a_sampling_temperature_is_the_trainers_too(one_iteration):
+    """Iteration 1's logprobs and update again in a fork at rollout.temperature 0.5 (the rollouts kept): the old and
+    reference logprobs are those of softmax(logits / 0.5), computed here by hand from the starting model, and the
+    update scores its tokens at the same temperature: its one step is on-policy, π_θ = π_old to float precision and
+    nothing clipped (an update at temperature 1 against a π_old at 0.5 would put them about a nat apart)."""
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from tasks.engines.workers.token_batch import pack_shared, response_logprobs
+
+    workspace, base = one_iteration
+    root = str(workspace / "runs")
+    rerun = ["rerun", base.run_id, "--iteration", "1", "--stage", "logprobs", "--through", "optimize", "--root", root]
+    sets = ["--set", "rollout.temperature=0.5", "--set", "optim.minibatches=1"]  # one step: π_θ is π_old throughout
+    rlpipe(*rerun, "--fork", "tempered", *sets, cwd=workspace)
+    fork = RunLayout(workspace / "runs", "tempered")
+    keys = ["prompt_id", "sample_idx"]
+    mine = read_table(fork, "logprobs", 1).join(read_table(base, "rollouts", 1), on=keys).sort(keys)
+    model_path = yaml.safe_load(base.config_path.read_text())["model"]["path"]
+    model = AutoModelForCausalLM.from_pretrained(workspace / model_path, torch_dtype=torch.float32).eval()
+    batch = pack_shared(mine["prompt_token_ids"].to_list(), mine["token_ids"].to_list(), 0)
+    with torch.no_grad():
+        want, _ = response_logprobs(model, batch, with_entropy=False, temperature=0.5)
+    for col in ("old_logprobs", "ref_logprobs"):
+        got = torch.cat([torch.tensor(v) for v in mine[col].to_list()])
+        assert torch.allclose(got, want[batch.mask.bool()], atol=1e-4), col
+    plain = read_table(base, "logprobs", 1).join(mine.select(*keys, "old_logprobs"), on=keys, suffix="_t")
+    assert (plain["old_logprobs"].explode() - plain["old_logprobs_t"].explode()).abs().max() > 0.05
+    tempered = read_table(fork, "train_metrics", 1).row(0, named=True)
+    assert abs(tempered["ppo_kl"]) < 1e-5 and tempered["clip_frac_low"] == tempered["clip_frac_high"] == 0, tempered
+    assert math.isnan(tempered["sampler_logprob_gap"])  # vLLM's are at temperature 1: nothing comparable

@@ -21,7 +21,8 @@ def test_every_request_is_keyword_only(name):
 
 # A value for each key that differs from its default.
 CHANGED = {"loss": ("loss.clip_eps_high", 0.28), "kl": ("kl.estimator", "k1"), "kl_beta": ("kl.beta", 0.5),
-           "entropy_coef": ("loss.entropy_coef", 0.01), "max_tokens": ("rollout.max_tokens", 48)}  # fmt: skip
+           "entropy_coef": ("loss.entropy_coef", 0.01), "max_tokens": ("rollout.max_tokens", 48),
+           "temperature": ("rollout.temperature", 0.7)}  # fmt: skip
 
 
 def test_each_loss_setting_comes_from_the_config_key_it_names():

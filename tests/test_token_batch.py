@@ -237,3 +237,31 @@ def test_a_model_whose_logits_are_more_than_its_output_layer_keeps_its_own_forwa
         own, _ = response_logprobs(scaled, batch, with_entropy=False)
     assert torch.equal(logp, own)
     assert list(tb._HEAD_CHECKED.values()) == [False]
+
+
+@pytest.mark.parametrize("at_once", [1 << 62, 4 * 50 * 3])  # the whole pass; in chunks of 3 tokens
+def test_logprobs_at_a_temperature_are_those_of_the_tempered_softmax(monkeypatch, at_once):
+    """A sampler at temperature T draws from softmax(logits / T): the trainer's logprobs and entropies are of that
+    distribution, computed here by hand from the plain model's logits, on both the whole and the chunked path."""
+    import tasks.engines.workers.token_batch as tb
+
+    monkeypatch.setattr(tb, "LOGITS_AT_ONCE_BYTES", at_once)
+    monkeypatch.setattr(tb, "LOGITS_CHUNK_BYTES", 4 * 50 * 3)
+    model, (prompts, responses) = tiny_model(), groups(6)
+    plen, rlen = [len(p) for p in prompts], [len(r) for r in responses]
+    ids, attn, _ = pack(prompts, responses, 0)
+    batch = pack_shared(prompts, responses, 0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (N, L-1, V)
+        plain, _ = response_logprobs(model, batch, with_entropy=False)
+        for t in (0.5, 1.0, 1.7):
+            logp_all = torch.log_softmax(logits / t, dim=-1)
+            want = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            want_ent = -(logp_all.exp() * logp_all).sum(-1)
+            got, ent = response_logprobs(model, batch, with_entropy=True, temperature=t)
+            for w, g in ((want, got), (want_ent, ent)):
+                assert torch.allclose(align_responses(unalign(w, plen, rlen), g.shape[1]), g, atol=1e-5)
+            if t == 1.0:
+                assert torch.equal(got, plain)  # T = 1 is the plain softmax, to the bit
+            else:
+                assert (got - plain).abs().max() > 1e-2  # a temperature that is not applied fails the test

@@ -66,6 +66,7 @@ def logprobs_task(storage_root: str, run_id: str, iteration: int, upstream: dict
             teacher_path=teacher,
             old_from_sampler=from_sampler,
             with_ref=with_ref,
+            temperature=ctx.cfg.rollout.temperature,
         )
         resp = call_trainer(ctx.layout, ctx.cfg.engines, request, f"logprobs-{iteration:05d}")
         df = pl.read_parquet(out).with_columns(pl.lit(iteration, pl.Int32).alias("iteration"))
@@ -91,7 +92,7 @@ SPEC = StageSpec(
     reads=("batch",),
     also_reads=("rollouts",),  # the batch's kept samples
     sections=("optim", "model", "advantage"),
-    keys=("loss.old_logprobs", "kl.placement"),  # which passes run
+    keys=("loss.old_logprobs", "kl.placement", "rollout.temperature"),  # which passes run, and at what temperature
     scope="iteration",
     task=logprobs_task,
     rerunnable=True,

@@ -189,7 +189,11 @@ class _Update:
                 add(key, value)
         t0 = time.time()
         logp, ent = response_logprobs(
-            engine, batch, with_entropy=True, entropy_grad=bool(self.settings.entropy_coef)
+            engine,
+            batch,
+            with_entropy=True,
+            entropy_grad=bool(self.settings.entropy_coef),
+            temperature=self.settings.temperature,
         )  # (B, R) each, on the model's device: the rest of the loss's inputs follow it there
         old, ref, adv, mask, weights, sampler = (
             None if t is None else t.to(logp.device) for t in (old, ref, adv, mask, weights, sampler)

@@ -247,11 +247,14 @@ def _head_is_the_models(model, parts, batch: SharedPrefixBatch) -> bool:
     return _HEAD_CHECKED[key]
 
 
-def _head_logprobs(hidden, targets, head, cap, with_entropy: bool, entropy_grad: bool):
-    """(logp, entropy or None) of `targets` (T,) from their predicting positions' hidden states (T, H)."""
+def _head_logprobs(hidden, targets, head, cap, with_entropy: bool, entropy_grad: bool, temperature: float = 1.0):
+    """(logp, entropy or None) of `targets` (T,) from their predicting positions' hidden states (T, H), under
+    softmax(logits / temperature)."""
     logits = head(hidden).float()  # (T, V)
     if cap:
         logits = torch.tanh(logits / cap) * cap
+    if temperature != 1.0:  # after the model's own soft-cap, as the sampler applies it
+        logits = logits / temperature
     norm = torch.logsumexp(logits, dim=-1)  # (T,)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm  # (T,)
     if not with_entropy:
@@ -261,7 +264,9 @@ def _head_logprobs(hidden, targets, head, cap, with_entropy: bool, entropy_grad:
         return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
-def _chunked_logprobs(parts, batch: SharedPrefixBatch, chunk: int, with_entropy: bool, entropy_grad: bool):
+def _chunked_logprobs(
+    parts, batch: SharedPrefixBatch, chunk: int, with_entropy: bool, entropy_grad: bool, temperature: float
+):
     """response_logprobs over `chunk` tokens at a time: the decoder runs once, the output layer per chunk, under
     activation checkpointing when gradients flow, so no more than one chunk's (chunk × V) logits exist at once."""
     from torch.utils.checkpoint import checkpoint
@@ -276,7 +281,15 @@ def _chunked_logprobs(parts, batch: SharedPrefixBatch, chunk: int, with_entropy:
     picked = hidden[batch.rows, batch.positions]  # (T, H)
     logps, entropies = [], []
     for at in range(0, len(batch.targets), chunk):
-        args = (picked[at : at + chunk], batch.targets[at : at + chunk], head, cap, with_entropy, entropy_grad)
+        args = (
+            picked[at : at + chunk],
+            batch.targets[at : at + chunk],
+            head,
+            cap,
+            with_entropy,
+            entropy_grad,
+            temperature,
+        )
         if torch.is_grad_enabled():
             logp, ent = checkpoint(_head_logprobs, *args, use_reentrant=False)
         else:
@@ -286,8 +299,11 @@ def _chunked_logprobs(parts, batch: SharedPrefixBatch, chunk: int, with_entropy:
     return batch.on_grid(torch.cat(logps)), entropy
 
 
-def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True, entropy_grad: bool = False):
-    """log π(y_j | x, y_<j) and the entropy of π(·| x, y_<j) for every response token, both (N, R) on the response grid.
+def response_logprobs(
+    model, batch: SharedPrefixBatch, with_entropy: bool = True, entropy_grad: bool = False, temperature: float = 1.0
+):
+    """log π(y_j | x, y_<j) and the entropy of π(·| x, y_<j) for every response token, both (N, R) on the response grid,
+    with π = softmax(logits / temperature): the distribution a sampler at that temperature drew from.
 
     The model's own forward runs (so anything it does to its logits, such as soft-capping, applies), asked for the
     logits of the needed positions only where it supports `logits_to_keep`: the prompt positions' vocabulary-sized
@@ -301,7 +317,7 @@ def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True
         token_bytes = 4 * parts[3]  # the vocabulary from the config: ZeRO-3 partitions the weight's shape
         if len(batch.targets) * token_bytes > LOGITS_AT_ONCE_BYTES and _head_is_the_models(model, parts, batch):
             chunk = max(1, LOGITS_CHUNK_BYTES // token_bytes)
-            return _chunked_logprobs(parts, batch, chunk, with_entropy, entropy_grad)
+            return _chunked_logprobs(parts, batch, chunk, with_entropy, entropy_grad, temperature)
     kwargs = {
         "input_ids": batch.input_ids,
         "attention_mask": batch.attention_mask,
@@ -313,6 +329,8 @@ def response_logprobs(model, batch: SharedPrefixBatch, with_entropy: bool = True
         kwargs["logits_to_keep"], cols = batch.keep, batch.kept_cols
     logits = model(**kwargs).logits  # (G, K, V)
     picked = logits[batch.rows, cols].float()  # (T, V)
+    if temperature != 1.0:  # at 1 the bytes stay those of the plain softmax
+        picked = picked / temperature
     norm = torch.logsumexp(picked, dim=-1)  # (T,)
     logp = picked.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1) - norm  # (T,)
     entropy = None
@@ -390,8 +408,10 @@ def batched_responses(
     with_entropy: bool,
     totals: dict[str, float] | None = None,
     micro_tokens: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """Per-token logprobs and entropies (empty lists without) of every sample, in order, computed without gradients on
+    """Per-token logprobs and entropies (empty lists without) of every sample, at `temperature` (response_logprobs), in
+    order, computed without gradients on
     shared-prefix micro-batches of whole groups (forward_micro_batches; shared among the trainer ranks as `batched`
     does). `totals` gets this rank's forward counts (`forward_*`)."""
 
@@ -399,7 +419,7 @@ def batched_responses(
         batch = pack_shared([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
         if totals is not None:
             count_into(totals, model, batch, "forward")
-        logp, ent = response_logprobs(model, batch, with_entropy)
+        logp, ent = response_logprobs(model, batch, with_entropy, temperature=temperature)
         lens = [len(responses[i]) for i in idx]
         return [(logp[k, :n].tolist(), ent[k, :n].tolist() if with_entropy else []) for k, n in enumerate(lens)]
 

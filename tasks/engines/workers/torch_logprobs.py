@@ -23,9 +23,17 @@ from tasks.engines.workers.lora import base_path_of, load_causal_lm
 from tasks.engines.workers.token_batch import batched, batched_responses, eval_mode, unalign
 
 
-def _score(model, prompts, responses, pad_id, micro, with_entropy, totals, micro_tokens=None):
+def _score(model, prompts, responses, pad_id, micro, with_entropy, totals, micro_tokens=None, temperature=1.0):
     return batched_responses(
-        model, prompts, responses, pad_id, micro, with_entropy, totals, micro_tokens=micro_tokens
+        model,
+        prompts,
+        responses,
+        pad_id,
+        micro,
+        with_entropy,
+        totals,
+        micro_tokens=micro_tokens,
+        temperature=temperature,
     )  # each group's prompt computed once
 
 
@@ -67,7 +75,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
     samples = pl.read_parquet(request.samples_path)
     prompts = samples["prompt_token_ids"].to_list()
     responses = samples["token_ids"].to_list()
-    micro, tokens = request.micro_batch_size, request.micro_batch_tokens
+    micro, tokens, temp = request.micro_batch_size, request.micro_batch_tokens, request.temperature
     policy_path, ref_path = request.policy_path, request.ref_path
 
     def model_at(role, path, frozen, load=None):
@@ -91,7 +99,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         policy, off = model_at("policy", policy_path, frozen=policy_path == ref_path)
         t1 = time.time()
         with scoring(policy, off):
-            old, entropy = _score(policy, prompts, responses, _pad_id(policy), micro, True, counts, tokens)
+            old, entropy = _score(policy, prompts, responses, _pad_id(policy), micro, True, counts, tokens, temp)
         forward += time.time() - t1
     if not request.with_ref:
         ref = None
@@ -105,7 +113,7 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
             ref_model, off = model_at(None, ref_path, frozen=True)
         t1 = time.time()
         with scoring(ref_model, off):
-            ref, _ = _score(ref_model, prompts, responses, _pad_id(ref_model), micro, False, counts, tokens)
+            ref, _ = _score(ref_model, prompts, responses, _pad_id(ref_model), micro, False, counts, tokens, temp)
         forward += time.time() - t1
     teacher = None
     if request.teacher_path:  # frozen, as the reference: loaded once by a resident trainer
