@@ -236,7 +236,15 @@ def _start(config: str, overrides, run_id: str, algo: str | None, flow: str, rec
     import importlib
 
     from flows.deployments import prepare_checked_run
+    from schemas.config import preset_overrides
 
+    for preset, key, theirs, yours in preset_overrides(config, algo):  # a key the user wrote, replaced: said
+        console.print(
+            f"note: --algo {preset} sets {key}: {theirs!r} over the config file's {yours!r} "
+            f"(--set {key}=... after it keeps yours)",
+            highlight=False,
+            soft_wrap=True,
+        )
     root = prepare_checked_run(
         config, overrides, run_id, algo, flow, reconfigure
     )  # an RL run's engines start loading here

@@ -1915,6 +1915,30 @@ def deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
+def _leaves(data: dict, prefix: str = "") -> dict[str, object]:
+    """{"a.b": value} for every non-mapping value of a nested mapping."""
+    out = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        out.update(_leaves(value, f"{name}.") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def preset_overrides(path: str | Path, algo: str | None) -> list[tuple[str, str, object, object]]:
+    """(preset, key, the preset's value, the file's) for each key the config file sets that an --algo preset
+    (load_config merges it over the file) sets to another value: a setting the user wrote and the run will not use."""
+    if not algo:
+        return []
+    written = _leaves(_read_mapping(Path(path), "config file"))
+    last = {}  # key → (the last preset that sets it, its value): later presets merge over earlier ones
+    for name in [n.strip() for n in algo.split(",")]:
+        if name in algorithm_presets():  # an unknown one: load_config names it
+            last.update(
+                {k: (name, v) for k, v in _leaves(_read_mapping(PRESETS_DIR / f"{name}.yaml", "preset")).items()}
+            )
+    return [(name, key, value, written[key]) for key, (name, value) in last.items() if written.get(key, value) != value]
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, algo: str | None = None) -> RunConfig:
     """The config file, then the presets `infra/algos/{name}.yaml` that `algo` names (one, or several separated by
     commas, merged in order: `grpo,geo_rs` is GRPO with a rollout correction; a preset only chooses registry entries

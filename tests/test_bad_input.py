@@ -274,3 +274,19 @@ def test_sleep_mode_is_refused_where_vllm_has_none():
         weight_transfer="rlpipe_gloo",
     )
     assert settings.sleep is True  # what the replica starts with (enable_sleep_mode, a sleep after each generation)
+
+
+def test_a_preset_that_replaces_a_written_setting_says_so(workspace):
+    """--algo grpo turns dynamic filtering off; a config file that turned it on gets one note naming the key, both
+    values and how to keep its own (then the bad model path below stops the run as usual)."""
+    cfg = tiny_config(workspace, batch={"drop_zero_variance": True})
+    proc = rlpipe(
+        "run", str(cfg), "--algo", "grpo", "--set", "model.path=/nonexistent/model", cwd=workspace, check=False
+    )
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[0] == (
+        "note: --algo grpo sets batch.drop_zero_variance: False over the config file's True "
+        "(--set batch.drop_zero_variance=... after it keeps yours)"
+    ), proc.stderr
+    assert len(lines) == 2 and "does not exist" in lines[1]

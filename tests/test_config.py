@@ -275,3 +275,14 @@ def test_an_estimator_that_reads_k_needs_groups_of_k():
     with pytest.raises(ConfigError, match=r"advantage.pass_k \(9\) exceeds rollout.group_size \(8\)"):
         build_config({"advantage": {"estimator": "passk", "pass_k": 9}, "rollout": {"group_size": 8}})
     build_config({"advantage": {"estimator": "grpo", "pass_k": 9}, "rollout": {"group_size": 8}})  # not read: fine
+
+
+def test_preset_overrides_name_the_written_keys_a_preset_replaces(tmp_path):
+    from schemas.config import preset_overrides
+
+    path = tmp_path / "c.yaml"
+    path.write_text("batch: {drop_zero_variance: true, max_rounds: 3}\nkl: {placement: loss, beta: 0.04}\n")
+    assert preset_overrides(path, None) == []
+    assert preset_overrides(path, "grpo") == [("grpo", "batch.drop_zero_variance", False, True)]  # β: the same
+    # dapo, merged after grpo, sets drop_zero_variance back to the file's true: only its KL replaces a written key
+    assert preset_overrides(path, "grpo,dapo") == [("dapo", "kl.placement", "none", "loss")]
