@@ -7,9 +7,12 @@ it can learn (start between 0.05 and 0.6) with long responses (≥ 60 tokens) ar
 - `make bench ARGS=reasoning_baseline`: infra/configs/reasoning_baseline.yaml, ten tasks at their default settings
   with reasoning-gym's default prompt (the answer in <answer> tags);
 - `make bench ARGS=reasoning_easy`: infra/configs/reasoning_easy.yaml, ten tasks at easy settings, the answer the
-  phrase the model ends with ("The answer is 12.", answer_format: pattern).
+  phrase the model ends with ("The answer is 12.", answer_format: pattern);
+- `make bench ARGS=reasoning_steps`: infra/configs/reasoning_steps.yaml, ten tasks at easy settings with a prompt that
+  asks for each step in a sentence, sampled at temperature 0.7.
 
-Rows: reasoning_baseline_accuracy, reasoning_easy_accuracy (the mean over the tasks; absolute: the ratio is the value).
+Rows: reasoning_baseline_accuracy, reasoning_easy_accuracy, reasoning_steps_accuracy (the mean over the tasks;
+absolute: the ratio is the value).
 """
 
 from __future__ import annotations
@@ -72,3 +75,7 @@ def run(config: str = "infra/configs/reasoning_baseline.yaml", name: str = "base
 
 def run_easy() -> list[dict]:
     return run("infra/configs/reasoning_easy.yaml", "easy")
+
+
+def run_steps() -> list[dict]:
+    return run("infra/configs/reasoning_steps.yaml", "steps")

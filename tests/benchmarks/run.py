@@ -58,6 +58,7 @@ SUITES = {
     "arpo": bench_arpo.run,
     "reasoning_baseline": bench_reasoning.run,
     "reasoning_easy": bench_reasoning.run_easy,
+    "reasoning_steps": bench_reasoning.run_steps,
 }
 
 
