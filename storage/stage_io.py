@@ -297,20 +297,22 @@ def write_stage(
 
     previous = read_manifest(layout, stage, iteration, verify=False)
     kept = [p for p in (previous or {}).get("parts", []) if p["index"] < part]
+    sha = sha256_file(final)
+    ended = time.time()
     kept.append(
         {
             "index": part,
             "file": final.name,
             "rows": df.height,
             "bytes": final.stat().st_size,
-            "sha256": sha256_file(final),
+            "sha256": sha,
             "fingerprint": fp,
+            "wall_seconds": round(ended - started, 3),  # this part's (a round's) own
         }
     )
     for stale in folder.glob("part-*.parquet"):  # parts after this one are no longer valid
         if stale.name not in {p["file"] for p in kept}:
             stale.unlink()
-    ended = time.time()
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "stage": stage,
@@ -327,7 +329,9 @@ def write_stage(
         "engines": {**package_versions("torch", "polars", "pyarrow"), **(engines or {})},
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         "ended_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(ended)),
-        "wall_seconds": round(ended - started, 3),
+        # Every round's, not the last one's: a round-scoped stage's time in an iteration (parts written by a version
+        # that did not record theirs count 0).
+        "wall_seconds": round(sum(p.get("wall_seconds", 0.0) for p in kept), 3),
         "extra": {**(previous or {}).get("extra", {}), **(extra or {})},
     }
     write_json_atomic(layout.manifest_path(stage, iteration), manifest)

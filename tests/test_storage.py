@@ -61,6 +61,26 @@ def test_corrupt_part_is_detected_and_recomputed(tmp_path):
         assert find_complete(layout, "prompts", 1, out.fingerprint) is None
 
 
+def test_a_round_scoped_stages_wall_seconds_are_its_rounds_together(tmp_path):
+    """The manifest is rewritten by each round: its wall_seconds is the sum of the parts' own, not the last round's."""
+    import time
+
+    layout = RunLayout(tmp_path, "r1")
+    for part in range(3):
+        write_stage(
+            layout, "prompts", 1, prompts_frame(1, part), fp=f"f{part}", inputs={}, config_hash="c",
+            started=time.time() - 10.0 * (part + 1), part=part,
+        )  # fmt: skip
+    manifest = json.loads(layout.manifest_path("prompts", 1).read_text())
+    walls = [p["wall_seconds"] for p in manifest["parts"]]
+    assert [round(w) for w in walls] == [10, 20, 30]
+    assert manifest["wall_seconds"] == pytest.approx(sum(walls), abs=1e-3)
+    write_stage(
+        layout, "prompts", 1, prompts_frame(1, 1), fp="g", inputs={}, config_hash="c", started=time.time() - 5, part=1
+    )
+    assert round(json.loads(layout.manifest_path("prompts", 1).read_text())["wall_seconds"]) == 15  # round 2 dropped
+
+
 def test_rounds_are_parts_and_rewriting_a_round_drops_later_ones(tmp_path):
     layout = RunLayout(tmp_path, "r1")
     write(layout, 1, "a", 0)
