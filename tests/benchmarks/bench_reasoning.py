@@ -9,10 +9,12 @@ it can learn (start between 0.05 and 0.6) with long responses (≥ 60 tokens) ar
 - `make bench ARGS=reasoning_easy`: infra/configs/reasoning_easy.yaml, ten tasks at easy settings, the answer the
   phrase the model ends with ("The answer is 12.", answer_format: pattern);
 - `make bench ARGS=reasoning_steps`: infra/configs/reasoning_steps.yaml, ten tasks at easy settings with a prompt that
-  asks for each step in a sentence, sampled at temperature 0.7.
+  asks for each step in a sentence, sampled at temperature 0.7;
+- `make bench ARGS=reasoning_candidates`: infra/configs/reasoning_candidates.yaml, ten harder settings and more tasks
+  with that prompt, for a third task to mix with lcm and syllogism.
 
-Rows: reasoning_baseline_accuracy, reasoning_easy_accuracy, reasoning_steps_accuracy (the mean over the tasks;
-absolute: the ratio is the value).
+Rows: reasoning_baseline_accuracy, reasoning_easy_accuracy, reasoning_steps_accuracy, reasoning_candidates_accuracy
+(the mean over the tasks; absolute: the ratio is the value).
 """
 
 from __future__ import annotations
@@ -79,3 +81,7 @@ def run_easy() -> list[dict]:
 
 def run_steps() -> list[dict]:
     return run("infra/configs/reasoning_steps.yaml", "steps")
+
+
+def run_candidates() -> list[dict]:
+    return run("infra/configs/reasoning_candidates.yaml", "candidates")

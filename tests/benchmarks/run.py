@@ -59,6 +59,7 @@ SUITES = {
     "reasoning_baseline": bench_reasoning.run,
     "reasoning_easy": bench_reasoning.run_easy,
     "reasoning_steps": bench_reasoning.run_steps,
+    "reasoning_candidates": bench_reasoning.run_candidates,
 }
 
 
