@@ -1259,6 +1259,8 @@ class OptimConfig(Section):
         "for it, are dealt to the trainer ranks balanced by tokens (Karmarkar-Karp) and packed into as few "
         "micro-batches of at most this many tokens as fit (a group's prompt counted once in each; a sample longer "
         "than the budget goes alone). The loss is the same: every aggregation divides by the minibatch's normalisers. "
+        "The trainer's memory grows with it: SmolLM2-135M's update at 8,192 tokens without model."
+        "gradient_checkpointing outgrew a 24 GiB machine beside its vLLM engine (docs/reasoning-tasks.md). "
         "None: micro_batch_size samples (docs/long-responses.md).",
     )
     logprob_micro_batch_tokens: int | None = Field(
