@@ -51,8 +51,9 @@ def evaluate_start(config: str, run_id: str) -> tuple[pl.DataFrame, dict, float]
     return read_stage(layout, "eval", 0), read_manifest(layout, "eval", 0)["extra"], seconds
 
 
-def run(config: str = "infra/configs/reasoning_baseline.yaml", name: str = "baseline") -> list[dict]:
-    _, figures, seconds = evaluate_start(config, name)
+def run(name: str) -> list[dict]:
+    """The table for infra/configs/reasoning_{name}.yaml."""
+    _, figures, seconds = evaluate_start(f"infra/configs/reasoning_{name}.yaml", name)
     tasks = sorted(k.split("/", 1)[1] for k in figures if k.startswith("accuracy/"))
     print(f"reasoning_{name}: {len(tasks)} tasks, start eval in {seconds:.0f} s")
     print("| task | greedy accuracy | sampled accuracy | mean greedy length (tokens) | prompts |")
@@ -73,15 +74,3 @@ def run(config: str = "infra/configs/reasoning_baseline.yaml", name: str = "base
             "ratio": mean,
         }
     ]
-
-
-def run_easy() -> list[dict]:
-    return run("infra/configs/reasoning_easy.yaml", "easy")
-
-
-def run_steps() -> list[dict]:
-    return run("infra/configs/reasoning_steps.yaml", "steps")
-
-
-def run_candidates() -> list[dict]:
-    return run("infra/configs/reasoning_candidates.yaml", "candidates")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import sys
+from functools import partial
 from pathlib import Path
 
 import polars as pl
@@ -56,10 +57,7 @@ SUITES = {
     "frontier": bench_frontier.run,
     "multiturn": bench_multiturn.run,
     "arpo": bench_arpo.run,
-    "reasoning_baseline": bench_reasoning.run,
-    "reasoning_easy": bench_reasoning.run_easy,
-    "reasoning_steps": bench_reasoning.run_steps,
-    "reasoning_candidates": bench_reasoning.run_candidates,
+    **{f"reasoning_{n}": partial(bench_reasoning.run, n) for n in ("baseline", "easy", "steps", "candidates")},
 }
 
 
