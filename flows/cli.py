@@ -73,7 +73,9 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
-SetOpt = typer.Option(None, "--set", help="Override a config value: --set a.b=value (repeatable).")
+SetOpt = typer.Option(
+    None, "--set", help="Override a config value: --set a.b=value (repeatable; a number indexes a list: a.0.b=value)."
+)
 
 
 def _fail(message: str) -> None:

@@ -1864,16 +1864,29 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Each `a.b=value` set in a deep copy of `data`; a number segment indexes a list (`data.sources.1.weight=2`:
+    the second source's weight), so one entry of a list can change without restating the list."""
     data = json.loads(json.dumps(data))  # deep copy of plain data
     for item in overrides:
         parts, value = parse_override(item)
-        node = data
-        for p in parts[:-1]:
-            child = node.setdefault(p, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"invalid --set {item!r}: {p} is not a section")
-            node = child
-        node[parts[-1]] = value
+        node: Any = data
+        for i, p in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not p.isdigit() or int(p) >= len(node):
+                    raise ConfigError(
+                        f"invalid --set {item!r}: {'.'.join(parts[:i])} is a list of {len(node)}, "
+                        f"so {p!r} must be an index 0 .. {len(node) - 1}"
+                    )
+                p = int(p)
+            elif not isinstance(node, dict):
+                raise ConfigError(f"invalid --set {item!r}: {parts[i - 1]} is not a section")
+            if last:
+                node[p] = value
+            else:
+                if isinstance(node, dict):
+                    node.setdefault(p, {})
+                node = node[p]
     return data
 
 

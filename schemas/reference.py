@@ -17,8 +17,9 @@ from schemas.config import Registered, RunConfig, Section
 HEADER = """# Config reference
 
 Every key of a run's config (`schemas/config.py`), generated from the schema by `python -m schemas.reference`. A
-config file sets any of them in YAML, `--set section.key=value` overrides one, and an unknown key or a bad value fails
-with one line naming it. `task` takes one of the built-in example tasks, by `name`.
+config file sets any of them in YAML, `--set section.key=value` overrides one (a number indexes a list:
+`--set data.sources.1.weight=2`), and an unknown key or a bad value fails with one line naming it. `task` takes one of
+the built-in example tasks, by `name`.
 """
 
 

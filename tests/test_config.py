@@ -1,11 +1,12 @@
 """Config: YAML + overrides, one-line errors naming the key, saved resolved."""
 
+import re
 import subprocess
 import sys
 
 import pytest
 
-from schemas.config import ConfigError, RunConfig, build_config, dump_config, load_config
+from schemas.config import ConfigError, RunConfig, apply_overrides, build_config, dump_config, load_config
 from tests.conftest import ROOT
 
 
@@ -31,6 +32,23 @@ def test_invalid_values_fail_with_the_key_named(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config("infra/configs/demo.yaml", overrides)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_set_indexes_a_list_by_number():
+    data = {"data": {"sources": [{"name": "a", "weight": 1}, {"name": "b", "weight": 1}]}, "rl": {"iterations": 3}}
+    out = apply_overrides(data, ["data.sources.1.weight=2", "data.sources.0.curriculum.start_level=1"])
+    assert out["data"]["sources"] == [
+        {"name": "a", "weight": 1, "curriculum": {"start_level": 1}},
+        {"name": "b", "weight": 2},
+    ]
+    assert data["data"]["sources"][1]["weight"] == 1  # the input is not changed
+    for item, needle in [
+        ("data.sources.2.weight=1", "data.sources is a list of 2, so '2' must be an index 0 .. 1"),
+        ("data.sources.b.weight=1", "so 'b' must be an index"),
+        ("rl.iterations.x=1", "iterations is not a section"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            apply_overrides(data, [item])
 
 
 def test_missing_file_is_a_config_error(tmp_path):
