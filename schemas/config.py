@@ -944,10 +944,11 @@ class RolloutConfig(Section):
     )
     temperature: float = Field(
         1.0,
-        gt=0,
-        description="The sampling temperature T. The trainer scores the samples under the same softmax(logits / T) "
-        "(π_old, the reference and the update, as verl, OpenRLHF and TRL do); vLLM's own logprobs stay at T = 1, "
-        "so loss.old_logprobs sampler and the sampler-read corrections need T = 1.",
+        ge=0.01,  # vLLM raises a lower one to 0.01, and the trainer would score the samples at another T
+        description="The sampling temperature T (≥ 0.01). The trainer scores the samples under the same "
+        "softmax(logits / T) (π_old, the reference and the update, as verl, OpenRLHF and TRL do), and so does "
+        "vLLM's sampler_logprobs column (its processed logprobs), so that loss.old_logprobs sampler works at any T; "
+        "with LoRA, top_p < 1 or min_tokens > 0 that column stays at T = 1, and the settings that read it need T = 1.",
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling's p (1: off).")
     kv_cache_gib: float = Field(
@@ -1571,6 +1572,15 @@ class DPOConfig(PreferenceTrainerConfig):
     )
 
 
+def sampler_logprobs_tempered(rollout: RolloutConfig, lora: LoraConfig) -> bool:
+    """Whether the vLLM engine reports its logprobs after the sampling temperature (vLLM's processed_logprobs, set
+    by VLLMSettings.from_config), so that they are the trainer's softmax(logits / T): at T ≠ 1, unless vLLM would
+    fold in more than the temperature (top_p < 1, min_tokens > 0: the trainer applies neither) or LoRA trains (its
+    weight-sync probe forces each token, a mask the processed logprobs would carry). Otherwise they stay the raw
+    model's, at T = 1."""
+    return rollout.temperature != 1.0 and lora.rank is None and rollout.top_p == 1.0 and rollout.min_tokens == 0
+
+
 class RunConfig(Section):
     seed: int = Field(0, description="The run's seed: sampling, shuffling, initialisation; part of every fingerprint.")
     storage_root: str = Field("runs", description="Where runs are written (runs/RUN_ID/...).")
@@ -1650,17 +1660,22 @@ class RunConfig(Section):
             raise ValueError("rollout.partial_tokens: multi-turn rollouts (the agent section) are not carried yet")
         return self
 
+    @property
+    def sampler_logprobs_comparable(self) -> bool:
+        """Whether the sampler's logprobs score the trainer's distribution, softmax(logits / T): at T = 1 vLLM's raw
+        logprobs do, at another T its tempered ones (sampler_logprobs_tempered)."""
+        return self.rollout.temperature == 1.0 or sampler_logprobs_tempered(self.rollout, self.lora)
+
     @model_validator(mode="after")
     def _sampler_logprobs_fit(self) -> "RunConfig":
-        # vLLM reports the raw model's logprobs (its default logprobs_mode, which the LoRA weight-sync probe relies
-        # on), while the trainer scores softmax(logits / T): at T ≠ 1 the two are different distributions.
-        lo = self.loss
-        if self.rollout.temperature != 1.0 and (lo.old_logprobs == "sampler" or lo.reads_sampler):
+        lo, r = self.loss, self.rollout
+        if (lo.old_logprobs == "sampler" or lo.reads_sampler) and not self.sampler_logprobs_comparable:
             raise ValueError(
-                f"rollout.temperature {self.rollout.temperature} with loss.old_logprobs sampler, a rollout correction "
-                "or loss.off_policy_mask_threshold: vLLM's logprobs are at temperature 1 and the trainer's at the "
-                "sampling temperature, so they cannot stand for each other (sample at temperature 1, or keep "
-                "loss.old_logprobs: trainer without the sampler-read settings)"
+                f"rollout.temperature {r.temperature} with loss.old_logprobs sampler, a rollout correction or "
+                "loss.off_policy_mask_threshold needs the sampler's logprobs at that temperature, which vLLM gives "
+                f"only without LoRA, top_p and min_tokens (here lora.rank {self.lora.rank}, rollout.top_p {r.top_p}, "
+                f"rollout.min_tokens {r.min_tokens}): sample at temperature 1, drop those, or keep "
+                "loss.old_logprobs: trainer without the sampler-read settings"
             )
         return self
 

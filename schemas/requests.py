@@ -25,6 +25,7 @@ from schemas.config import (
     RewardModelConfig,
     RolloutConfig,
     SFTConfig,
+    sampler_logprobs_tempered,
 )
 
 
@@ -44,6 +45,8 @@ class VLLMSettings:
     sleep: bool = False  # engines.colocate_sleep: asleep (vLLM's sleep level 1) between its generations
     # the vLLM weight-transfer engine its workers make (tasks/engines/weight_sync.py::backend)
     weight_transfer: Literal["rlpipe_gloo", "nccl"] = "rlpipe_gloo"
+    # vLLM's logprobs_mode: the raw model's (T = 1), or after the sampling temperature (sampler_logprobs_tempered)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
 
     @classmethod
     def from_config(
@@ -66,6 +69,7 @@ class VLLMSettings:
             max_lora_rank=lora.rank,
             sleep=sleep,
             weight_transfer=weight_transfer,
+            logprobs_mode="processed_logprobs" if sampler_logprobs_tempered(rollout, lora) else "raw_logprobs",
         )
 
 

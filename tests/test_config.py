@@ -267,13 +267,34 @@ def test_sampler_old_logprobs_refuse_a_rollout_correction_and_token_budgets_are_
 @pytest.mark.parametrize(
     "loss", [{"old_logprobs": "sampler"}, {"rollout_is": "token"}, {"off_policy_mask_threshold": 1}]
 )
-def test_settings_that_read_the_samplers_logprobs_need_temperature_1(loss):
-    """vLLM's logprobs are the raw model's (T = 1) and the trainer's are at the sampling temperature."""
-    with pytest.raises(ConfigError, match="rollout.temperature 0.7 with loss.old_logprobs sampler") as err:
-        build_config({"loss": loss, "rollout": {"temperature": 0.7}})
-    assert "\n" not in str(err.value)
-    assert build_config({"loss": loss}).rollout.temperature == 1.0
-    assert build_config({"rollout": {"temperature": 0.7}}).loss.old_logprobs == "trainer"
+def test_settings_that_read_the_samplers_logprobs_at_a_temperature_refuse_what_vllm_folds_in(loss):
+    """At T ≠ 1 vLLM reports its logprobs after the temperature, as the trainer scores them (VLLMSettings'
+    processed_logprobs), except with LoRA; top_p and min_tokens would be folded in too, and the trainer applies
+    neither."""
+    from schemas.requests import VLLMSettings
+
+    cfg = build_config({"loss": loss, "rollout": {"temperature": 0.7}})
+    assert cfg.sampler_logprobs_comparable
+    mode = VLLMSettings.from_config(
+        model_path="m", model=cfg.model, rollout=cfg.rollout, seed=0, lora=cfg.lora, sleep=False, weight_transfer="x"
+    ).logprobs_mode
+    assert mode == "processed_logprobs"
+    for extra, named in [
+        ({"lora": {"rank": 8}}, "lora.rank 8"),
+        ({"rollout": {"temperature": 0.7, "top_p": 0.9}}, "rollout.top_p 0.9"),
+        ({"rollout": {"temperature": 0.7, "min_tokens": 4}}, "rollout.min_tokens 4"),
+    ]:
+        data = {"loss": loss, "rollout": {"temperature": 0.7}, **extra}
+        with pytest.raises(ConfigError, match="rollout.temperature 0.7 with loss.old_logprobs sampler") as err:
+            build_config(data)
+        assert named in str(err.value) and "\n" not in str(err.value)
+    # at T = 1 the raw logprobs are the trainer's, whatever top_p and LoRA do
+    assert build_config({"loss": loss, "lora": {"rank": 8}, "rollout": {"top_p": 0.9}}).sampler_logprobs_comparable
+    cfg = build_config({"lora": {"rank": 8}, "rollout": {"temperature": 0.7}})  # π_old from the trainer: allowed
+    lora_mode = VLLMSettings.from_config(
+        model_path="m", model=cfg.model, rollout=cfg.rollout, seed=0, lora=cfg.lora, sleep=False, weight_transfer="x"
+    ).logprobs_mode
+    assert lora_mode == "raw_logprobs" and not cfg.sampler_logprobs_comparable
 
 
 def test_gdpo_takes_a_reward_whose_only_weighted_part_is_a_judge_or_the_process_model():

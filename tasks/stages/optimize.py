@@ -327,10 +327,10 @@ def optimize_task(storage_root: str, run_id: str, iteration: int, upstream: dict
                 rollouts, read_stage(ctx.layout, "scores", iteration), read_stage(ctx.layout, "batch", iteration)
             ),
             **advantage_metrics(advantages),
-            # With π_old from the sampler there is no trainer pass to compare with (the weight-sync probe still is);
-            # at a temperature ≠ 1 the two score different distributions (vLLM's are at T = 1).
+            # With π_old from the sampler there is no trainer pass to compare with (the weight-sync probe still is),
+            # and with LoRA, top_p or min_tokens at T ≠ 1 the two score different distributions.
             "sampler_logprob_gap": sampler_gap(rollouts, logprobs)
-            if ctx.cfg.loss.old_logprobs == "trainer" and ctx.cfg.rollout.temperature == 1.0
+            if ctx.cfg.loss.old_logprobs == "trainer" and ctx.cfg.sampler_logprobs_comparable
             else float("nan"),
             "seconds_optimize": resp["train_seconds"],
             **stage_metrics(ctx, iteration),

@@ -101,6 +101,7 @@ def _start_engine(settings: VLLMSettings):
         enforce_eager=True,
         enable_prefix_caching=settings.prefix_caching,
         max_logprobs=settings.max_logprobs,
+        logprobs_mode=settings.logprobs_mode,
         # The trainer's weights through vLLM's weight-transfer API (engines.weight_sync collective)
         weight_transfer_config={"backend": settings.weight_transfer},
         **extra,
