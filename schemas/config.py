@@ -1898,9 +1898,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"invalid --set {item!r}: {parts[i - 1]} is not a section")
             if last:
                 node[p] = value
+            elif isinstance(node, dict):
+                node = node.setdefault(p, {})
             else:
-                if isinstance(node, dict):
-                    node.setdefault(p, {})
                 node = node[p]
     return data
 

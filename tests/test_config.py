@@ -273,12 +273,15 @@ def test_settings_that_read_the_samplers_logprobs_at_a_temperature_refuse_what_v
     neither."""
     from schemas.requests import VLLMSettings
 
+    def engine_mode(cfg: RunConfig) -> str:
+        r, lora = cfg.rollout, cfg.lora
+        return VLLMSettings.from_config(
+            model_path="m", model=cfg.model, rollout=r, seed=0, lora=lora, sleep=False, weight_transfer="-"
+        ).logprobs_mode
+
     cfg = build_config({"loss": loss, "rollout": {"temperature": 0.7}})
     assert cfg.sampler_logprobs_comparable
-    mode = VLLMSettings.from_config(
-        model_path="m", model=cfg.model, rollout=cfg.rollout, seed=0, lora=cfg.lora, sleep=False, weight_transfer="x"
-    ).logprobs_mode
-    assert mode == "processed_logprobs"
+    assert engine_mode(cfg) == "processed_logprobs"
     for extra, named in [
         ({"lora": {"rank": 8}}, "lora.rank 8"),
         ({"rollout": {"temperature": 0.7, "top_p": 0.9}}, "rollout.top_p 0.9"),
@@ -291,10 +294,7 @@ def test_settings_that_read_the_samplers_logprobs_at_a_temperature_refuse_what_v
     # at T = 1 the raw logprobs are the trainer's, whatever top_p and LoRA do
     assert build_config({"loss": loss, "lora": {"rank": 8}, "rollout": {"top_p": 0.9}}).sampler_logprobs_comparable
     cfg = build_config({"lora": {"rank": 8}, "rollout": {"temperature": 0.7}})  # π_old from the trainer: allowed
-    lora_mode = VLLMSettings.from_config(
-        model_path="m", model=cfg.model, rollout=cfg.rollout, seed=0, lora=cfg.lora, sleep=False, weight_transfer="x"
-    ).logprobs_mode
-    assert lora_mode == "raw_logprobs" and not cfg.sampler_logprobs_comparable
+    assert engine_mode(cfg) == "raw_logprobs" and not cfg.sampler_logprobs_comparable
 
 
 def test_gdpo_takes_a_reward_whose_only_weighted_part_is_a_judge_or_the_process_model():
