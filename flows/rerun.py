@@ -166,6 +166,27 @@ def _recompute_one(root: str, run_id: str, stage: str, iteration: int) -> None:
         spec.task.fn(**graph.task_arguments(spec, root, run_id, iteration, r, fingerprints, every_round))
 
 
+def check_sampler_logprobs(cfg, layout, iteration: int, regenerated: bool) -> None:
+    """Refuse a rerun that would read cached sampler logprobs taken at another temperature than the new config's, as
+    π_old or for a rollout correction: the rollouts of `iteration` when the rerun keeps them, and with partial
+    rollouts the carried prefixes' iterations, up to rl.max_staleness before. (A run or resume regenerates rollouts
+    whose config changed; only a rerun reuses them.) Rollouts recorded before the temperature was are taken as
+    they are."""
+    if not (cfg.loss.old_logprobs == "sampler" or cfg.loss.reads_sampler):
+        return
+    want = cfg.sampler_logprobs_temperature
+    span = cfg.rl.max_staleness if cfg.rollout.partial_tokens else 0
+    for k in range(max(1, iteration - span), iteration + (0 if regenerated else 1)):
+        manifest = read_manifest(layout, "rollouts", k, verify=False) or {}
+        got = manifest.get("extra", {}).get("sampler_logprobs_temperature", want)
+        if got != want:
+            raise ConfigError(
+                f"the rollouts of iteration {k} hold sampler logprobs at temperature {got}, this config's are at "
+                f"{want} (rollout.temperature changed): rerun from --stage rollouts, or use loss.old_logprobs "
+                "trainer without a rollout correction"
+            )
+
+
 def _rerunnable() -> list[str]:
     return [name for s in _stages().rerunnable() for name in (s.name, *s.aliases)]
 
@@ -206,6 +227,7 @@ def rerun(
         from tasks.stages.preflight import check_reward, dataset_columns
 
         check_reward(cfg, dataset_columns(src))
+    check_sampler_logprobs(cfg, src, iteration, regenerated="rollouts" in stages)
     if fork_id is None:
         acquire_run_lock(src, "rerun")
         record = supersede(src, stage, iteration, overrides)

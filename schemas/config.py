@@ -1666,6 +1666,11 @@ class RunConfig(Section):
         logprobs do, at another T its tempered ones (sampler_logprobs_tempered)."""
         return self.rollout.temperature == 1.0 or sampler_logprobs_tempered(self.rollout, self.lora)
 
+    @property
+    def sampler_logprobs_temperature(self) -> float:
+        """The temperature the sampler's logprobs are taken at: T where vLLM tempers them, else 1 (raw)."""
+        return self.rollout.temperature if sampler_logprobs_tempered(self.rollout, self.lora) else 1.0
+
     @model_validator(mode="after")
     def _sampler_logprobs_fit(self) -> "RunConfig":
         lo, r = self.loss, self.rollout

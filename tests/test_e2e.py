@@ -996,3 +996,13 @@ def test_a_sampling_temperature_is_the_trainers_and_the_samplers(one_iteration):
     tempered = read_table(fork, "train_metrics", 1).row(0, named=True)
     assert abs(tempered["ppo_kl"]) < 1e-5 and tempered["clip_frac_low"] == tempered["clip_frac_high"] == 0, tempered
     assert tempered["sampler_logprob_gap"] < 1e-4  # measured, as at temperature 1
+    # The rollouts record the temperature of their logprobs; π_old read from them at another one is refused in one
+    # line, before a fork is made (a rerun of a later stage keeps the cached rollouts).
+    assert read_manifest(fork, "rollouts", 1)["extra"]["sampler_logprobs_temperature"] == 0.5
+    later = ["rerun", "tempered", "--iteration", "1", "--stage", "logprobs", "--root", root, "--fork", "t07"]
+    sets = ["--set", "rollout.temperature=0.7", "--set", "loss.old_logprobs=sampler"]
+    refused = rlpipe(*later, *sets, cwd=workspace, check=False)
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 1 and len(lines) == 1, refused.stderr
+    assert "iteration 1 hold sampler logprobs at temperature 0.5" in lines[0] and "at 0.7" in lines[0], lines
+    assert not (workspace / "runs" / "t07").exists()

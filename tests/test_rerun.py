@@ -4,8 +4,10 @@ import json
 import time
 
 import polars as pl
+import pytest
 
-from flows.rerun import affected, fork, supersede
+from flows.rerun import affected, check_sampler_logprobs, fork, supersede
+from schemas.config import ConfigError, build_config
 from storage import RunLayout, write_stage
 from tasks.analysis.run_diff import diff_frames
 from tasks.stages.graph import RL_ITERATION
@@ -106,3 +108,29 @@ def test_through_spans_the_rerunnable_stages_in_the_flows_order():
         stages_through("logprobs", "scores")
     with pytest.raises(ConfigError, match=r"cannot rerun stage 'eval' \(--through\)"):
         stages_through("logprobs", "eval")
+
+
+def test_sampler_logprobs_at_another_temperature_are_refused_as_pi_old(tmp_path):
+    """The rollouts' manifests record the temperature of their sampler logprobs; a rerun that would read them as π_old
+    (or for a rollout correction) under another temperature is refused, naming the iteration. With partial rollouts
+    the carried prefixes' iterations, up to rl.max_staleness before, count too; without, only the iteration's own,
+    and not when the rerun samples them again."""
+    layout = fake_run(tmp_path, iterations=3)
+    for k, temperature in ((1, 0.7), (2, 0.5), (3, 0.5)):
+        path = layout.manifest_path("rollouts", k)
+        manifest = json.loads(path.read_text())
+        path.write_text(json.dumps({**manifest, "extra": {"sampler_logprobs_temperature": temperature}}))
+    at = dict(rollout={"temperature": 0.5}, loss={"old_logprobs": "sampler"}, kl={"beta": 0.0, "placement": "none"})
+    cfg = build_config(at)
+    check_sampler_logprobs(cfg, layout, 3, regenerated=False)
+    check_sampler_logprobs(cfg, layout, 2, regenerated=False)
+    with pytest.raises(ConfigError, match="rollouts of iteration 1 hold sampler logprobs at temperature 0.7"):
+        check_sampler_logprobs(cfg, layout, 1, regenerated=False)
+    check_sampler_logprobs(cfg, layout, 1, regenerated=True)  # a rerun from the rollouts samples them again
+    partial = build_config({**at, "rollout": {"temperature": 0.5, "partial_tokens": 4}, "rl": {"max_staleness": 1}})
+    check_sampler_logprobs(partial, layout, 3, regenerated=False)  # iterations 2 and 3: both at 0.5
+    for regenerated in (False, True):  # a carried prefix may come from iteration 1
+        with pytest.raises(ConfigError, match="iteration 1 hold"):
+            check_sampler_logprobs(partial, layout, 2, regenerated=regenerated)
+    trainer = build_config({"rollout": {"temperature": 0.5}})  # π_old from the trainer, no correction: nothing read
+    check_sampler_logprobs(trainer, layout, 1, regenerated=False)

@@ -300,6 +300,9 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
             tables=tables,
             engines={"vllm": resp["vllm_version"]},
             extra={
+                # What the rollouts' sampler_logprobs are the log-softmax of: logits / T. A rerun of a later stage
+                # keeps these rollouts under its new config, and checks it (flows/rerun.py check_sampler_logprobs).
+                "sampler_logprobs_temperature": ctx.cfg.sampler_logprobs_temperature,
                 f"round{round_}": {
                     "engine_start_seconds": resp["engine_start_seconds"],
                     "sync_seconds": resp["sync_seconds"],
@@ -309,7 +312,7 @@ def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, u
                     "sampler_kv_cache_gib": resp["kv_cache_gib"],
                     **timing,
                     "engines": resp["per_engine"],
-                }
+                },
             },
         )
 
