@@ -172,7 +172,7 @@ def check_sampler_logprobs(cfg, layout, iteration: int, regenerated: bool) -> No
     rollouts the carried prefixes' iterations, up to rl.max_staleness before. (A run or resume regenerates rollouts
     whose config changed; only a rerun reuses them.) Rollouts recorded before the temperature was are taken as
     they are."""
-    if not (cfg.loss.old_logprobs == "sampler" or cfg.loss.reads_sampler):
+    if not cfg.loss.uses_sampler_logprobs:
         return
     want = cfg.sampler_logprobs_temperature
     span = cfg.rl.max_staleness if cfg.rollout.partial_tokens else 0

@@ -1178,6 +1178,11 @@ class LossConfig(Section):
         """Whether the update reads the sampler's logprobs: a rollout correction, or the off-policy sequence mask."""
         return self.corrects_rollout or self.off_policy_mask_threshold is not None
 
+    @property
+    def uses_sampler_logprobs(self) -> bool:
+        """Whether anything reads the sampler's logprobs: π_old from the sampler, or the update (reads_sampler)."""
+        return self.old_logprobs == "sampler" or self.reads_sampler
+
     @model_validator(mode="after")
     def _ordered_bounds(self) -> "LossConfig":
         if self.clip_cov_lb >= self.clip_cov_ub:
@@ -1664,7 +1669,7 @@ class RunConfig(Section):
     def sampler_logprobs_comparable(self) -> bool:
         """Whether the sampler's logprobs score the trainer's distribution, softmax(logits / T): at T = 1 vLLM's raw
         logprobs do, at another T its tempered ones (sampler_logprobs_tempered)."""
-        return self.rollout.temperature == 1.0 or sampler_logprobs_tempered(self.rollout, self.lora)
+        return self.sampler_logprobs_temperature == self.rollout.temperature
 
     @property
     def sampler_logprobs_temperature(self) -> float:
@@ -1674,7 +1679,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _sampler_logprobs_fit(self) -> "RunConfig":
         lo, r = self.loss, self.rollout
-        if (lo.old_logprobs == "sampler" or lo.reads_sampler) and not self.sampler_logprobs_comparable:
+        if lo.uses_sampler_logprobs and not self.sampler_logprobs_comparable:
             raise ValueError(
                 f"rollout.temperature {r.temperature} with loss.old_logprobs sampler, a rollout correction or "
                 "loss.off_policy_mask_threshold needs the sampler's logprobs at that temperature, which vLLM gives "
