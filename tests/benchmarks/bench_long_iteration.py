@@ -4,7 +4,7 @@ iteration, the groups that are not all right or all wrong trained) run for 10 it
 this process, nothing else running:
 
 - defaults: every response generated whole, π_old from the trainer's own pass (`loss.old_logprobs: trainer`);
-- partial: `rollout.partial_tokens: 128` (unfinished sequences carried into the next round or iteration, at most 2
+- partial: `rollout.partial_tokens: 256` (unfinished sequences carried into the next round or iteration, at most 2
   updates old: `rl.max_staleness: 2`; up to 4 rounds to fill the 8 groups; ended groups over the batch's 8 carried
   into the next batch: `rollout.carry_surplus`) and π_old from the sampler (`loss.old_logprobs: sampler`: the
   logprobs stage runs only the reference pass the KL needs).
@@ -30,7 +30,7 @@ from tests.benchmarks import result_row, run_with_evals
 
 CONFIG = "infra/configs/long_reasoning.yaml"
 ROOT = Path("runs/bench/long_iteration")
-ITERATIONS = 10  # about 46 minutes here, both sides (65 with dynamic filtering off)
+ITERATIONS = 10  # 46-65 minutes here, both sides, with the machine's speed of the day
 # batch.drop_zero_variance again after the `grpo` preset (which turns it off): only groups with a reward spread are
 # trained. Without it the partial side's batch is the first 8 groups to end, all-right and all-wrong ones included,
 # while groups with a spread that ended later wait as surplus (measured: 34 of its 80 trained groups had a spread,
@@ -44,12 +44,13 @@ COMMON = [
 ]
 SIDES = {
     "defaults": ["loss.old_logprobs=trainer"],
-    # Up to 4 rounds of 128 tokens a sequence to fill the batch (one would end no group in iteration 1: the first
-    # round's sequences are at most 128 tokens long, and a group ends when all 8 of its responses have).
+    # Up to 4 rounds of 256 tokens a sequence to fill the batch (a group ends when all 8 of its responses have, so one
+    # round may end too few). 256, not 128: generation-only, 16 groups ended took 3 rounds and 104 s at 257 tokens/s
+    # against 6 rounds and 144 s at 242 (fewer prefixes re-read, fewer tokens left in flight); 64 took 198 s.
     # The ended groups a round leaves over the batch's 8 are trained by the next update (rollout.carry_surplus).
     "partial": [
         "loss.old_logprobs=sampler",
-        "rollout.partial_tokens=128",
+        "rollout.partial_tokens=256",
         "rl.max_staleness=2",
         "batch.max_rounds=4",
         "rollout.carry_surplus=true",
