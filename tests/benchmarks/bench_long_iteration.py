@@ -45,8 +45,8 @@ COMMON = [
 SIDES = {
     "defaults": ["loss.old_logprobs=trainer"],
     # Up to 4 rounds of 256 tokens a sequence to fill the batch (a group ends when all 8 of its responses have, so one
-    # round may end too few). 256, not 128: generation-only, 16 groups ended took 3 rounds and 104 s at 257 tokens/s
-    # against 6 rounds and 144 s at 242 (fewer prefixes re-read, fewer tokens left in flight); 64 took 198 s.
+    # round may end too few). 256, not 128: generation alone ran at 257 tokens/s against 242 (64: 197; fewer rounds,
+    # fewer prefixes re-read), and this bench gave 1.20x against 1.17x (docs/long-responses.md).
     # The ended groups a round leaves over the batch's 8 are trained by the next update (rollout.carry_surplus).
     "partial": [
         "loss.old_logprobs=sampler",
