@@ -122,7 +122,7 @@ def training_rows(vocab: int, groups: int, samples: int, prompt_len: int, max_re
         advantages = [rnd.gauss(0, 1) for _ in range(samples)]
         mean = sum(advantages) / samples
         for a in advantages:
-            n = rnd.choice([max_response // 8, max_response // 4, max_response // 2, max_response])
+            n = rnd.choice([max(1, max_response // k) for k in (32, 8, 4, 2, 1)])
             rows.append(
                 {
                     "prompt_token_ids": prompt,
@@ -473,7 +473,7 @@ def main(argv=None) -> int:
                 groups=16 if gpu else 2,
                 samples=8 if gpu else 2,
                 prompt_len=128,
-                max_response=1024 if gpu else 64,
+                max_response=4096 if gpu else 64,  # responses of 128 to 4,096 tokens on a GPU
             )
             path = work / f"tp_rows_{shape}.json"
             path.write_text(json.dumps(rows))

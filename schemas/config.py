@@ -1687,6 +1687,13 @@ class RunConfig(Section):
                 f"rollout.min_tokens {r.min_tokens}): sample at temperature 1, drop those, or keep "
                 "loss.old_logprobs: trainer without the sampler-read settings"
             )
+        if lo.old_logprobs == "sampler" and self.model.dtype == "bfloat16" and lo.off_policy_mask_threshold is None:
+            raise ValueError(
+                "loss.old_logprobs sampler with model.dtype bfloat16 makes π_old a bf16 sampler's logprobs, which differ "
+                "from the trainer's by far more than fp32's 1e-5, and nothing would bound the gap: set "
+                "loss.off_policy_mask_threshold (the rollout correction that works with a sampler's π_old), or keep "
+                "loss.old_logprobs: trainer"
+            )
         return self
 
     @model_validator(mode="after")

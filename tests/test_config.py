@@ -264,6 +264,19 @@ def test_sampler_old_logprobs_refuse_a_rollout_correction_and_token_budgets_are_
     assert cfg.loss.old_logprobs == "sampler" and cfg.optim.logprob_micro_batch_tokens is None
 
 
+def test_sampler_old_logprobs_with_bf16_engines_need_the_off_policy_mask():
+    """A bf16 sampler's logprobs are far from the trainer's: as π_old they are refused in one line unless the
+    off-policy mask bounds the gap; fp32 and the trainer's π_old are untouched."""
+    sampler_bf16 = {"loss": {"old_logprobs": "sampler"}, "model": {"dtype": "bfloat16"}}
+    with pytest.raises(ConfigError, match="old_logprobs sampler with model.dtype bfloat16") as err:
+        build_config(sampler_bf16)
+    assert "\n" not in str(err.value)
+    masked = {**sampler_bf16, "loss": {"old_logprobs": "sampler", "off_policy_mask_threshold": 0.5}}
+    assert build_config(masked).loss.off_policy_mask_threshold == 0.5
+    assert build_config({"model": {"dtype": "bfloat16"}}).loss.old_logprobs == "trainer"
+    assert build_config({"loss": {"old_logprobs": "sampler"}}).model.dtype == "float32"
+
+
 @pytest.mark.parametrize(
     "loss", [{"old_logprobs": "sampler"}, {"rollout_is": "token"}, {"off_policy_mask_threshold": 1}]
 )

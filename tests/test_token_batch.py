@@ -15,8 +15,12 @@ from tasks.engines.workers.token_batch import (
     pack_shared,
     response_logprobs,
     token_logprobs,
-    unalign,
 )
+
+
+def unalign(grid: torch.Tensor, prompt_lens: list[int], response_lens: list[int]) -> list[list[float]]:
+    """Per-response-token values read off the padded layout's (N, L−1) next-token grid."""
+    return [grid[i, p - 1 : p - 1 + r].tolist() for i, (p, r) in enumerate(zip(prompt_lens, response_lens))]
 
 
 def tiny_model(tied: bool = True, config_class=LlamaConfig, model_class=LlamaForCausalLM, **extra):
@@ -90,9 +94,13 @@ def test_a_model_without_logits_to_keep_gets_every_position():
             super().__init__()
             self.inner = inner
 
-        def forward(self, input_ids, attention_mask, position_ids, use_cache):
+        def forward(self, input_ids, attention_mask, position_ids, use_cache, **kwargs):
             return self.inner(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+                **kwargs,
             )
 
     model, (prompts, responses) = tiny_model(), groups(2)

@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
+from tasks.engines.workers.token_batch import SharedPrefixBatch
+
 HEAD_FILE = "value_head.safetensors"
 
 
@@ -24,11 +26,12 @@ class ValueModel(torch.nn.Module):
         self.backbone, self.head = backbone, head
         self.config = backbone.config
 
-    def forward(self, input_ids, attention_mask):
-        hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).last_hidden_state  # (B, L, H)
-        return self.head(hidden).squeeze(-1)  # (B, L)
+    def forward(self, batch: SharedPrefixBatch):
+        """V of the state before each response token, (N, R) on the batch's response grid: read where the token is
+        predicted (its prompt's last position for the first), on the shared-prefix layout."""
+        batch = batch.to(self.head.weight.device)
+        hidden = self.backbone(**batch.model_inputs(self.backbone)).last_hidden_state  # (G, L, H)
+        return batch.on_grid(self.head(hidden[batch.rows, batch.positions]).squeeze(-1))  # (N, R)
 
     def gradient_checkpointing_enable(self, **kwargs):
         self.backbone.gradient_checkpointing_enable(**kwargs)
@@ -64,6 +67,6 @@ def load_critic(path: str, fresh: bool, dtype: str = "float32") -> ValueModel:
     return ValueModel(backbone, head)
 
 
-def token_values(critic, input_ids, attention_mask):
-    """V of the state before each next token, on the (B, L−1) next-token grid of token_batch.pack."""
-    return critic(input_ids=input_ids, attention_mask=attention_mask)[:, :-1].float()
+def token_values(critic, batch: SharedPrefixBatch):
+    """V of the state before each response token, (N, R) on the response grid of token_batch.pack_shared."""
+    return critic(batch).float()

@@ -28,14 +28,7 @@ from tasks.engines.workers import data_parallel
 from tasks.engines.workers.critic import load_critic, token_values
 from tasks.engines.workers.lora import adapter_stats, is_peft, load_causal_lm
 from tasks.engines.workers.micro_batches import groups_of, token_micro_batches
-from tasks.engines.workers.token_batch import (
-    align,
-    align_responses,
-    count_into,
-    pack,
-    pack_shared,
-    response_logprobs,
-)
+from tasks.engines.workers.token_batch import align_responses, count_into, pack_shared, response_logprobs
 from tasks.engines.workers.training import (
     Progress,
     accumulation_steps,
@@ -325,19 +318,14 @@ class _Critic:
         self.old_values, self.returns = old_values, returns
 
     def micro_step(self, update: _Update, idx, norm, last, scale: float = 1.0) -> dict:
-        """The value loss of the policy's micro-batch, on the padded layout (values are per position, not per
-        prediction)."""
+        """The value loss of the policy's micro-batch, on the shared-prefix layout's response grid (as the policy's)."""
 
-        p = [update.prompts[i] for i in idx]
-        ids, attn, mask = pack(p, [update.responses[i] for i in idx], update.pad)
-        plen, width = [len(x) for x in p], mask.shape[1]
-        # The model's own tokens of the samples not masked (_Update.token_mask, on this padded layout)
-        mask = align([update.action_mask[i] for i in idx], plen, width) * torch.tensor(
-            [float(update.loss_mask[i]) for i in idx]
-        ).unsqueeze(1)  # (B, L−1)
-        old = align([self.old_values[i] for i in idx], plen, width)
-        ret = align([self.returns[i] for i in idx], plen, width)
-        values = token_values(self.engine, ids, attn)
+        batch = pack_shared([update.prompts[i] for i in idx], [update.responses[i] for i in idx], update.pad)
+        mask = update.token_mask(idx, batch.shape[1])  # (B, R): the model's own tokens of the samples not masked
+        old = align_responses([self.old_values[i] for i in idx], batch.shape[1])
+        ret = align_responses([self.returns[i] for i in idx], batch.shape[1])
+        values = token_values(self.engine, batch)
+        old, ret, mask = (t.to(values.device) for t in (old, ret, mask))
         loss, clipped = value_loss(values, old, ret, mask, self.request.value_clip, norm)
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(self.request.coef * loss * scale, scale_wrt_gas=False)

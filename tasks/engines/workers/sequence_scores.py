@@ -94,9 +94,7 @@ def step_logits(model, prompts: list[list[int]], responses: list[list[int]], end
     if head is None:
         raise ValueError(f"{type(module).__name__} has no token-classification head named score or classifier")
     batch = pack_shared(prompts, responses, pad)
-    hidden = module.base_model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False
-    ).last_hidden_state  # (G, L, H)
+    hidden = module.base_model(**batch.model_inputs(module)).last_hidden_state  # (G, L, H)
     out = []
     for n, (response, at) in enumerate(zip(responses, ends)):
         row, last = batch.ends[n]  # the response's last token; its token j sits len(response) − 1 − j before it
@@ -118,9 +116,7 @@ def rm_scores(model, prompts: list[list[int]], responses: list[list[int]], pad: 
         ids, attn, _ = pack(prompts, responses, pad)
         return model(input_ids=ids, attention_mask=attn).logits[:, 0].float()
     batch = pack_shared(prompts, responses, pad)
-    hidden = module.base_model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False
-    ).last_hidden_state  # (G, L, H)
+    hidden = module.base_model(**batch.model_inputs(module)).last_hidden_state  # (G, L, H)
     return head(hidden[batch.ends[:, 0], batch.ends[:, 1]])[:, 0].float()  # (N,)
 
 

@@ -1,15 +1,16 @@
 """Pure torch helpers shared by the logprobs and training workers: packing and per-token logprobs.
 
-Two layouts:
-- padded (`pack`): prompt + response per row, right-padded to L; per-token values live on the (N, L−1) grid of
-  next-token predictions (response token j of a sample with prompt length P at column P − 1 + j). The critic, SFT and
-  the preference trainers use it.
-- shared prefix (`pack_shared`): the policy's logprobs, DPO and the reward model. A group's G responses share one
-  prompt, so each distinct prompt is computed once: its group is laid out as the prompt, then each of its responses,
-  and a block mask lets a response see the prompt and itself only, at the positions it would have alone. Groups are
-  packed into rows of up to PACKED_ROW_TOKENS, so there is little padding. Logits are computed only where a response
-  token is predicted. Per-token values live on the (N, R) response grid: response token j of sample i at column j.
-  With G = 8 samples of 30 tokens after a 35-token prompt, a group is 275 tokens instead of 8 × 65 = 520.
+Every pass (the policy's old and reference logprobs, the update, the critic, SFT, DPO, the reward and process reward
+models) runs on the shared-prefix layout (`pack_shared`). A group's G responses share one prompt, so each distinct
+prompt is computed once: its group is laid out as the prompt, then each of its responses, every response at the
+positions it would have alone, and the packed attention (tasks/engines/workers/packed_attention.py) lets a response
+see its prompt and itself only, computing no other pair. All groups of a micro-batch go in one row: no padding. Logits
+are computed only where a response token is predicted. Per-token values live on the (N, R) response grid: response
+token j of sample i at column j. With G = 8 samples of 30 tokens after a 35-token prompt, a group is 275 tokens instead
+of 8 × 65 = 520.
+
+The padded layout (`pack`: prompt + response per row, right-padded, values on the (N, L−1) next-token grid) remains
+for a reward model without a `score` head, and as the plain reference in tests.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 
 import torch
 
 from tasks.engines.workers.data_parallel import map_in_order
-from tasks.engines.workers.micro_batches import PACKED_ROW_TOKENS, balanced_rows, chunks, forward_micro_batches
+from tasks.engines.workers.micro_batches import balanced_rows, forward_micro_batches
+from tasks.engines.workers.packed_attention import PackedLayout, install, packed_layout
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
@@ -39,20 +42,6 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     return input_ids, attention, response_mask
 
 
-def align(values: list[list[float]], prompt_lens: list[int], width: int) -> torch.Tensor:
-    """Place per-response-token values on the (N, width) next-token grid."""
-    out = torch.zeros((len(values), width), dtype=torch.float32)
-    for i, (v, p) in enumerate(zip(values, prompt_lens)):
-        if len(v):
-            out[i, p - 1 : p - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
-    return out
-
-
-def unalign(grid: torch.Tensor, prompt_lens: list[int], response_lens: list[int]) -> list[list[float]]:
-    rows = grid.detach().float().cpu()
-    return [rows[i, p - 1 : p - 1 + r].tolist() for i, (p, r) in enumerate(zip(prompt_lens, response_lens))]
-
-
 def token_logprobs(model, input_ids, attention_mask, with_entropy: bool = True):
     """log π(x_{t+1} | x_≤t) and the entropy of π(·|x_≤t), both (B, L−1)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (B, L-1, V)
@@ -65,11 +54,12 @@ def token_logprobs(model, input_ids, attention_mask, with_entropy: bool = True):
 
 @dataclass(frozen=True)
 class SharedPrefixBatch:
-    """N samples packed one row per distinct prompt (G rows of length L); see the module docstring."""
+    """N samples packed with their shared prompts in G rows of length L; see the module docstring."""
 
     input_ids: torch.Tensor  # (G, L) long
     position_ids: torch.Tensor  # (G, L) long: each response restarts after its prompt
-    attention_mask: torch.Tensor  # (G, 1, L, L) bool: True where a query position may attend to a key position
+    group: torch.Tensor  # (G, L) long: the position's group within its row (negative on padding)
+    segment: torch.Tensor  # (G, L) long: 0 on a prompt, i + 1 on sample i's response, negative (distinct) on padding
     keep: torch.Tensor  # (K,) long: the union over rows of the positions whose logits are needed
     rows: torch.Tensor  # (T,) long: for each of the T response tokens, its row ...
     kept_cols: torch.Tensor  # (T,) long: ... and the index in `keep` of the position that predicts it
@@ -77,8 +67,39 @@ class SharedPrefixBatch:
     targets: torch.Tensor  # (T,) long: the token
     flat: torch.Tensor  # (T,) long: its cell in the flattened (N, R) response grid
     shape: tuple[int, int]  # (N, R)
-    real: torch.Tensor  # (G, L) bool: a prompt or response token, not padding
     ends: torch.Tensor  # (N, 2) long: the row and position of each sample's last token (its prompt's last if empty)
+
+    @property
+    def real(self) -> torch.Tensor:
+        """(G, L) bool: a prompt or response token, not padding."""
+        return self.segment >= 0
+
+    def dense_mask(self) -> torch.Tensor:
+        """(G, 1, L, L) bool, True where a query may attend to a key: a response sees its prompt and itself, padding
+        only itself. The reference the packed attention is tested against; no pass builds it."""
+        length = self.input_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=self.segment.device).tril()
+        q, k = self.segment.unsqueeze(2), self.segment.unsqueeze(1)
+        same_group = self.group.unsqueeze(2) == self.group.unsqueeze(1)  # (G, L, L)
+        return (causal & same_group & ((q == k) | (k == 0))).unsqueeze(1)
+
+    @cached_property
+    def layout(self) -> PackedLayout:
+        """The packed attention's layout (packed_attention.packed_layout), built once where the batch is."""
+        return packed_layout(self.group, self.segment)
+
+    def model_inputs(self, model) -> dict:
+        """The keyword arguments of `model`'s forward pass over the batch with packed attention (installed on the model
+        here: packed_attention.install): the layout built where the batch is, and a 4-D placeholder mask, which
+        transformers passes through untouched instead of building one from the restarting position ids."""
+        install(model)
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "attention_mask": torch.ones((len(self.input_ids), 1, 1, 1), dtype=torch.bool, device=self.segment.device),
+            "packed": self.layout,
+            "use_cache": False,
+        }
 
     def on_grid(self, values: torch.Tensor) -> torch.Tensor:
         """(T,) per-token values → the (N, R) response grid, zeros elsewhere (differentiable)."""
@@ -103,82 +124,85 @@ class SharedPrefixBatch:
 
     def counts(self, logits_kept: bool) -> dict[str, float]:
         """What one forward pass over the batch computes, for the throughput figures: real token positions, all
-        positions (padding included), positions whose logits are computed, the response tokens predicted, and the
-        (query, key) pairs the mask allows to real positions (attention's useful work)."""
+        positions (padding included), positions whose logits are computed, the response tokens predicted, the
+        (query, key) pairs the layout allows (attention's useful work) and those the packed attention computes."""
         g, length = self.input_ids.shape
+        layout = self.layout
         return {
             "tokens": float(self.real.sum()),
             "positions": float(g * length),
             "logit_positions": float(g * (len(self.keep) if logits_kept else length)),
             "predicted_tokens": float(len(self.targets)),
-            "attention_pairs": float((self.attention_mask[:, 0] & self.real.unsqueeze(-1)).sum()),
+            "attention_pairs": float(layout.allowed_pairs),
+            "attention_pairs_computed": float(layout.computed_pairs),
         }
 
 
+def _arange(start: int, stop: int) -> torch.Tensor:
+    return torch.arange(start, stop, dtype=torch.long)
+
+
 def pack_shared(
-    prompts: list[list[int]], responses: list[list[int]], pad_id: int, row_tokens: int = PACKED_ROW_TOKENS
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int, row_tokens: int | None = None
 ) -> SharedPrefixBatch:
     """Pack samples with their shared prompts. Each distinct prompt's group (the prompt, then its responses) is laid out
-    whole; groups are spread over rows of about `row_tokens` (balanced_rows), so rows come out nearly equally long and
-    padding stays small."""
+    whole. By default every group goes in one row: packed attention works per segment, so a longer row costs nothing
+    and one row has no padding. With `row_tokens`, groups are spread over rows of about that many tokens
+    (balanced_rows; the tests use it to put several rows in a batch)."""
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(tuple(p), []).append(i)
     keys = list(groups)
     sizes = [len(p) + sum(len(responses[i]) for i in groups[p]) for p in keys]
-    placement = balanced_rows(sizes, row_tokens)
-    rows = [[keys[g] for g in row] for row in placement]  # each row: its groups' prompts
+    placement = [list(range(len(keys)))] if row_tokens is None else balanced_rows(sizes, row_tokens)
     used = [sum(sizes[g] for g in row) for row in placement]
     length, n, width = max(used), len(prompts), max(1, max(len(r) for r in responses))
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
-    # Per position: its group (prompt) and its segment: 0 for the prompt, i + 1 for sample i's response; padding is a
-    # group and a segment of its own (negative), so it sees only itself and no attention row is empty.
-    group = torch.empty((len(rows), length), dtype=torch.long)
-    segment = torch.empty((len(rows), length), dtype=torch.long)
-    t_rows, t_pos, t_targets, t_flat = [], [], [], []
+    input_ids = torch.full((len(placement), length), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(placement), length), dtype=torch.long)
+    group = torch.empty((len(placement), length), dtype=torch.long)
+    segment = torch.empty((len(placement), length), dtype=torch.long)
+    t_rows, t_pos, t_flat, t_targets = [], [], [], []
     ends = torch.zeros((n, 2), dtype=torch.long)
-    for row, placed in enumerate(rows):
+    for row, placed in enumerate(placement):
         at = 0
-        for g, prompt in enumerate(placed):
-            start, plen = at, len(prompt)
+        for g, key in enumerate(placed):
+            prompt, start = keys[key], at
+            plen = len(prompt)
             input_ids[row, at : at + plen] = torch.tensor(prompt, dtype=torch.long)
-            position_ids[row, at : at + plen] = torch.arange(plen)
+            position_ids[row, at : at + plen] = _arange(0, plen)
             segment[row, at : at + plen] = 0
             at += plen
             for i in groups[prompt]:
-                r = responses[i]
-                input_ids[row, at : at + len(r)] = torch.tensor(r, dtype=torch.long)
-                position_ids[row, at : at + len(r)] = torch.arange(plen, plen + len(r))
-                segment[row, at : at + len(r)] = i + 1
-                # Token j is predicted at the position before it: the prompt's last for j = 0.
-                t_pos += [start + plen - 1] + list(range(at, at + len(r) - 1)) if r else []
-                t_rows += [row] * len(r)
-                t_targets += r
-                t_flat += [i * width + j for j in range(len(r))]
-                ends[i] = torch.tensor([row, at + len(r) - 1 if r else start + plen - 1])
-                at += len(r)
+                r = len(responses[i])
+                input_ids[row, at : at + r] = torch.tensor(responses[i], dtype=torch.long)
+                position_ids[row, at : at + r] = _arange(plen, plen + r)
+                segment[row, at : at + r] = i + 1
+                if r:  # token j is predicted at the position before it: the prompt's last for j = 0
+                    t_pos += [torch.tensor([start + plen - 1]), _arange(at, at + r - 1)]
+                    t_rows.append(torch.full((r,), row, dtype=torch.long))
+                    t_flat.append(_arange(i * width, i * width + r))
+                    t_targets.append(input_ids[row, at : at + r])
+                ends[i] = torch.tensor([row, at + r - 1 if r else start + plen - 1])
+                at += r
             group[row, start:at] = g
-        group[row, at:] = segment[row, at:] = -1 - torch.arange(length - at)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    same_group = group.unsqueeze(2) == group.unsqueeze(1)  # (G, L, L)
-    q, k = segment.unsqueeze(2), segment.unsqueeze(1)
-    attention = causal & same_group & ((q == k) | (k == 0))  # a response sees its prompt and itself
-    positions = torch.tensor(t_pos, dtype=torch.long)
+        # Padding is a group and a segment of its own per position (negative), so it sees only itself.
+        group[row, at:] = segment[row, at:] = -1 - _arange(0, length - at)
+    empty = torch.zeros(0, dtype=torch.long)
+    positions = torch.cat(t_pos) if t_pos else empty
     keep, kept_cols = torch.unique(positions, return_inverse=True)
     return SharedPrefixBatch(
-        input_ids,
-        position_ids,
-        attention.unsqueeze(1),
-        keep,
-        torch.tensor(t_rows, dtype=torch.long),
-        kept_cols,
-        positions,
-        torch.tensor(t_targets, dtype=torch.long),
-        torch.tensor(t_flat, dtype=torch.long),
-        (n, width),
-        segment >= 0,
-        ends,
+        input_ids=input_ids,
+        position_ids=position_ids,
+        group=group,
+        segment=segment,
+        keep=keep,
+        rows=torch.cat(t_rows) if t_rows else empty,
+        kept_cols=kept_cols,
+        positions=positions,
+        targets=torch.cat(t_targets) if t_targets else empty,
+        flat=torch.cat(t_flat) if t_flat else empty,
+        shape=(n, width),
+        ends=ends,
     )
 
 
@@ -272,12 +296,7 @@ def _chunked_logprobs(
     from torch.utils.checkpoint import checkpoint
 
     decoder, head, cap, _ = parts
-    hidden = decoder(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    ).last_hidden_state  # (G, L, H)
+    hidden = decoder(**batch.model_inputs(decoder)).last_hidden_state  # (G, L, H)
     picked = hidden[batch.rows, batch.positions]  # (T, H)
     logps, entropies = [], []
     for at in range(0, len(batch.targets), chunk):
@@ -318,12 +337,7 @@ def response_logprobs(
         if len(batch.targets) * token_bytes > LOGITS_AT_ONCE_BYTES and _head_is_the_models(model, parts, batch):
             chunk = max(1, LOGITS_CHUNK_BYTES // token_bytes)
             return _chunked_logprobs(parts, batch, chunk, with_entropy, entropy_grad, temperature)
-    kwargs = {
-        "input_ids": batch.input_ids,
-        "attention_mask": batch.attention_mask,
-        "position_ids": batch.position_ids,
-        "use_cache": False,
-    }
+    kwargs = batch.model_inputs(model)
     cols = batch.positions
     if _takes_logits_to_keep(model):
         kwargs["logits_to_keep"], cols = batch.keep, batch.kept_cols
@@ -381,19 +395,15 @@ def batched(
     micro_batch_size: int,
     micro_tokens: int | None = None,
 ) -> list:
-    """fn(input_ids, attention_mask, response_mask, prompt_lens, response_lens) over micro-batches of the sequences,
-    without gradients; the per-sequence results in sample order. With several trainer ranks the micro-batches are
-    shared among them and every rank gets all the results (tasks/engines/workers/data_parallel.py)."""
+    """fn(SharedPrefixBatch, response lengths) → one result per sample, over the shared-prefix micro-batches of whole
+    groups (forward_micro_batches), without gradients; the results in sample order. With several trainer ranks the
+    micro-batches are shared among them and every rank gets all the results (tasks/engines/workers/data_parallel.py)."""
 
     def one(idx: list[int]) -> list:
-        p, r = [prompts[i] for i in idx], [responses[i] for i in idx]
-        ids, attn, mask = pack(p, r, pad_id)
-        return fn(ids, attn, mask, [len(x) for x in p], [len(x) for x in r])
+        batch = pack_shared([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
+        return fn(batch, [len(responses[i]) for i in idx])
 
-    if micro_tokens is None:  # consecutive samples, as before token budgets existed (the same bytes)
-        parts = chunks(list(range(len(prompts))), micro_batch_size)
-    else:
-        parts = forward_micro_batches(prompts, responses, micro_batch_size, micro_tokens)
+    parts = forward_micro_batches(prompts, responses, micro_batch_size, micro_tokens)
     with torch.no_grad():
         done = [row for part in map_in_order(one, parts) for row in part]
     return _in_sample_order(parts, done, len(prompts))
@@ -415,16 +425,11 @@ def batched_responses(
     shared-prefix micro-batches of whole groups (forward_micro_batches; shared among the trainer ranks as `batched`
     does). `totals` gets this rank's forward counts (`forward_*`)."""
 
-    def one(idx: list[int]) -> list:
-        batch = pack_shared([prompts[i] for i in idx], [responses[i] for i in idx], pad_id)
+    def one(batch: SharedPrefixBatch, lens: list[int]) -> list:
         if totals is not None:
             count_into(totals, model, batch, "forward")
         logp, ent = response_logprobs(model, batch, with_entropy, temperature=temperature)
-        lens = [len(responses[i]) for i in idx]
         return [(logp[k, :n].tolist(), ent[k, :n].tolist() if with_entropy else []) for k, n in enumerate(lens)]
 
-    parts = forward_micro_batches(prompts, responses, micro_batch_size, micro_tokens)
-    with torch.no_grad():
-        done = [row for part in map_in_order(one, parts) for row in part]
-    out = _in_sample_order(parts, done, len(prompts))
+    out = batched(one, prompts, responses, pad_id, micro_batch_size, micro_tokens)
     return [lp for lp, _ in out], [ent for _, ent in out]

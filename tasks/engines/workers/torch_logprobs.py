@@ -20,7 +20,7 @@ from tasks.engines.launch import peak_rss_gib
 from tasks.engines.workers import data_parallel
 from tasks.engines.workers.critic import load_critic, token_values
 from tasks.engines.workers.lora import base_path_of, load_causal_lm
-from tasks.engines.workers.token_batch import batched, batched_responses, eval_mode, unalign
+from tasks.engines.workers.token_batch import batched, batched_responses, eval_mode
 
 
 def _score(model, prompts, responses, pad_id, micro, with_entropy, totals, micro_tokens=None, temperature=1.0):
@@ -39,7 +39,7 @@ def _score(model, prompts, responses, pad_id, micro, with_entropy, totals, micro
 
 def _values(critic, prompts, responses, pad_id, micro, micro_tokens=None):
     return batched(
-        lambda ids, attn, mask, plen, rlen: unalign(token_values(critic, ids, attn), plen, rlen),
+        lambda batch, lens: [row[:n] for row, n in zip(token_values(critic, batch).tolist(), lens)],
         prompts,
         responses,
         pad_id,
