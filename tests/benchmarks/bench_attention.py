@@ -1,7 +1,10 @@
 """Attention over packed groups (`make bench ARGS=attention`): the dense-mask reference and the packed attention
 (tasks/engines/workers/packed_attention.py) side by side, in one process, on the demo model (SmolLM2-135M-Instruct,
-fp32, `make model`), one group of 8 responses after a 150-token prompt, forward and backward of the policy's logprobs
-with gradient checkpointing (as long responses train) and the output layer in chunks at every length.
+fp32, `make model`): groups of 8 responses after a 150-token prompt, forward and backward of the policy's logprobs
+with gradient checkpointing and the output layer in chunks (as long responses train), timed on one micro-batch of a
+token budget of MICRO_TOKENS (optim.micro_batch_tokens, so every length runs micro-batches of 8.3-8.8k tokens: four
+groups of 256-token responses, one of 1,024, half a group of 2,048, a quarter of 4,096). The dense path lays groups out
+as it did, in rows of up to 1,024 tokens (a longer group a row of its own).
 
 Rows:
 - attention_pairs_{n}: (query, key) pairs computed per pair the layout allows, at responses of n tokens: the dense
@@ -24,9 +27,12 @@ MODEL = "models/smollm2-135m-instruct"
 PROMPT, GROUP = 150, 8
 LENGTHS = (256, 1024, 2048, 4096)
 DENSE_UP_TO = 1024
+MICRO_TOKENS = 8800
 
 
 def _batch(length: int, dense: bool):
+    """The first micro-batch of 32,768 response tokens in groups of 8 `length`-token responses under MICRO_TOKENS."""
+    from tasks.engines.workers.micro_batches import token_micro_batches
     from tasks.engines.workers.token_batch import SharedPrefixBatch, pack_shared
 
     class DenseBatch(SharedPrefixBatch):
@@ -41,9 +47,13 @@ def _batch(length: int, dense: bool):
             }
 
     rnd = random.Random(length)
-    prompt = [rnd.randrange(100, 40000) for _ in range(PROMPT)]
-    responses = [[rnd.randrange(100, 40000) for _ in range(length)] for _ in range(GROUP)]
-    batch = pack_shared([prompt] * GROUP, responses, 0)
+    prompts, responses = [], []
+    for _ in range(32768 // (GROUP * length)):
+        prompt = [rnd.randrange(100, 40000) for _ in range(PROMPT)]
+        prompts += [prompt] * GROUP
+        responses += [[rnd.randrange(100, 40000) for _ in range(length)] for _ in range(GROUP)]
+    idx = token_micro_batches(list(range(len(prompts))), prompts, responses, MICRO_TOKENS)[0][0]
+    batch = pack_shared([prompts[i] for i in idx], [responses[i] for i in idx], 0, 1024 if dense else None)
     return DenseBatch(**{f.name: getattr(batch, f.name) for f in fields(batch)}) if dense else batch
 
 
@@ -57,7 +67,7 @@ def _ms_per_token(model, length: int, dense: bool) -> float:
     t0 = time.perf_counter()
     logp, _ = response_logprobs(model, batch, with_entropy=False)
     (logp * batch.mask).sum().backward()
-    ms = 1000 * (time.perf_counter() - t0) / (GROUP * length)
+    ms = 1000 * (time.perf_counter() - t0) / len(batch.targets)
     print(f"attention: {'dense' if dense else 'packed'} at {length}-token responses: {ms:.2f} ms a response token")
     return ms
 
@@ -71,11 +81,12 @@ def run() -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import tasks.engines.workers.token_batch as token_batch
+    from tasks.engines.workers.token_batch import pack_shared
 
     token_batch.LOGITS_AT_ONCE_BYTES = 0  # the output layer in chunks at every length, so only attention differs
     rows = []
-    for n in LENGTHS:
-        layout = _batch(n, dense=False).layout
+    for n in LENGTHS:  # one whole group: the dense path computes its row's every pair
+        layout = pack_shared([list(range(3, PROMPT + 3))] * GROUP, [[5] * n] * GROUP, 0).layout
         dense, packed = (PROMPT + GROUP * n) ** 2 / layout.allowed_pairs, layout.computed_pairs / layout.allowed_pairs
         rows.append(_row(f"attention_pairs_{n}", "dense mask", dense, packed, "pairs computed per pair allowed"))
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
