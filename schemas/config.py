@@ -1100,7 +1100,8 @@ class LossConfig(Section):
         "(verl's default). sampler: the per-token logprobs vLLM returned with each response (rollouts."
         "sampler_logprobs), and the trainer's old-logprob pass is skipped (verl's rollout-correction bypass mode); the "
         "reference pass still runs where a KL needs it. Safe where sampler and trainer agree (fp32 here: about 1e-5 "
-        "apart); with a bf16 sampler keep trainer, or use the rollout correction (docs/long-responses.md).",
+        "apart); with bf16 engines keep trainer (sampler is refused there unless off_policy_mask_threshold bounds the gap; "
+        "docs/long-responses.md).",
     )
     # Rollout correction: the sampler's logprobs (rollouts.sampler_logprobs) against the trainer's π_old.
     rollout_is: Literal["token", "sequence"] | None = Field(

@@ -79,53 +79,56 @@ def _buckets(lengths: list[int]) -> list[list[int]]:
     return out
 
 
-def packed_layout(group: torch.Tensor, segment: torch.Tensor) -> PackedLayout:
-    """The layout of a packed batch from its (G, L) id vectors: `group` numbers the groups within a row, `segment` is 0
-    on a prompt, k ≥ 1 on one response, negative on padding (as token_batch.pack_shared lays them out). Runs where the
-    tensors are."""
+def _segments(group: torch.Tensor, segment: torch.Tensor):
+    """The segments of a packed batch, each as flat positions: (prompt starts, prompt lengths, response starts,
+    response lengths), every prompt alone first (it writes the prompt's outputs), then every response after its
+    prompt; with how many prompts there are and the pairs the layout allows."""
     rows, length = segment.shape
-    device = segment.device
-    flat_row = torch.arange(rows, device=device).repeat_interleave(length)  # (G·L,)
+    flat_row = torch.arange(rows, device=segment.device).repeat_interleave(length)  # (G·L,)
     seg, grp = segment.reshape(-1), group.reshape(-1)
     # A run is a prompt or a response: consecutive positions with one (row, group, segment). Padding positions are
     # runs of one (each its own segment id), left out.
     starts, lens = _runs(flat_row, grp, seg)
-    real = seg[starts] >= 0
-    starts, lens = starts[real], lens[real]
+    starts, lens = starts[seg[starts] >= 0], lens[seg[starts] >= 0]
     is_prompt = seg[starts] == 0
-    owner = flat_row[starts] * (length + 1) + grp[starts]  # (runs,): the group a run belongs to
-    # Each response run's prompt: the prompt run of its (row, group), found by matching owners.
-    p_starts, p_lens, p_owner = starts[is_prompt], lens[is_prompt], owner[is_prompt]
-    r_starts, r_lens = starts[~is_prompt], lens[~is_prompt]
-    at = torch.searchsorted(p_owner, owner[~is_prompt])  # prompt runs come in row, then group order
-    # Segments: every prompt alone (it writes the prompt's outputs), then every response after its prompt.
-    seg_p_start = torch.cat([p_starts, p_starts[at]])
-    seg_p_len = torch.cat([p_lens, p_lens[at]])
-    seg_r_start = torch.cat([p_starts + p_lens, r_starts])  # a prompt segment has no response part
-    seg_r_len = torch.cat([torch.zeros_like(p_lens), r_lens])
-    total = (seg_p_len + seg_r_len).tolist()  # the one transfer to the host: S lengths
-    source = torch.full((rows * length,), 0, dtype=torch.long, device=device)
+    owner = flat_row[starts] * (length + 1) + grp[starts]  # (runs,): the (row, group) a run belongs to
+    p_starts, p_lens, r_starts, r_lens = starts[is_prompt], lens[is_prompt], starts[~is_prompt], lens[~is_prompt]
+    at = torch.searchsorted(owner[is_prompt], owner[~is_prompt])  # each response's prompt (in row, then group order)
+    allowed = (p_lens * (p_lens + 1) // 2).sum() + (p_lens[at] * r_lens + r_lens * (r_lens + 1) // 2).sum()
+    spans = (
+        torch.cat([p_starts, p_starts[at]]),
+        torch.cat([p_lens, p_lens[at]]),
+        torch.cat([p_starts + p_lens, r_starts]),  # a prompt's own segment has no response part
+        torch.cat([torch.zeros_like(p_lens), r_lens]),
+    )
+    return spans, len(p_lens), int(allowed)
+
+
+def packed_layout(group: torch.Tensor, segment: torch.Tensor) -> PackedLayout:
+    """The layout of a packed batch from its (G, L) id vectors: `group` numbers the groups within a row, `segment` is 0
+    on a prompt, k ≥ 1 on one response, negative on padding (as token_batch.pack_shared lays them out). Runs where the
+    tensors are."""
+    device = segment.device
+    (p_start, p_len, r_start, r_len), prompts, allowed = _segments(group, segment)
+    total = (p_len + r_len).tolist()  # the one transfer to the host: a length per segment
+    source = torch.full((segment.numel(),), -1, dtype=torch.long, device=device)
     gathers, offset, computed = [], 0, 0
     for bucket in _buckets(total):
         b = torch.tensor(bucket, dtype=torch.long, device=device)
         width = total[bucket[0]]
         j = torch.arange(width, device=device).unsqueeze(0)  # (1, Lb)
-        ps, pl, rs, rl = (t[b].unsqueeze(1) for t in (seg_p_start, seg_p_len, seg_r_start, seg_r_len))  # (S, 1) each
+        ps, pl, rs, rl = (t[b].unsqueeze(1) for t in (p_start, p_len, r_start, r_len))  # (S, 1) each
         in_prompt, in_response = j < pl, (j >= pl) & (j < pl + rl)
         last = torch.where(rl > 0, rs + rl - 1, ps + pl - 1)
         gather = torch.where(in_prompt, ps + j, torch.where(in_response, rs + j - pl, last))  # (S, Lb)
-        writes = in_response | (in_prompt & (b < len(p_lens)).unsqueeze(1))  # (S, Lb): prompt segments write prompts
+        writes = in_response | (in_prompt & (b < prompts).unsqueeze(1))  # (S, Lb): prompt segments write prompts
         out_at = offset + torch.arange(len(bucket) * width, device=device).view(len(bucket), width)
         source[gather[writes]] = out_at[writes]
         gathers.append(gather)
         offset += len(bucket) * width
         computed += len(bucket) * width * (width + 1) // 2
-    real_pos = (seg >= 0).nonzero().squeeze(1)
-    padded = torch.full_like(source, offset)
-    padded[real_pos] = source[real_pos]  # padding reads the zero row appended after every output
-    prompts_pairs = (p_lens * (p_lens + 1) // 2).sum()
-    response_pairs = (p_lens[at] * r_lens + r_lens * (r_lens + 1) // 2).sum()
-    return PackedLayout(tuple(gathers), padded, computed, int(prompts_pairs + response_pairs))
+    source = torch.where(source < 0, offset, source)  # padding reads the zero row appended after every output
+    return PackedLayout(tuple(gathers), source, computed, allowed)
 
 
 def packed_attention(
