@@ -1100,8 +1100,8 @@ class LossConfig(Section):
         "(verl's default). sampler: the per-token logprobs vLLM returned with each response (rollouts."
         "sampler_logprobs), and the trainer's old-logprob pass is skipped (verl's rollout-correction bypass mode); the "
         "reference pass still runs where a KL needs it. Safe where sampler and trainer agree (fp32 here: about 1e-5 "
-        "apart); with bf16 engines keep trainer (sampler is refused there unless off_policy_mask_threshold bounds the gap; "
-        "docs/long-responses.md).",
+        "apart); with bf16 engines keep trainer (sampler is refused there unless off_policy_mask_threshold bounds "
+        "the gap; docs/long-responses.md).",
     )
     # Rollout correction: the sampler's logprobs (rollouts.sampler_logprobs) against the trainer's π_old.
     rollout_is: Literal["token", "sequence"] | None = Field(
@@ -1690,8 +1690,8 @@ class RunConfig(Section):
             )
         if lo.old_logprobs == "sampler" and self.model.dtype == "bfloat16" and lo.off_policy_mask_threshold is None:
             raise ValueError(
-                "loss.old_logprobs sampler with model.dtype bfloat16 makes π_old a bf16 sampler's logprobs, which differ "
-                "from the trainer's by far more than fp32's 1e-5, and nothing would bound the gap: set "
+                "loss.old_logprobs sampler with model.dtype bfloat16 makes π_old a bf16 sampler's logprobs, which "
+                "differ from the trainer's by far more than fp32's 1e-5, and nothing would bound the gap: set "
                 "loss.off_policy_mask_threshold (the rollout correction that works with a sampler's π_old), or keep "
                 "loss.old_logprobs: trainer"
             )
