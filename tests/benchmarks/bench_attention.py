@@ -23,6 +23,8 @@ from dataclasses import fields
 
 import torch
 
+from tests.benchmarks.bench_memory import _row
+
 MODEL = "models/smollm2-135m-instruct"
 PROMPT, GROUP = 150, 8
 LENGTHS = (256, 1024, 2048, 4096)
@@ -70,11 +72,6 @@ def _ms_per_token(model, length: int, dense: bool) -> float:
     ms = 1000 * (time.perf_counter() - t0) / len(batch.targets)
     print(f"attention: {'dense' if dense else 'packed'} at {length}-token responses: {ms:.2f} ms a response token")
     return ms
-
-
-def _row(benchmark: str, baseline: str, base: float, mine: float, unit: str) -> dict:
-    return {"benchmark": benchmark, "baseline": baseline, "baseline_value": base, "rlpipe_value": mine, "unit": unit,
-            "ratio": mine / base}  # fmt: skip
 
 
 def run() -> list[dict]:
