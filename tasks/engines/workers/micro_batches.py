@@ -3,7 +3,8 @@ computes the same partition from the same request (tasks/engines/workers/data_pa
 
 - Groups: the samples of one prompt share its token ids; the shared-prefix layout (token_batch.pack_shared) computes
   each prompt once per micro-batch, so micro-batches hold whole groups where they can.
-- Rows: a micro-batch's groups are laid out in rows of about PACKED_ROW_TOKENS (balanced_rows).
+- Rows: a micro-batch's groups go in one row (the packed attention costs nothing more for a longer row), or, when asked,
+  in rows of about a number of tokens (balanced_rows).
 - Token budgets (optim.micro_batch_tokens, as verl's dynamic batch size): groups, or pieces of a group too long for the
   budget, dealt to the ranks by tokens (karmarkar_karp) and packed into micro-batches that keep the budget
   (fitted_rows).
@@ -11,14 +12,8 @@ computes the same partition from the same request (tasks/engines/workers/data_pa
 
 from __future__ import annotations
 
-# Rows of the shared-prefix layout hold about this many tokens (a third more at worst, or one longer group).
-# Measured on SmolLM2-135M, 4 groups of 8 samples (707 tokens): a row per group (4 × 190, 7% padding) took 5.4 s for
-# forward and backward, 2 rows of ≤ 512 5.1 s, one row 4.95 s. Attention costs the square of a row's length, hence a
-# bound.
-PACKED_ROW_TOKENS = 1024
 
-
-def balanced_rows(sizes: list[int], row_tokens: int = PACKED_ROW_TOKENS) -> list[list[int]]:
+def balanced_rows(sizes: list[int], row_tokens: int) -> list[list[int]]:
     """Indices of `sizes` (groups' token counts) per row: as few rows as first-fit decreasing needs with rows of at
     most max(`row_tokens`, the largest group), then the groups dealt longest first to the emptiest of that many rows.
     First-fit alone fills rows in turn and leaves the last nearly empty (4 groups of ~280 tokens: rows of 840 and
