@@ -13,3 +13,7 @@ class NotFound(UserError, FileNotFoundError):
 
 class AlreadyExists(UserError, FileExistsError):
     pass
+
+
+class TeacherError(UserError, ValueError):
+    """A teacher or process reward model that cannot read the policy's token ids."""

@@ -352,3 +352,27 @@ def columns(name: str, rows: list[tuple], judge: JudgeConfig) -> dict[str, list]
         f"judge_text_{name}": [r[1] for r in rows],
         f"judge_truncated_{name}": [r[4] for r in rows],
     }
+
+
+def judge_tokenizer(judge: JudgeConfig, name: str):
+    """A local judge's tokenizer, with the chat template judge.chat needs (one line naming the judge, else)."""
+    from tasks.data.formatting import load_tokenizer
+
+    tokenizer = load_tokenizer(judge.model_path)
+    if judge.chat and not getattr(tokenizer, "chat_template", None):
+        raise JudgeError(f"reward.judges.{name}: {judge.model_path} has no chat template (set chat: false)")
+    return tokenizer
+
+
+def check_judges(reward, columns: set[str]) -> None:
+    """Each LLM judge before any engine starts: its template's fields exist, a local judge's folder holds a model (with
+    a chat template when judge.chat), an endpoint answers and serves the model named."""
+    from storage.model_ids import model_fingerprint
+
+    for name, judge in reward.judges.items():
+        check_template(judge, name, columns)
+        if judge.model_path:
+            model_fingerprint(judge.model_path)
+            judge_tokenizer(judge, name)
+        else:
+            check_endpoint(judge, name)

@@ -119,7 +119,7 @@ class RewardModel(RewardSource):
         return {"reward_model": fingerprint(reward.model_path)}
 
     def check(self, cfg, columns, trains_the_prm):
-        from tasks.stages.weights import model_fingerprint
+        from storage.model_ids import model_fingerprint
 
         model_fingerprint(cfg.reward.model_path)
 
@@ -149,7 +149,6 @@ class ProcessModel(RewardSource):
         return {"process_model": fingerprint(reward.process_model.path)}
 
     def check(self, cfg, columns, trains_the_prm):
-        from tasks.stages.preflight import check_process_model
 
         if not trains_the_prm:  # (a run that trains it does not read it)
             check_process_model(cfg.reward.process_model.path, cfg.model.path)
@@ -184,7 +183,7 @@ class Judges(RewardSource):
         return {f"judge_{n}": fingerprint(path) + tokenizer(path) for n, path in local.items()}
 
     def check(self, cfg, columns, trains_the_prm):
-        from tasks.stages.preflight import check_judges
+        from tasks.rewards.judge import check_judges
 
         check_judges(cfg.reward, columns)
 
@@ -274,3 +273,28 @@ def add_all(reward, calls: Calls, name: str) -> pl.DataFrame:
     for source in sources(reward):
         scores = source.add(reward, scores, calls, name)
     return scores
+
+
+def check_process_model(path: str, model_path: str) -> None:
+    """reward.process_model reads the policy's token ids with a token-classification head: a folder `rlpipe rm-train`
+    wrote under reward_model.objective process, with the policy's vocabulary."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from schemas.errors import TeacherError
+    from storage.model_ids import model_fingerprint
+
+    model_fingerprint(path)
+    kinds = json.loads(Path(path, "config.json").read_text()).get("architectures") or []
+    if not any(k.endswith("ForTokenClassification") for k in kinds):
+        raise TeacherError(
+            f"reward.process_model.path {path} is a {', '.join(kinds) or 'model'} folder, not a process reward model "
+            "(a token-classification head: rlpipe rm-train with reward_model.objective process)"
+        )
+    if AutoTokenizer.from_pretrained(path).get_vocab() != AutoTokenizer.from_pretrained(model_path).get_vocab():
+        raise TeacherError(
+            f"reward.process_model.path {path}: its tokenizer's vocabulary differs from the policy's: it must read the "
+            "policy's own token ids"
+        )

@@ -7,16 +7,15 @@ that use them."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
-from schemas.errors import UserError
+from schemas.errors import TeacherError, UserError
 from storage import read_stage
 from tasks.algos.advantages import ADVANTAGE_ESTIMATORS
 from tasks.data.example_tasks import ensure_task_files
 from tasks.data.formatting import model_context
-from tasks.rewards.judge import check_endpoint, check_template
-from tasks.rewards.sources import check_all
+from tasks.rewards.judge import check_judges  # noqa: F401 (preflight's own checks are read from here)
+from tasks.rewards.sources import check_all, check_process_model  # noqa: F401
 from tasks.stages.common import load_run
 from tasks.stages.dataset import dataset_task
 from tasks.stages.sft import sft_data_task
@@ -53,31 +52,6 @@ def check_teacher(teacher_path: str | None, model_path: str) -> None:
         raise TeacherError(
             f"advantage.teacher_path {teacher_path}: its tokenizer's vocabulary differs from the policy's "
             f"({len(theirs)} vs {len(ours)} tokens): the teacher must score the policy's own token ids"
-        )
-
-
-class TeacherError(UserError, ValueError):
-    pass
-
-
-def check_process_model(path: str, model_path: str) -> None:
-    """reward.process_model reads the policy's token ids with a token-classification head: a folder `rlpipe rm-train`
-    wrote under reward_model.objective process, with the policy's vocabulary."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    model_fingerprint(path)
-    kinds = json.loads(Path(path, "config.json").read_text()).get("architectures") or []
-    if not any(k.endswith("ForTokenClassification") for k in kinds):
-        raise TeacherError(
-            f"reward.process_model.path {path} is a {', '.join(kinds) or 'model'} folder, not a process reward model "
-            "(a token-classification head: rlpipe rm-train with reward_model.objective process)"
-        )
-    if AutoTokenizer.from_pretrained(path).get_vocab() != AutoTokenizer.from_pretrained(model_path).get_vocab():
-        raise TeacherError(
-            f"reward.process_model.path {path}: its tokenizer's vocabulary differs from the policy's: it must read the "
-            "policy's own token ids"
         )
 
 
@@ -120,20 +94,6 @@ def check_agent(cfg, model_path: str, max_prompt: int) -> None:
             "prompt.chat_template=never is not supported with the agent section"
         )
     check_context(model_path, max_prompt, cfg.agent.max_total_tokens, "agent.max_total_tokens")
-
-
-def check_judges(reward, columns: set[str]) -> None:
-    """Each LLM judge before any engine starts: its template's fields exist, a local judge's folder holds a model (with
-    a chat template when judge.chat), an endpoint answers and serves the model named."""
-    from tasks.stages.scores import judge_tokenizer  # the scores stage imports the engine layer
-
-    for name, judge in reward.judges.items():
-        check_template(judge, name, columns)
-        if judge.model_path:
-            model_fingerprint(judge.model_path)
-            judge_tokenizer(judge, name)
-        else:
-            check_endpoint(judge, name)
 
 
 def check_sleep(cfg) -> None:

@@ -21,7 +21,7 @@ from storage import StageOutput, read_stage
 from tasks.data.formatting import load_tokenizer, model_context
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.vllm_client import resident_engine
-from tasks.rewards.judge import JudgeError, Reply
+from tasks.rewards.judge import Reply, judge_tokenizer
 from tasks.rewards.loader import source_hash, specs_from_config
 from tasks.rewards.sources import Calls, add_all, identities
 from tasks.rewards.steps import step_ends_column
@@ -97,14 +97,6 @@ def scored(
         local_judge=partial(ask_local_judge, ctx),
     )
     return add_all(ctx.cfg.reward, calls, name)
-
-
-def judge_tokenizer(judge: JudgeConfig, name: str):
-    """A local judge's tokenizer, with the chat template judge.chat needs (one line naming the judge, else)."""
-    tokenizer = load_tokenizer(judge.model_path)
-    if judge.chat and not getattr(tokenizer, "chat_template", None):
-        raise JudgeError(f"reward.judges.{name}: {judge.model_path} has no chat template (set chat: false)")
-    return tokenizer
 
 
 def ask_local_judge(ctx: RunContext, name: str, judge: JudgeConfig, log_name: str, prompts: list[str]) -> list[Reply]:

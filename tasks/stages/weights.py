@@ -3,17 +3,12 @@ Imports: `export_run` imports the stage helpers and the LoRA module (peft) only 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas.errors import UserError
 from storage import read_manifest
+from storage.model_ids import ModelPathError, model_fingerprint, tokenizer_fingerprint  # noqa: F401 (their home before)
 from tasks.stages.common import RunContext
-
-
-class ModelPathError(UserError, FileNotFoundError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -21,31 +16,6 @@ class Weights:
     path: str
     fingerprint: str
     version: int  # 0 = the starting model; k = after iteration k's update
-
-
-def model_fingerprint(path: str | Path) -> str:
-    """Identity of a model folder from its config and weight files' names, sizes and mtimes (cheap for big models)."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise ModelPathError(f"model path {path} does not exist or has no config.json")
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:20]
-
-
-def tokenizer_fingerprint(path: str | Path) -> str:
-    """Identity of a model folder's tokenizer (and chat template): every file but the weights and optimizer state."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise ModelPathError(f"model path {path} does not exist or has no config.json")
-    h = hashlib.sha256()
-    for f in sorted(
-        p for p in path.iterdir() if p.is_file() and p.suffix not in (".safetensors", ".bin", ".pt", ".pth")
-    ):
-        h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()[:20]
 
 
 def starting_weights(ctx: RunContext) -> Weights:
