@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from schemas.errors import NotFound
 from storage import StageOutput, read_manifest
+from storage.model_ids import tokenizer_fingerprint
 from tasks.data.datasets import files_fingerprint
 from tasks.data.formatting import load_tokenizer
 from tasks.data.prompt_dataset import build_prompt_dataset
 from tasks.stages.common import Computed, load_run, run_stage, stage_task
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import tokenizer_fingerprint
 
 SPEC = StageSpec("dataset", reads=(), sections=("data", "prompt", "model"), scope="run")
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import polars as pl
 
 from storage import StageOutput, read_stage
+from storage.model_ids import model_fingerprint
 from tasks.stages.common import Computed, RunContext, load_run, run_stage, score_frame_worker, stage_task
 from tasks.stages.reward_model import ensure_exported, pair_eval_frame, train_preference_model, with_token_ids
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import model_fingerprint
 
 KEYS = ["prompt_id", "pair_idx"]
 

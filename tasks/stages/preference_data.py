@@ -14,6 +14,7 @@ from pathlib import Path
 import polars as pl
 
 from storage import StageOutput, read_stage
+from storage.model_ids import model_fingerprint
 from storage.stage_io import sha256_file
 from tasks.data.formatting import PromptFormatter, load_tokenizer
 from tasks.data.preferences import (
@@ -32,7 +33,6 @@ from tasks.stages.prompts import split_of
 from tasks.stages.rollouts import generate, sampling_job
 from tasks.stages.scores import reward_models
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import model_fingerprint
 
 SPEC = StageSpec(
     "preference_rankings",

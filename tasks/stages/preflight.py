@@ -11,15 +11,14 @@ from typing import Literal
 
 from schemas.errors import TeacherError, UserError
 from storage import read_stage
+from storage.model_ids import model_fingerprint
 from tasks.algos.advantages import ADVANTAGE_ESTIMATORS
 from tasks.data.example_tasks import ensure_task_files
 from tasks.data.formatting import model_context
-from tasks.rewards.judge import check_judges  # noqa: F401 (preflight's own checks are read from here)
-from tasks.rewards.sources import check_all, check_process_model  # noqa: F401
+from tasks.rewards.sources import check_all
 from tasks.stages.common import load_run
 from tasks.stages.dataset import dataset_task
 from tasks.stages.sft import sft_data_task
-from tasks.stages.weights import model_fingerprint
 
 
 class ContextLengthError(UserError, ValueError):

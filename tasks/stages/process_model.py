@@ -16,6 +16,7 @@ import polars as pl
 from schemas.config import step_label_function
 from schemas.errors import UserError
 from storage import StageOutput, read_stage
+from storage.model_ids import model_fingerprint
 from tasks.algos.metrics import prm_summary
 from tasks.data.preferences import assign_splits
 from tasks.rewards.loader import source_hash, specs_from_config
@@ -27,7 +28,6 @@ from tasks.stages.reward_model import ensure_exported, trained_model
 from tasks.stages.rollouts import generate, sampling_job
 from tasks.stages.scores import step_ends
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import model_fingerprint
 
 STEPS_SPEC = StageSpec(
     "prm_steps",

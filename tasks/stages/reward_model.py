@@ -15,6 +15,7 @@ import polars as pl
 from schemas.requests import EngineSettings, PreferenceTrainRequest, Schedule
 from schemas.tables import LIST_I32
 from storage import StageOutput, commit_dir, read_stage, temp_dir_for
+from storage.model_ids import model_fingerprint
 from tasks.data.formatting import PromptFormatter, load_tokenizer
 from tasks.engines.resident import run_worker
 from tasks.engines.trainer_client import trainer_placement
@@ -31,7 +32,6 @@ from tasks.stages.common import (
     stage_task,
 )
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import model_fingerprint
 
 TRAIN_SPEC = StageSpec(
     "rm_metrics",

@@ -18,6 +18,7 @@ import polars as pl
 from schemas.config import MAX_JUDGE_LOGPROBS, JudgeConfig
 from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
 from storage import StageOutput, read_stage
+from storage.model_ids import model_fingerprint, tokenizer_fingerprint
 from tasks.data.formatting import load_tokenizer, model_context
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.vllm_client import resident_engine
@@ -36,7 +37,6 @@ from tasks.stages.common import (
 )
 from tasks.stages.partial_rollouts import source_prompts
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import model_fingerprint, tokenizer_fingerprint
 
 
 @stage_task("scores")

@@ -15,6 +15,7 @@ import polars as pl
 
 from schemas.requests import EngineSettings, Schedule, SFTRequest
 from storage import StageOutput, commit_dir, read_stage, temp_dir_for
+from storage.model_ids import model_fingerprint, tokenizer_fingerprint
 from tasks.data.datasets import files_fingerprint
 from tasks.data.formatting import load_tokenizer
 from tasks.data.sft_data import build_sft_examples
@@ -23,7 +24,6 @@ from tasks.engines.trainer_client import trainer_placement
 from tasks.engines.workers import TRAIN_WORKER
 from tasks.stages.common import Computed, export_checkpoint, load_run, policy_lora, run_stage, scratch_file, stage_task
 from tasks.stages.spec import StageSpec
-from tasks.stages.weights import model_fingerprint, tokenizer_fingerprint
 
 SPEC = StageSpec("sft_data", reads=(), sections=("sft", "prompt", "data", "model"), scope="run")
 TRAIN_SPEC = StageSpec(

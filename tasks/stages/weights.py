@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storage import read_manifest
-from storage.model_ids import ModelPathError, model_fingerprint, tokenizer_fingerprint  # noqa: F401 (their home before)
+from storage.model_ids import ModelPathError, model_fingerprint
 from tasks.stages.common import RunContext
 
 
