@@ -187,6 +187,20 @@ def check_sampler_logprobs(cfg, layout, iteration: int, regenerated: bool) -> No
             )
 
 
+def check_as_run(cfg, layout, stages: list[str]) -> None:
+    """The checks `run` makes at its start (tasks/stages/preflight.py), of the rerun's config, before anything is moved
+    or forked, so that a setting `run` refuses is refused here with the same line: all of them when a stage rerun
+    reads the model (it starts an engine or loads the tokenizer: rollouts, scores, logprobs, optimize); the reward's
+    alone for the advantages, which read its weights; none for the batch, which reads neither."""
+    from tasks.stages.preflight import check_reward, check_saved_rl_run, dataset_columns
+
+    sections = {section for name in stages for section in _stages().stage(name).sections}
+    if "model" in sections:
+        check_saved_rl_run(cfg, layout)
+    elif "reward" in sections:
+        check_reward(cfg, dataset_columns(layout))
+
+
 def _rerunnable() -> list[str]:
     return [name for s in _stages().rerunnable() for name in (s.name, *s.aliases)]
 
@@ -223,10 +237,7 @@ def rerun(
     ):
         raise NotFound(f"run {run_id!r} has no iteration {iteration} to rerun")
     cfg = build_config(yaml.safe_load(src.config_path.read_text()), overrides)
-    if any("reward" in _stages().stage(s).sections for s in stages):  # what the scores call, checked as a run's start
-        from tasks.stages.preflight import check_reward, dataset_columns
-
-        check_reward(cfg, dataset_columns(src))
+    check_as_run(cfg, src, stages)
     check_sampler_logprobs(cfg, src, iteration, regenerated="rollouts" in stages)
     if fork_id is None:
         acquire_run_lock(src, "rerun")

@@ -4,8 +4,10 @@ Loaded once from YAML (plus `--set a.b=value` overrides), frozen, and saved reso
 `runs/{run_id}/config.yaml`. Every option with a fixed set of values is a `Literal`, so a typo fails at load
 time with a message naming the key, never deep inside a stage; a choice that a registry holds (estimators,
 objectives, aggregations, KL estimators, tool-call formats) is checked against that registry, its one list.
-Imports: the registries (built-in reward names, the algorithms' and tool-call formats' names, estimators' needs)
-inside the validators: the schemas layer imports nothing of tasks at import time (docs/architecture.md, Layout).
+Imports: the registries (the algorithms' and tool-call formats' names, estimators' needs) inside the validators: the
+schemas layer imports nothing of tasks at import time, and nothing of tasks/rewards at all (its modules import this
+one: the built-in reward names are in schemas/builtin_rewards.py, the reward's score columns in
+`RewardConfig.source_columns`) (docs/architecture.md, Layout).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.builtin_rewards import BUILTIN_REWARD_NEEDS
 from schemas.errors import UserError
 
 
@@ -43,7 +46,8 @@ class ConfigError(UserError, ValueError):
 class Section(BaseModel):
     # allow_inf_nan: `optim.lr=.inf` or a NaN weight is a typo, never a setting.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    # Keys that say where and how engines run, not what they compute: no stage fingerprint includes them.
+    # Keys that change no stage's data (where and how engines run; whether a stage stops on what it cannot use): no
+    # stage fingerprint includes them.
     PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset()
     # Keys added after runs existed: a fingerprint includes them only when they differ from their default, so a run
     # that never set one keeps the fingerprints it was written with.
@@ -567,6 +571,8 @@ class SandboxConfig(Section):
     """Where model-written code runs: the built-in code_tests reward, and any reward function that calls
     tasks.rewards.sandbox.run_python (docs/operations.md, "Security", says what each mode guarantees)."""
 
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"allow_unisolated"})  # added after runs existed
+
     mode: Literal["bwrap", "rlimits"] = Field(
         "bwrap",
         description="bwrap: bubblewrap namespaces (no host files, no network, no process outlives the run) plus the "
@@ -581,6 +587,11 @@ class SandboxConfig(Section):
         None,
         description="The Python programs run on, with its standard library only (default: rlpipe's, outside its "
         "virtual environment; as root, one the user nobody can read: /usr/bin/python3 for a Python under /root).",
+    )
+    allow_unisolated: bool = Field(
+        False,
+        description="rlimits mode when rlpipe does not run as root: the program then runs as rlpipe's own user and "
+        "can reach rlpipe's processes and files, the tests and the verdict included. Refused unless this is true.",
     )
 
 
@@ -739,6 +750,15 @@ class ProcessModelConfig(Section):
     )
 
 
+@dataclass(frozen=True)
+class SourceColumns:
+    """What one reward source writes into scores: its score columns with their weights in `reward` (0 included), and
+    its per-step score lists (a process reward) with theirs."""
+
+    parts: tuple[tuple[str, float], ...]
+    step_parts: tuple[tuple[str, float], ...] = ()
+
+
 class RewardConfig(Section):
     HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"judges", "process_model"})  # added after runs existed
 
@@ -755,7 +775,7 @@ class RewardConfig(Section):
             "accuracy": RewardFunctionConfig(weight=1.0),
             "format": RewardFunctionConfig(weight=0.1),
         },
-        description="name → a built-in (accuracy, format, overlong, code_tests) or {path, function} / "
+        description=f"name → a built-in ({', '.join(BUILTIN_REWARD_NEEDS)}) or {{path, function}} / "
         "{module, function} of yours.",
     )
     timeout_s: float = Field(
@@ -780,19 +800,27 @@ class RewardConfig(Section):
         description="A process reward model: its step probabilities in scores as steps_prm (with step_ends), their "
         "aggregate as score_prm, weighted into the reward; grpo_process reads the steps.",
     )
+    stop_when_unscored: bool = Field(
+        True,
+        description="The scores stage stops the run, in one line naming the source and its first error, when a "
+        "weighted reward function or judge scored none of a round's samples (each got an error: a function that "
+        "always raises, a judge whose replies never match its score_pattern): the update would train on its zeros as "
+        "if they were scores. false: those samples score 0 with their errors and the run goes on. Eval is not "
+        "stopped. Changes no data: no stage's fingerprint includes it.",
+    )
+    # Whether the scores stage stops decides nothing of what it writes (it writes nothing when it stops).
+    PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset({"stop_when_unscored"})
 
     @field_validator("functions")
     @classmethod
     def _names_and_builtins(cls, functions: dict) -> dict:
-        from tasks.rewards.builtin import BUILTIN_REWARDS
-
         for name, spec in functions.items():
             if not REWARD_NAME.match(name) or name in ("model", "prm"):
                 raise ValueError(f"{name!r} is not a usable reward name (letters, digits and _, not 'model' or 'prm')")
-            if not (spec.path or spec.module) and name not in BUILTIN_REWARDS:
+            if not (spec.path or spec.module) and name not in BUILTIN_REWARD_NEEDS:
                 raise ValueError(
                     f"{name!r} is not a built-in reward function (choose one of "
-                    f"{', '.join(BUILTIN_REWARDS.names())}) and names no path or module"
+                    f"{', '.join(sorted(BUILTIN_REWARD_NEEDS))}) and names no path or module"
                 )
         return functions
 
@@ -811,10 +839,8 @@ class RewardConfig(Section):
             raise ValueError(f"{shared[0]!r} names both a reward function and a judge: their score columns would clash")
         if self.kind == "model" and not self.model_path:
             raise ValueError("reward.kind=model needs reward.model_path (a model trained by `rlpipe rm-train`)")
-        from tasks.rewards.builtin import BUILTIN_REWARDS
-
         code = [
-            n for n, f in self.functions.items() if not (f.path or f.module) and BUILTIN_REWARDS.entry(n).runs_code
+            n for n, f in self.functions.items() if not (f.path or f.module) and BUILTIN_REWARD_NEEDS[n].runs_code
         ]  # (a name that is not a built-in was refused by _names_and_builtins)
         if code and self.timeout_s <= self.sandbox.timeout_s:
             raise ValueError(
@@ -823,18 +849,38 @@ class RewardConfig(Section):
             )
         return self
 
-    def weighted_parts(self) -> tuple[tuple[str, float], ...]:
-        """The reward's weighted score columns (weight 0 left out), as the reward-source family lists them
-        (tasks/rewards/sources.py): the one list the config's checks (GDPO) and the advantages stage ask."""
-        from tasks.rewards.sources import weighted_parts
+    def source_columns(self) -> dict[str, SourceColumns]:
+        """The reward sources this config uses, by their names in tasks/rewards/sources.py, in the order they score
+        (a later one may read an earlier one's columns: the PRM reads the functions' step ends), with the columns each
+        writes. Stated here, beside their sections, so that the config's own checks ask no module of tasks/rewards
+        (those import the config); the sources say how they check and score."""
+        f, pm = self.functions, self.process_model
+        out = {
+            "functions": SourceColumns(
+                tuple((f"score_{n}", s.weight) for n, s in f.items()),
+                tuple((f"steps_{n}", s.weight) for n, s in f.items() if s.per_step),
+            )
+        }  # always: it makes the table, whose `reward` is 0 without functions (a reward model alone)
+        if self.kind == "model":
+            out["model"] = SourceColumns((("score_model", self.model_weight),))
+        if pm is not None:
+            out["process_model"] = SourceColumns((("score_prm", pm.weight),), (("steps_prm", pm.weight),))
+        if self.judges:
+            out["judges"] = SourceColumns(tuple((f"score_{n}", j.weight) for n, j in self.judges.items()))
+        return out
 
-        return weighted_parts(self)
+    def score_columns(self) -> list[str]:
+        """Every score column the reward writes, weighted or not (what eval.judge may name, without `score_`)."""
+        return [c for s in self.source_columns().values() for c, _ in s.parts]
+
+    def weighted_parts(self) -> tuple[tuple[str, float], ...]:
+        """The reward's weighted score columns (weight 0 left out): the one list the config's checks (GDPO) and the
+        advantages stage ask."""
+        return tuple((c, w) for s in self.source_columns().values() for c, w in s.parts if w)
 
     def weighted_step_parts(self) -> tuple[tuple[str, float], ...]:
         """The process rewards' step-score lists (steps_<name>, steps_prm) with their weights (0 left out)."""
-        from tasks.rewards.sources import weighted_step_parts
-
-        return weighted_step_parts(self)
+        return tuple((c, w) for s in self.source_columns().values() for c, w in s.step_parts if w)
 
 
 class UserCodeRef(Section):
@@ -1342,7 +1388,8 @@ class EnginesConfig(Section):
         False,
         description="A vLLM replica that shares its GPUs with the trainer sleeps between its generations (vLLM's "
         "sleep mode, level 1: its weights offloaded to host memory, its KV cache freed), so the update has the GPU's "
-        "memory, and wakes before the next sync or generation; the sync probe checks the weights after each wake. "
+        "memory, and wakes before the next sync or generation; the sync probe checks the weights after each sync "
+        "(a wake that restores the weights it already held is not probed again). "
         "Needs a CUDA or ROCm GPU (refused in one line elsewhere); not yet run on a GPU by rlpipe's tests.",
     )
     placement_timeout_s: float = Field(
@@ -1765,9 +1812,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _judge_is_scored(self) -> "RunConfig":
-        from tasks.rewards.sources import score_columns
-
-        judges = {column.removeprefix("score_") for column in score_columns(self.reward)} | {"reward"}
+        judges = {column.removeprefix("score_") for column in self.reward.score_columns()} | {"reward"}
         if self.eval.judge not in judges:
             raise ValueError(
                 f"eval.judge {self.eval.judge!r} is not scored by this run: choose one of {', '.join(sorted(judges))}"

@@ -15,5 +15,11 @@ class AlreadyExists(UserError, FileExistsError):
     pass
 
 
+class RewardLoadError(UserError):
+    """A reward function, tool or environment of the user's (or a built-in's settings) that cannot be used: raised
+    by the loader (tasks/rewards/loader.py) and by the built-ins' preflights, here so that neither imports the
+    other."""
+
+
 class TeacherError(UserError, ValueError):
     """A teacher or process reward model that cannot read the policy's token ids."""

@@ -118,6 +118,60 @@ def read_table(layout: RunLayout, stage: str, iteration: int):
     return pl.read_parquet(layout.stage_dir(stage, iteration) / "*.parquet")
 
 
+def write_sampled_round(layout: RunLayout, iteration: int, responses: dict[str, list[str]], answer: str = "7") -> str:
+    """Round 0 of `iteration`'s prompts and rollouts, written as the flow writes them but without an engine: a prompt
+    per key of `responses` (its text the key, its answer `answer`), its samples the texts listed. Returns the rollouts'
+    fingerprint, the scores stage's upstream."""
+    import polars as pl
+
+    from storage import write_stage
+
+    ids = list(responses)
+    prompts = pl.DataFrame(
+        {
+            "iteration": [iteration] * len(ids),
+            "round": [0] * len(ids),
+            "prompt_id": ids,
+            "text": ids,
+            "prompt_token_ids": [[1, 2]] * len(ids),
+            "messages": [[{"role": "user", "content": pid}] for pid in ids],
+            "answer": [answer] * len(ids),
+        },
+        schema_overrides={"iteration": pl.Int32, "round": pl.Int32, "prompt_token_ids": pl.List(pl.Int32)},
+    )
+    samples = [(pid, k, text) for pid in ids for k, text in enumerate(responses[pid])]
+    n = len(samples)
+    rollouts = pl.DataFrame(
+        {
+            "iteration": [iteration] * n,
+            "round": [0] * n,
+            "prompt_id": [pid for pid, _, _ in samples],
+            "sample_idx": [k for _, k, _ in samples],
+            "prompt_token_ids": [[1, 2]] * n,
+            "token_ids": [[3] * len(text) for _, _, text in samples],
+            "text": [text for _, _, text in samples],
+            "sampler_logprobs": [[-1.0] * len(text) for _, _, text in samples],
+            "finish_reason": ["stop"] * n,
+            "truncated": [False] * n,
+            "length": [len(text) for _, _, text in samples],
+            "policy_version": [0] * n,
+        },
+        schema_overrides={
+            "iteration": pl.Int32,
+            "round": pl.Int32,
+            "sample_idx": pl.Int32,
+            "prompt_token_ids": pl.List(pl.Int32),
+            "token_ids": pl.List(pl.Int32),
+            "sampler_logprobs": pl.List(pl.Float32),
+            "length": pl.Int32,
+            "policy_version": pl.Int32,
+        },
+    )
+    common = {"inputs": {}, "config_hash": "", "started": time.time()}
+    write_stage(layout, "prompts", iteration, prompts, fp=f"prompts-{iteration}", **common)
+    return write_stage(layout, "rollouts", iteration, rollouts, fp=f"rollouts-{iteration}", **common).fingerprint
+
+
 def run_until_killed(workspace, cfg, run_id: str, crash_at: str, command: str = "run", *extra: str) -> None:
     """`rlpipe run` (or another command) in its own process group, SIGKILLed (the whole group, as a machine
     failure would) at the named point inside a stage (storage/crash.py)."""

@@ -5,10 +5,11 @@ import time
 
 import polars as pl
 import pytest
+import yaml
 
-from schemas.config import DataConfig
+from schemas.config import DataConfig, build_config, dump_config
 from tasks.data.datasets import DatasetError, prompt_rows
-from tests.conftest import rlpipe, tiny_config
+from tests.conftest import rlpipe, tiny_config, write_sampled_round
 
 NO_FILES = ["--set", "data.train_files=[]", "--set", "data.eval_files=[]"]  # data.sources replaces them
 
@@ -237,6 +238,72 @@ def test_resume_checks_the_run_as_run_does(base_model):
     resume = rlpipe("resume", "broken", cwd=workspace, check=False, timeout=300)
     again = [line for line in resume.stderr.splitlines() if line.strip()]
     assert resume.returncode == 1 and again == first, resume.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def saved_run(base_model):
+    """A run as its start leaves it (its config saved, the task's files and the dataset written by its preflight), with
+    iteration 1's prompts, rollouts and scores, sampled without an engine: what `rlpipe rerun` checks and re-scores.
+    Under a root of its own: the module's runs/ is other tests' (one counts its manifests)."""
+    from storage import RunLayout
+    from tasks.stages.preflight import preflight
+    from tasks.stages.scores import scores_task
+
+    workspace, cfg = base_model
+    root = workspace / "runs-saved"
+    raw = yaml.safe_load(cfg.read_text())
+    raw["model"]["path"], raw["storage_root"], raw["reward"] = str(workspace / "models/base"), str(root), {"workers": 0}
+    layout = RunLayout(root, "saved")
+    layout.run_dir.mkdir(parents=True)
+    layout.config_path.write_text(dump_config(build_config(raw)))
+    preflight(str(root), "saved", "rl")
+    upstream = {"rollouts": write_sampled_round(layout, 1, {"1+2": ["3", "4"], "2+2": ["4", "4"]}, answer="3")}
+    scores_task.fn(str(root), "saved", iteration=1, round_=0, upstream=upstream)
+    return workspace, cfg, root
+
+
+def error_lines(proc) -> list[str]:
+    """The command's lines on stderr, without progress lines."""
+    return [x for x in proc.stderr.splitlines() if x.strip() and not x.startswith("progress:")]
+
+
+@pytest.mark.parametrize("setting", ["model.path=/nonexistent/model", "rollout.max_tokens=200"])
+def test_rerun_checks_the_run_as_run_does(saved_run, setting):
+    """`rlpipe rerun` of a stage that reads the model asks the checks `run` asks at its start, not the reward's alone
+    (issue 75): a model folder that is not there, or a generation limit past the model's context, is the line `run`
+    gives, before anything is forked or moved aside."""
+    workspace, cfg, root = saved_run
+    run_id = "run-" + setting.partition("=")[0].replace(".", "-")
+    run = rlpipe(
+        "run", str(cfg), "--run-id", run_id, "--set", f"model.path={workspace}/models/base",
+        "--set", f"storage_root={root}", "--set", setting, cwd=workspace, check=False, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1 and len(error_lines(run)) == 1, run.stderr[-2000:]
+    rerun = rlpipe(
+        "rerun", "saved", "--iteration", "1", "--stage", "scores", "--fork", "fork", "--root", str(root),
+        "--set", setting, cwd=workspace, check=False, timeout=300,
+    )  # fmt: skip
+    assert rerun.returncode == 1 and error_lines(rerun) == error_lines(run), rerun.stderr[-2000:]
+    assert not (root / "fork").exists() and not (root / "saved" / "_superseded").exists()
+
+
+def test_a_reward_function_that_scored_no_sample_stops_the_scores_in_one_line(saved_run):
+    """A reward function that raises on every sample: the scores stage stops with one line naming it and its error,
+    exit 1, no traceback, and marks no scores complete (issue 75: the run went on and trained on its zeros)."""
+    from storage import RunLayout, read_manifest
+
+    workspace, _, root = saved_run
+    broken = "reward.functions.broken={module: tests.reward_fixtures, function: raises, weight: 1.0}"
+    proc = rlpipe(
+        "rerun", "saved", "--iteration", "1", "--stage", "scores", "--fork", "broken", "--root", str(root),
+        "--set", broken, cwd=workspace, check=False, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1 and error_lines(proc) == [
+        "error: scores: reward.functions.broken scored none of the 4 samples of iteration 1 round 0, each got an "
+        "error (the first: KeyError: 'no such field'); fix it, or set reward.stop_when_unscored=false to train on "
+        "its zeros"
+    ], proc.stderr[-3000:]
+    assert read_manifest(RunLayout(root, "broken"), "scores", 1) is None
 
 
 def test_an_engine_the_cluster_cannot_place_is_one_line_at_once(base_model):

@@ -14,13 +14,15 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pytest
+import yaml
 
 from schemas.config import ConfigError, RewardConfig, SandboxConfig, build_config
 from schemas.errors import UserError
 from tasks.rewards.loader import preflight
-from tasks.rewards.program_tests import extract_program, outputs_match, parse_tests
-from tasks.rewards.sandbox import SandboxError, check_sandbox, run_python
+from tasks.rewards.program_tests import extract_program, outputs_match, parse_tests, score_program
+from tasks.rewards.sandbox import LAUNCHER, VERDICT, SandboxError, check_isolation, check_sandbox, run_python
 from tasks.rewards.scoring import score_frame
+from tests.hostile_programs import FORGERS, GOOD, TESTS, programs
 
 # CI installs bubblewrap (the Makefile's setup); elsewhere a machine without it skips the isolation tests.
 needs_bwrap = pytest.mark.skipif(
@@ -98,8 +100,9 @@ def test_hostile_programs_are_contained_and_recorded(tmp_path):
 
 
 @needs_bwrap
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
 @pytest.mark.parametrize("how", ["child", "daemon"])
-def test_no_process_outlives_its_run(how):
+def test_no_process_outlives_its_run(how, mode):
     marker = f"rlpipe-orphan-{uuid.uuid4().hex}"
     spawn = (
         f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}], start_new_session=True)"
@@ -110,7 +113,7 @@ def test_no_process_outlives_its_run(how):
         "daemon": "import os, subprocess, sys, time\n"
         f"if os.fork() == 0:\n    os.setsid()\n    {spawn}\n    os._exit(0)\ntime.sleep(0.3)",
     }[how]
-    out = run_python(program, settings=FAST)
+    out = run_python(program, settings=SandboxConfig(mode=mode, timeout_s=1.0))
     assert out.status == "passed", out
     time.sleep(0.2)
     assert _processes_with(marker) == []
@@ -286,62 +289,35 @@ def _expression(statement: str) -> str:
     raise AssertionError(f"no INT_OPS statement matches {body!r}")
 
 
-# Programs that try to pass a test without passing it (issue 57 item 1). Each defines nothing the test needs, then
-# attacks whatever could carry the verdict, then exits 0.
-FORGERS = {
-    # Walk up the stack to the launcher's globals and write any secret found there, as a passing launcher would.
-    "stack frames": """
-import os, sys
-frame = sys._getframe()
-while frame is not None:
-    for value in list(frame.f_globals.values()):
-        if isinstance(value, str) and len(value) == 32:
-            sys.stderr.write("\\n" + value + "\\n"); sys.stderr.flush()
-    frame = frame.f_back
-os._exit(0)
-""",
-    "environment and command lines": """
-import os, sys
-for pid in os.listdir('/proc'):
-    for name in ('environ', 'cmdline'):
-        try:
-            for word in open(f'/proc/{pid}/{name}', 'rb').read().replace(b'=', b'\\0').split(b'\\0'):
-                if len(word) == 32:
-                    sys.stderr.write("\\n" + word.decode() + "\\n")
-        except OSError:
-            pass
-sys.stderr.flush()
-os._exit(0)
-""",
-    "the launcher's memory, descriptors and ptrace": """
-import ctypes, os
-parent = os.getppid()
-for path in [f'/proc/{parent}/mem'] + [f'/proc/{parent}/fd/{n}' for n in range(3, 16)]:
-    try:
-        with open(path, 'wb') as f:
-            f.write(b'passed')
-    except OSError:
-        pass
-ctypes.CDLL(None).ptrace(16, parent, 0, 0)  # PTRACE_ATTACH
-os._exit(0)
-""",
-    "killing the launcher": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos._exit(0)",
-    # An object whose == is always True: the test never sees the program's ==.
-    "always equal": "class Anything:\n    def __eq__(self, other):\n        return True\n\n"
-    "def f(x):\n    return Anything()",
-}
+def _inprocess_score(program: str, settings: SandboxConfig) -> float:
+    """The control: each test run in the program's own process (the program, then the test, one file), its verdict
+    the exit status, as the MBPP and HumanEval harnesses and SandboxFusion run them."""
+    passed = [run_python(program + "\n" + test + "\n", settings=settings).status == "passed" for test in TESTS]
+    return sum(passed) / len(TESTS)
 
 
-@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
-def test_a_program_cannot_forge_a_pass(mode):
-    if mode == "bwrap" and shutil.which("bwrap") is None and not os.environ.get("CI"):
-        pytest.skip("bubblewrap is not installed")
-    settings = SandboxConfig(mode=mode, timeout_s=2.0)
-    for name, program in FORGERS.items():
-        out = run_python(program, test="assert f(1) == 2", settings=settings)
-        assert out.status != "passed", (mode, name, out)
-    always = run_python(FORGERS["always equal"], test="assert f(1) == 2", settings=settings)
-    assert always.detail == "TypeError: a Anything object of the program's cannot be compared: return plain data"
+@needs_bwrap
+def test_each_forgery_wins_in_the_programs_process_and_scores_0_here():
+    """Every forgery in FORGERS scores in a harness that runs the tests in the program's process (so each is a real
+    attack), and 0 here, in both modes; the good program 1.0. Some act as the names are sent, some in their calls
+    (after the names are sent), some before."""
+    bwrap, weak = SandboxConfig(timeout_s=2.0), SandboxConfig(mode="rlimits", timeout_s=2.0)
+    hostile = programs()
+    for name in FORGERS:
+        assert _inprocess_score(hostile[name], bwrap) > 0, name
+        for settings in (bwrap, weak):
+            result = score_program(f"```python\n{hostile[name]}```", TESTS, settings)
+            assert result["score"] == 0, (settings.mode, name, result["tests"])
+            assert all(t["detail"] for t in result["tests"]), (name, result["tests"])
+    assert score_program(GOOD, TESTS, bwrap)["score"] == score_program(GOOD, TESTS, weak)["score"] == 1.0
+
+
+def test_rlimits_mode_without_root_refuses_unless_told(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxError, match=r"^reward.sandbox.mode=rlimits without root runs model-written code as"):
+        check_sandbox(SandboxConfig(mode="rlimits"))
+    check_isolation(SandboxConfig(mode="rlimits", allow_unisolated=True))
+    check_isolation(SandboxConfig(mode="bwrap"))
 
 
 def test_tests_see_the_programs_values_objects_and_exceptions():
@@ -392,3 +368,88 @@ def test_a_programs_stand_in_for_a_module_cannot_judge_its_results():
     real = "import math\ndef f(x):\n    return 2.0"
     out = run_python(real, test="assert math.isclose(f(1), 2.0)", settings=SandboxConfig(mode="rlimits"))
     assert out.status == "passed", out
+
+
+@pytest.fixture(scope="module")
+def code_run(tiny_sft):
+    """A finished one-iteration run of the tiny model with the code_tests reward: 6 prompts of the hostile suite's
+    task, 8 samples each, scored in bwrap. Its rollouts are then replaced by the hostile programs (a test's doing:
+    the model cannot write them), so that a rerun of its scores scores them as a user's rerun would."""
+    from storage import RunLayout
+    from storage.stage_io import read_manifest, read_stage
+    from tests.conftest import rlpipe
+
+    workspace, cfg_path = tiny_sft
+    data = workspace / "code-data"
+    data.mkdir()
+    rows = {"prompt_id": [f"c{i}" for i in range(7)], "prompt": ["def f(xs): return "] * 7}
+    for split in ("train", "eval"):
+        pl.DataFrame({**rows, "tests": [json.dumps(TESTS)] * 7}).write_parquet(data / f"{split}.parquet")
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["data"].update(train_files=str(data / "train.parquet"), eval_files=str(data / "eval.parquet"), answer_key=None)
+    cfg["reward"] = {"functions": {"code_tests": {"weight": 1.0}}, "timeout_s": 30, "sandbox": {"timeout_s": 2}}
+    cfg["rollout"].update(group_size=8, prompts_per_round=7)
+    cfg["batch"] = {"target_groups": 7, "max_rounds": 1, "drop_zero_variance": False}
+    cfg["rl"] = {"iterations": 1, "eval_every": 1}
+    cfg["eval"] = {"samples": 2, "pass_k": 1, "judge": "code_tests"}
+    (workspace / "code.yaml").write_text(yaml.safe_dump(cfg))
+    rlpipe("run", str(workspace / "code.yaml"), "--run-id", "code-base", cwd=workspace)
+    layout = RunLayout(workspace / "runs", "code-base")
+    manifest = read_manifest(layout, "rollouts", 1)
+    rollouts = read_stage(layout, "rollouts", 1).sort("prompt_id", "sample_idx")
+    assert len(manifest["parts"]) == 1 and rollouts.height == 56
+    return workspace, layout, rollouts, manifest
+
+
+@needs_bwrap
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
+def test_hostile_programs_score_0_through_a_rerun_of_the_scores(code_run, tmp_path, mode):
+    """Issue 75's suite: every hostile program of tests/hostile_programs.py, as a run's responses, re-scored by
+    `rlpipe rerun --stage scores` in a fork: each scores 0 with a reason for every test, the good program 1.0. Under
+    bwrap the host is unchanged (files, processes, its loopback); in rlimits mode (as root: the user nobody) no file
+    of the host's private folders is read or changed and no process is left, but the loopback is reachable."""
+    from storage import RunLayout
+    from storage.stage_io import write_stage
+    from tests.conftest import read_table, rlpipe
+
+    workspace, layout, rollouts, manifest = code_run
+    secret, keep, written = tmp_path / "id_rsa", tmp_path / "keep.txt", tmp_path / "written.txt"
+    secret.write_text("PRIVATE KEY")
+    keep.write_text("still here")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    marker = f"rlpipe-orphan-{uuid.uuid4().hex}"
+    values = {"secret": str(secret), "keep": str(keep), "written": str(written), "marker": marker}
+    values.update(verdict=str(VERDICT), launcher=str(LAUNCHER))
+    hostile = programs(**values, port=str(listener.getsockname()[1]))
+    names = [*hostile, *["good"] * (rollouts.height - len(hostile))]
+    assert len(hostile) >= 40 and names.count("good") >= 1
+    sources = (VERDICT.read_bytes(), LAUNCHER.read_bytes())
+    texts = [f"```python\n{hostile.get(name, GOOD)}```" for name in names]
+    part = manifest["parts"][0]
+    write_stage(
+        layout, "rollouts", 1, rollouts.with_columns(text=pl.Series(texts)), fp=part["fingerprint"],
+        inputs=manifest["inputs"], config_hash=manifest["config_hash"], started=time.time(),
+    )  # fmt: skip
+    fork = f"hostile-{mode}"
+    rlpipe(
+        "rerun", "code-base", "--iteration", "1", "--stage", "scores", "--fork", fork, "--root", "runs",
+        "--set", f"reward.sandbox.mode={mode}", cwd=workspace,
+    )  # fmt: skip
+    scores = read_table(RunLayout(workspace / "runs", fork), "scores", 1).sort("prompt_id", "sample_idx")
+    for name, score, info in zip(names, scores["score_code_tests"], scores["info_code_tests"]):
+        tests = json.loads(info)["tests"]
+        if name == "good":
+            assert score == 1.0, tests
+        else:
+            assert score == 0 and all(t["status"] != "passed" and t["detail"] for t in tests), (name, tests)
+            assert "PRIVATE KEY" not in info, name
+    assert keep.read_text() == "still here" and secret.read_text() == "PRIVATE KEY" and not written.exists()
+    assert (VERDICT.read_bytes(), LAUNCHER.read_bytes()) == sources
+    assert _processes_with(marker) == []
+    if mode == "bwrap":
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing reached the host's loopback
+    listener.close()

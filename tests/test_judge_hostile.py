@@ -1,7 +1,8 @@
 """Judges that misbehave, served on 127.0.0.1 by a real HTTP server speaking OpenAI's chat-completions format: one
 that drips its reply a byte at a time (each read is quick, the call is not), one that replies 5 MiB, one that
 accepts connections and never answers, one whose replies hold no score. Each costs its samples, bounded in time and
-size, never the run, and says so in one line (issue 57, items 2-4)."""
+size, never the run, and says so in one line (issue 57, items 2-4); but a judge that scored none of a round's samples
+stops the scores stage in one line (reward.stop_when_unscored, issue 75)."""
 
 import json
 import socket
@@ -9,10 +10,16 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import polars as pl
 import pytest
 
-from schemas.config import JudgeConfig
+from schemas.config import JudgeConfig, build_config, dump_config
+from storage import RunLayout, read_manifest
 from tasks.rewards.judge import JudgeError, ask_endpoint, judge_columns
+from tasks.rewards.scoring import RewardError
+from tasks.rewards.sources import unscored
+from tasks.stages.scores import scores_task
+from tests.conftest import write_sampled_round
 
 
 def completion(text: str) -> bytes:
@@ -133,3 +140,66 @@ def test_a_judge_whose_replies_hold_no_score_is_named_in_one_line(judge_server, 
     stop = judge.model_copy(update={"on_failure": "stop"})
     with pytest.raises(JudgeError, match="judge mute: 4 of 4 samples got no score"):
         judge_columns(stop, "mute", samples(4), lambda prompts: ask_endpoint(stop, prompts, name="mute"))
+
+
+def saved_run(root, run_id: str, reward: dict) -> RunLayout:
+    """A run folder holding only its config (the scores stage reads nothing else of it but the tables)."""
+    layout = RunLayout(root, run_id)
+    layout.run_dir.mkdir(parents=True)
+    layout.config_path.write_text(dump_config(build_config({"storage_root": str(root), "reward": reward})))
+    return layout
+
+
+def test_a_judge_that_scored_no_sample_stops_the_scores_stage_in_one_line(judge_server, tmp_path):
+    """A judge whose score_pattern matches none of its replies ("7" holds no "Score: N") gives every sample an error:
+    the scores stage stops, naming the judge and the first error, and marks nothing complete (issue 75: the stage
+    ended with one warning line and the run trained on zeros). reward.stop_when_unscored false lets the zeros through,
+    each sample with its error; the functions scored as ever."""
+    judge = {"base_url": judge_server("ok"), "model": "judge", "score_pattern": r"Score: (\d+)"}
+    reward = {"judges": {"mute": judge}, "workers": 0}
+    layout = saved_run(tmp_path, "judged", reward)
+    upstream = {"rollouts": write_sampled_round(layout, 1, {"p0": ["7", "8"], "p1": ["6", "7"]})}
+    with pytest.raises(RewardError) as stopped:
+        scores_task.fn(str(tmp_path), "judged", iteration=1, round_=0, upstream=upstream)
+    assert str(stopped.value) == (
+        "scores: reward.judges.mute scored none of the 4 samples of iteration 1 round 0, each got an error (the "
+        "first: no score in the judge's reply '7'); fix it, or set reward.stop_when_unscored=false to train on its "
+        "zeros"
+    )
+    assert read_manifest(layout, "scores", 1) is None
+    layout.config_path.write_text(
+        dump_config(build_config({"storage_root": str(tmp_path), "reward": {**reward, "stop_when_unscored": False}}))
+    )
+    scores_task.fn(str(tmp_path), "judged", iteration=1, round_=0, upstream=upstream)
+    scores = pl.read_parquet(layout.stage_dir("scores", 1) / "*.parquet").sort("prompt_id", "sample_idx")
+    assert scores["score_mute"].to_list() == [0.0] * 4 and scores["error_mute"].null_count() == 0
+    assert scores["score_accuracy"].to_list() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_unscored_names_each_weighted_part_whose_every_sample_has_an_error():
+    """By hand: a part all of whose rows hold an error is unscored; one row scored, a weight of 0, no rows or no error
+    column (the reward model's) is not."""
+    reward = build_config(
+        {
+            "reward": {
+                "functions": {"accuracy": {"weight": 1.0}, "format": {"weight": 0.0}},
+                "judges": {"j": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}},
+                "kind": "model",
+                "model_path": "/m",
+            }
+        }
+    ).reward
+    frame = pl.DataFrame(
+        {
+            "error_accuracy": ["boom", "bang"],
+            "error_format": ["x", "y"],  # weight 0: trains nothing
+            "error_j": [None, "no score"],  # one sample scored
+            "score_model": [0.0, 0.0],
+        }
+    )
+    assert unscored(reward, frame) == [("reward.functions.accuracy", "boom")]
+    assert unscored(reward, frame.with_columns(pl.lit("e").alias("error_j"))) == [
+        ("reward.functions.accuracy", "boom"),
+        ("reward.judges.j", "e"),
+    ]
+    assert unscored(reward, frame.head(0)) == []

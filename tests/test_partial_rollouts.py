@@ -4,7 +4,7 @@ old. The stage itself, with vLLM and the trainer, is test_e2e.py's test_partial_
 
 import polars as pl
 
-from tasks.stages.partial_rollouts import CARRY_COLUMNS, advance, plan_round, split_ended, surplus_carry
+from tasks.stages.partial_rollouts import CARRY_COLUMNS, advance, empty_carry, plan_round, split_ended, surplus_carry
 
 
 def carry_rows(rows: list[dict]) -> pl.DataFrame:
@@ -135,3 +135,88 @@ def test_a_surplus_group_is_carried_ended_and_leaves_the_next_round_without_a_re
     rows, left = split_ended(p.pool)
     assert rows["prompt_id"].to_list() == ["b", "b"] and left["prompt_id"].unique().sort().to_list() == ["x", "y", "z"]
     assert plan(carry, prompts([]), max_staleness=0).stale_groups == 1  # the staleness bound applies to it too
+
+
+def test_max_staleness_two_keeps_a_group_two_updates_old_and_drops_one_three_updates_old():
+    """rl.max_staleness 2 at version 3 (iteration 4): a group whose oldest token is update 1's is 2 updates old, kept;
+    one whose oldest is the starting model's (version 0) is 3 old, dropped with both its samples, and counted once."""
+    carry = carry_rows(
+        [
+            {"prompt_id": "a", "sample_idx": 0, "token_ids": [5, 5], "token_versions": [1, 2]},
+            {"prompt_id": "a", "sample_idx": 1, "token_ids": [6, 6], "token_versions": [2, 3]},
+            {"prompt_id": "b", "sample_idx": 0, "token_ids": [4, 4], "token_versions": [0, 1]},
+            {"prompt_id": "b", "sample_idx": 1, "token_ids": [4, 4, 4], "token_versions": [1, 2, 3]},
+        ]
+    )
+    p = plan(carry, prompts([]), iteration=4, version=3, max_staleness=2)
+    assert p.stale_groups == 1 and p.pool["prompt_id"].to_list() == ["a", "a"]
+    assert plan(carry, prompts([]), iteration=4, version=3, max_staleness=3).stale_groups == 0
+
+
+def write_iteration_three(layout, left_over: dict[str, list[int]]) -> None:
+    """What iteration 3 of a run leaves for iteration 4 (rollout.carry_surplus): its rollouts, each group of
+    `left_over` (its samples' token versions) ended in round 0 and over the batch's target_groups, with one group the
+    batch kept; no sequence in flight; update 3 complete, its checkpoint's files never read."""
+    from storage import write_stage
+
+    common = {"inputs": {}, "config_hash": "", "started": 0.0}
+    stamp = (pl.lit(3, pl.Int32).alias("iteration"), pl.lit(0, pl.Int32).alias("round"))
+    groups = {"kept": [2, 2], **left_over}
+    ended = carry_rows(
+        [
+            {"prompt_id": g, "sample_idx": k, "token_ids": [3, 3], "token_versions": v, "ended": True}
+            for g, v in groups.items()
+            for k in (0, 1)
+        ]
+    )
+    rows, _ = split_ended(ended)
+    write_stage(layout, "rollouts", 3, rows.with_columns(*stamp), fp="r3", **common)
+    write_stage(layout, "carry", 3, empty_carry().with_columns(*stamp), fp="c3", **common)
+    batch = pl.DataFrame({"prompt_id": list(groups), "kept": [g == "kept" for g in groups]}).with_columns(
+        *stamp,
+        pl.lit(2, pl.Int32).alias("group_size"),
+        pl.lit(0.5).alias("reward_mean"),
+        pl.lit(0.5).alias("reward_std"),
+        pl.when("kept").then(pl.lit("")).otherwise(pl.lit("over_target")).alias("filter_reason"),
+        pl.lit(1, pl.Int32).alias("rounds_used"),
+    )
+    write_stage(layout, "batch", 3, batch, fp="b3", **common)
+    update = pl.DataFrame({"iteration": [3], "policy_version": [3], "optimizer_steps": [1], "loss": [0.0]})
+    write_stage(layout, "train_metrics", 3, update.cast({pl.Int64: pl.Int32}), fp="u3", **common)
+    layout.checkpoint_dir(3).mkdir(parents=True)
+    (layout.checkpoint_dir(3) / "config.json").write_text("{}")
+    (layout.checkpoint_dir(3) / "model.safetensors").write_bytes(b"")
+
+
+def test_a_group_past_max_staleness_two_is_dropped_and_counted_by_the_rollouts_stage(tmp_path):
+    """The rollouts stage's own task on a run's tables (rollout.carry_surplus, rl.max_staleness 2), iteration 4, which
+    samples with update 3's weights: of the groups iteration 3's batch left over, `aged` (its oldest token update 1's:
+    2 updates old) is carried into iteration 4's rollouts; `older` (its oldest the starting model's: 3 old, in flight
+    since iteration 1) is dropped, and the stage records it where the update's `stale_groups` metric reads it. No
+    engine: every carried sample has ended and the round admits no new prompt."""
+    from schemas.config import build_config, dump_config
+    from schemas.tables import PROMPTS
+    from storage import RunLayout, read_manifest, read_stage, write_stage
+    from tasks.stages.common import load_run
+    from tasks.stages.optimize import SPEC as OPTIMIZE
+    from tasks.stages.optimize import stage_metrics
+    from tasks.stages.rollouts import rollouts_task
+
+    layout = RunLayout(tmp_path, "stale")
+    layout.run_dir.mkdir(parents=True)
+    cfg = {
+        "storage_root": str(tmp_path),
+        "rollout": {"group_size": 2, "partial_tokens": 1, "max_tokens": 8, "carry_surplus": True},
+        "rl": {"max_staleness": 2, "iterations": 4},
+    }
+    layout.config_path.write_text(dump_config(build_config(cfg)))
+    write_iteration_three(layout, {"aged": [1, 2], "older": [0, 2]})
+    no_prompts = pl.DataFrame(schema=PROMPTS.columns)
+    fp = write_stage(layout, "prompts", 4, no_prompts, fp="p4", inputs={}, config_hash="", started=0.0).fingerprint
+    rollouts_task.fn(str(tmp_path), "stale", iteration=4, round_=0, upstream={"prompts": fp})
+    sampled = read_stage(layout, "rollouts", 4)
+    assert sampled["prompt_id"].to_list() == ["aged", "aged"] and sampled["prompt_iteration"].to_list() == [1, 1]
+    pool = read_manifest(layout, "rollouts", 4)["extra"]["round0"]
+    assert (pool["stale_groups"], pool["surplus_groups"], pool["ended_groups"]) == (1, 1, 0)
+    metrics = stage_metrics(load_run(str(tmp_path), "stale", OPTIMIZE), 4)
+    assert metrics["stale_groups"] == 1.0 and metrics["surplus_groups"] == 1.0

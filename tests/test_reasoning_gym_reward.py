@@ -95,7 +95,7 @@ def test_pattern_format_takes_the_last_match_and_its_first_group():
     ],
 )
 def test_a_bad_answer_format_is_refused_before_any_engine_starts(kwargs, message):
-    from tasks.rewards.loader import RewardLoadError
+    from schemas.errors import RewardLoadError
 
     preflight = BUILTIN_REWARDS.get("reasoning_gym").preflight
     with pytest.raises(RewardLoadError, match=message):

@@ -12,8 +12,9 @@ import polars as pl
 import pytest
 
 from schemas.config import ConfigError, RewardConfig, build_config
+from schemas.errors import RewardLoadError
 from tasks.rewards.builtin import BUILTIN_REWARDS, final_answer
-from tasks.rewards.loader import FunctionSpec, RewardLoadError, load_function, preflight, source_hash, specs_from_config
+from tasks.rewards.loader import FunctionSpec, load_function, preflight, source_hash, specs_from_config
 from tasks.rewards.pool import score_samples
 from tasks.rewards.scoring import RewardError, score_frame
 from tests import reward_fixtures
@@ -342,3 +343,19 @@ def test_a_dataset_column_named_like_an_alias_is_refused(tmp_path):
     path.write_text('{"prompt": "1+1", "answer": "2", "completions": "x"}\n')
     with pytest.raises(DatasetError, match="column 'completions' would shadow the reward functions' argument"):
         prompt_rows([str(path)], DataConfig(), "data.train_files", "train")
+
+
+def test_every_reward_source_the_config_lists_is_registered_in_its_scoring_order():
+    """The config says which sources a reward uses and their columns (RewardConfig.source_columns); the family
+    registers how each one checks and scores, under the same names."""
+    from tasks.rewards.sources import REWARD_SOURCES
+
+    reward = RewardConfig(
+        kind="model",
+        model_path="rm",
+        process_model={"path": "prm"},
+        judges={"j": {"base_url": "http://x", "model": "m"}},
+    )
+    assert list(reward.source_columns()) == ["functions", "model", "process_model", "judges"]
+    assert set(reward.source_columns()) == set(REWARD_SOURCES.names())
+    assert reward.score_columns() == ["score_accuracy", "score_format", "score_model", "score_prm", "score_j"]

@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from schemas.errors import RewardLoadError
 from tasks.agents.contained import contained
-from tasks.rewards.loader import FunctionSpec, RewardLoadError, load_function
+from tasks.rewards.loader import FunctionSpec, load_function
 
 
 class ToolLoadError(RewardLoadError):

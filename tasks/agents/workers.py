@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from schemas.errors import UserError
+from schemas.errors import RewardLoadError, UserError
 from tasks.agents import environments
 from tasks.agents.contained import contained
 from tasks.agents.tool_calls import ToolCall
 from tasks.agents.tools import Observation, call_tool, load_tools
-from tasks.rewards.loader import FunctionSpec, RewardLoadError
+from tasks.rewards.loader import FunctionSpec
 from tasks.rewards.pool import WorkerContext
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import polars as pl
 
 from schemas.config import CurriculumConfig, DataConfig, DataSource
-from tasks.data.datasets import DatasetError, frame_rows
+from tasks.data.datasets import DatasetError, frame_rows, split_rows
 
 GENERATED = DataConfig(prompt_key="prompt", answer_key="answer", id_key="prompt_id")
 
@@ -57,8 +57,6 @@ def generated_rows(source: DataSource) -> dict[str, pl.DataFrame]:
 def file_rows(data: DataConfig, source: DataSource, seed: int) -> dict[str, pl.DataFrame]:
     """A file source's rows, read as data.train_files/eval_files are (ids numbered under its name without
     data.id_key); with a curriculum, its train files' `level` column checked."""
-    from tasks.data.prompt_dataset import split_rows  # here: prompt_dataset imports this module
-
     alone = data.model_copy(update={"sources": [], "train_files": source.train_files, "eval_files": source.eval_files})
     out = {}
     what = f"data.sources[{source.name}]"
@@ -94,7 +92,7 @@ def labelled(rows: pl.DataFrame, source: DataSource) -> pl.DataFrame:
 
 
 def source_rows(data: DataConfig, seed: int) -> list[tuple[str, dict[str, pl.DataFrame]]]:
-    """Each source's name and {"train": rows, "eval": rows}, as tasks/data/prompt_dataset.split_rows gives them for
+    """Each source's name and {"train": rows, "eval": rows}, as tasks/data/datasets.split_rows gives them for
     one list of files, with `source` and `level` in `extra`. Formatted apart (a source's prompts may be text, another's
     chat messages), then merged (merged_sources)."""
     out = []

@@ -4,7 +4,6 @@ the row and the column, before any engine starts.
 `prompt_rows` maps a prompt dataset onto rlpipe's columns (data section): `prompt_id`, `prompt` (a string or chat
 messages), `answer` (the ground truth as text, for display and the built-in rewards) and `extra`, a struct of every
 other column, untouched, which the reward functions receive as keyword arguments.
-Imports: the formatter inside `formatted_prompts`: formatting.py imports this module (a cycle).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import random
 from pathlib import Path
 
 import polars as pl
@@ -19,6 +19,7 @@ import polars as pl
 from schemas.config import RESERVED_ARGUMENTS, DataConfig
 from schemas.errors import UserError
 from storage.stage_io import sha256_file
+from tasks.data.formatting import FormattedPrompt, FormattingError
 
 MESSAGES = pl.List(pl.Struct({"role": pl.Utf8, "content": pl.Utf8}))
 ROLES = ("system", "user", "assistant", "tool")
@@ -149,6 +150,17 @@ def prompt_rows(patterns: list[str], data: DataConfig, what: str, id_prefix: str
     return frame_rows(read_files(patterns, what), data, what, id_prefix)
 
 
+def split_rows(data: DataConfig, seed: int, prefix: str = "") -> dict[str, pl.DataFrame]:
+    """{"train": rows, "eval": rows}: the eval files, or a seeded `eval_fraction` of the train rows (order kept).
+    `prefix` starts the numbered ids of files without data.id_key (a source's name in a mix)."""
+    train = prompt_rows(data.train_files, data, "data.train_files", f"{prefix}train")
+    if data.eval_files:
+        return {"train": train, "eval": prompt_rows(data.eval_files, data, "data.eval_files", f"{prefix}eval")}
+    held = set(random.Random(seed).sample(range(train.height), round(data.eval_fraction * train.height)))
+    is_held = pl.Series([i in held for i in range(train.height)])
+    return {"train": train.filter(~is_held), "eval": train.filter(is_held)}
+
+
 def frame_rows(df: pl.DataFrame, data: DataConfig, what: str, id_prefix: str) -> pl.DataFrame:
     """prompt_rows of rows already read (with their `_file` and `_row`)."""
     prompts = prompt_column(df, data.prompt_key, what)
@@ -199,8 +211,6 @@ def formatted_prompts(
 ) -> list:
     """Every prompt through the formatter (tasks/data/formatting.py), tokenized in one call; a prompt it cannot format
     is named by file and row."""
-    from tasks.data.formatting import FormattedPrompt, FormattingError
-
     rendered = []
     for i, value in enumerate(values):
         try:

@@ -4,26 +4,13 @@ refused. Pure but for reading the files: the `dataset` stage writes what this re
 
 from __future__ import annotations
 
-import random
-
 import polars as pl
 
 from schemas.config import DataConfig, PromptConfig
 from schemas.tables import DATASET, LIST_I32, MESSAGES
 from tasks.data.data_sources import merged_sources, source_rows
-from tasks.data.datasets import DatasetError, formatted_prompts, prompt_rows
+from tasks.data.datasets import DatasetError, formatted_prompts, split_rows
 from tasks.data.formatting import PromptFormatter
-
-
-def split_rows(data: DataConfig, seed: int, prefix: str = "") -> dict[str, pl.DataFrame]:
-    """{"train": rows, "eval": rows}: the eval files, or a seeded `eval_fraction` of the train rows (order kept).
-    `prefix` starts the numbered ids of files without data.id_key (a source's name in a mix)."""
-    train = prompt_rows(data.train_files, data, "data.train_files", f"{prefix}train")
-    if data.eval_files:
-        return {"train": train, "eval": prompt_rows(data.eval_files, data, "data.eval_files", f"{prefix}eval")}
-    held = set(random.Random(seed).sample(range(train.height), round(data.eval_fraction * train.height)))
-    is_held = pl.Series([i in held for i in range(train.height)])
-    return {"train": train.filter(~is_held), "eval": train.filter(is_held)}
 
 
 def formatted(

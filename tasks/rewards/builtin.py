@@ -8,6 +8,8 @@ takes the ones it names (or all, with **kwargs) and returns a number, so it can 
 Imports: math-verify inside `accuracy` (it loads sympy): only runs that score with it pay for it.
 A built-in may carry a `preflight(reward, kwargs, columns)` attribute: the run's preflight calls it, once, before any
 engine starts (code_tests checks that its sandbox runs on this machine).
+Their names and needs are stated in schemas/builtin_rewards.py, below the config that validates against them (this
+module's functions import the config); `builtin(name)` registers each under one of them.
 """
 
 from __future__ import annotations
@@ -16,17 +18,22 @@ import functools
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import asdict
 
+from schemas.builtin_rewards import BUILTIN_REWARD_NEEDS, BuiltinNeeds
+from schemas.errors import RewardLoadError
 from tasks.registry import Registry
 
-
-@dataclass(frozen=True)
-class BuiltinNeeds:
-    runs_code: bool = False  # runs model-written programs in reward.sandbox (its timeout must fit in reward.timeout_s)
-
-
 BUILTIN_REWARDS: Registry = Registry("reward function", BuiltinNeeds)
+
+
+def builtin(name: str):
+    """Register a built-in under its name in schemas/builtin_rewards.py, with the needs stated there: the config
+    validates against that list, so a name missing from it could never be chosen."""
+    if name not in BUILTIN_REWARD_NEEDS:
+        raise ValueError(f"built-in reward function {name!r} is not in schemas/builtin_rewards.py")
+    return BUILTIN_REWARDS.register(name, **asdict(BUILTIN_REWARD_NEEDS[name]))
+
 
 # math-verify warns on every call that its timeouts are off; they are off on purpose (see accuracy()).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -59,7 +66,7 @@ def _normalise(text: str) -> str:
     return " ".join(text.strip().rstrip(".").split()).casefold()
 
 
-@BUILTIN_REWARDS.register("accuracy")
+@builtin("accuracy")
 def accuracy(response: str, ground_truth, **_) -> float:
     """1 if the response's final answer equals the ground truth's, else 0: the same text (case and spacing aside),
     or mathematically equal by math-verify (`95.0` = `95`, `\\frac{1}{2}` = `0.5`). Answers after `####` and in
@@ -85,7 +92,7 @@ def _pattern(pattern: str) -> re.Pattern:
     return re.compile(pattern)
 
 
-@BUILTIN_REWARDS.register("format")
+@builtin("format")
 def format_ok(response: str, finish_reason: str, pattern: str = r"-?\d+", **_) -> float:
     """1 if the whole response matches `pattern` (a regular expression; default: a bare integer) and it ended by
     itself (EOS or a stop string, not cut off by max_tokens), else 0. Set the pattern in the config:
@@ -93,7 +100,7 @@ def format_ok(response: str, finish_reason: str, pattern: str = r"-?\d+", **_) -
     return float(finish_reason == "stop" and _pattern(pattern).fullmatch(response) is not None)
 
 
-@BUILTIN_REWARDS.register("overlong")
+@builtin("overlong")
 def soft_overlong(length: int, max_tokens: int, max_len: int | None = None, cache: int | None = None, **_) -> float:
     """DAPO's soft overlong punishment: 0 up to L_max − L_cache tokens, then a linear ramp down to −1 at L_max, and −1
     beyond. L_max = `max_len` (default: the generation limit); L_cache = `cache` (default: the last 20% of L_max,
@@ -108,7 +115,7 @@ def soft_overlong(length: int, max_tokens: int, max_len: int | None = None, cach
     return -1.0
 
 
-@BUILTIN_REWARDS.register("code_tests", runs_code=True)
+@builtin("code_tests")
 def code_tests(response: str, sandbox, column: str = "tests", **row) -> dict:
     """The fraction of the row's tests that the response's program passes, run in reward.sandbox; the program, and
     each test's status, detail, stdout and seconds, come back beside the score (scores.info_<name>). The tests are
@@ -174,7 +181,7 @@ def _task_scorer(task: str):
     return reasoning_gym.get_score_answer_fn(task)
 
 
-@BUILTIN_REWARDS.register("reasoning_gym")
+@builtin("reasoning_gym")
 def reasoning_gym_score(
     response: str, answer_format: str = "tags", column: str = "entry", pattern: str | None = None, **row
 ) -> float:
@@ -203,8 +210,6 @@ def reasoning_gym_score(
 
 def _reasoning_gym_preflight(reward, kwargs: dict, columns: set[str]) -> None:
     """Before any engine starts: the entry column exists and the answer format is known."""
-    from tasks.rewards.loader import RewardLoadError
-
     column, answer_format = kwargs.get("column", "entry"), kwargs.get("answer_format", "tags")
     if column not in columns:
         raise RewardLoadError(f"reward function reasoning_gym: the dataset has no column {column!r} (kwargs.column)")
@@ -231,3 +236,10 @@ def _reasoning_gym_preflight(reward, kwargs: dict, columns: set[str]) -> None:
 
 
 reasoning_gym_score.preflight = _reasoning_gym_preflight
+
+# A name the config accepts with no function behind it would fail only when a run scores with it.
+if BUILTIN_REWARDS.names() != sorted(BUILTIN_REWARD_NEEDS):
+    raise ValueError(
+        "schemas/builtin_rewards.py names built-in reward functions with no function here: "
+        f"{', '.join(sorted(set(BUILTIN_REWARD_NEEDS) - set(BUILTIN_REWARDS)))}"
+    )

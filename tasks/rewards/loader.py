@@ -47,12 +47,8 @@ from pathlib import Path
 from typing import Callable
 
 from schemas.config import ALIAS_ARGUMENTS, REWARD_ARGUMENTS, TRL_BATCHED_ARGUMENTS, RewardConfig
-from schemas.errors import UserError
+from schemas.errors import RewardLoadError
 from tasks.rewards.builtin import BUILTIN_REWARDS
-
-
-class RewardLoadError(UserError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -7,23 +7,26 @@ Two modes (reward.sandbox.mode; docs/operations.md, "Security", says what each g
   working folder and /tmp, and nothing else of the host: no /etc, no home folders, no host paths it could write or
   delete. Its network namespace has only its own loopback, so no socket reaches the host or beyond. It is PID 1's
   child in its own PID namespace: when it ends or is killed, the kernel kills every process it started.
-- `rlimits`: the resource limits alone, on a process group of its own. No filesystem or network isolation, and a
-  process that leaves the group outlives the run. rlpipe uses it only when the config names it.
+- `rlimits`: the resource limits alone, as the user `nobody` when rlpipe is root (refused without root unless
+  `allow_unisolated`). No filesystem or network isolation. A reaper (tasks/rewards/sandbox_reaper.py) is the child
+  subreaper of the program's processes and kills every one of them, daemons included, when the run ends.
 
 In both modes a launcher (tasks/rewards/sandbox_launcher.py, copied beside the program) sets the limits inside,
 before any of the program runs: address space (memory), CPU seconds, the size of any file written (stdout and stderr
 are files: gigabytes of output end at the limit), open files, no core dumps, and the number of processes. The
 wall-clock timeout kills it from outside.
 
-With a test (assert statements), the program runs in a child process of the launcher and the test in the launcher,
-which reads the program's results as plain data and gives the verdict as its exit status: nothing the program can
-reach says that the test passed (the launcher's docstring says how). A program that exits before its tests (`exit(0)`)
-fails, whatever its exit status.
+With a test (assert statements), the test never enters the sandbox: a runner outside it
+(tasks/rewards/sandbox_verdict.py, whose docstring says how) runs the test against the program's names, which stand
+for the program's objects, reads what they return as plain data, and sends its verdict to rlpipe on a pipe no
+process in the sandbox holds. Nothing the program can reach says that the test passed: not its exit status, not
+bwrap's. A program that exits before its tests (`exit(0)`) fails.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -52,8 +55,9 @@ class Outcome:
     seconds: float
 
 
-LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")  # runs inside: `python -I -S launcher.py SRC`
-TEST_FAILED = 1  # the launcher's exit status when the test raised AssertionError (0: passed; 2: any other error)
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")  # runs inside: `python -I -S launcher.py SRC [RFD WFD]`
+VERDICT = Path(__file__).with_name("sandbox_verdict.py")  # runs outside and holds the test
+REAPER = Path(__file__).with_name("sandbox_reaper.py")  # rlimits: ends every process the program started
 SRC = "/sandbox"  # where the program and its test are, read-only, inside a bwrap sandbox
 
 
@@ -157,68 +161,147 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def check_isolation(settings: SandboxConfig) -> None:
+    """rlimits mode without root runs the program as rlpipe's own user: refused unless the config accepts that."""
+    if settings.mode == "rlimits" and os.geteuid() != 0 and not settings.allow_unisolated:
+        raise SandboxError(
+            "reward.sandbox.mode=rlimits without root runs model-written code as your own user, which can reach "
+            "rlpipe's processes and files, the tests and the verdict included: use mode bwrap, run rlpipe as root, "
+            "or set reward.sandbox.allow_unisolated=true to accept it"
+        )
+
+
 def run_python(
     program: str, *, test: str | None = None, stdin: str = "", settings: SandboxConfig, keep_chars: int = 1000
 ) -> Outcome:
-    """Run `program` (then `test`, Python in the same namespace) under `settings`, with `stdin` as its input. Its
-    stdout (the first keep_chars) and the last line of its stderr come back in the Outcome."""
+    """Run `program` under `settings`, with `stdin` as its input; with `test` (Python that uses the program's
+    names), the test runs outside the sandbox and gives the verdict. Its stdout (the first keep_chars) and the last
+    line of its stderr come back in the Outcome."""
     python, prefix = interpreter(settings.python)
+    check_isolation(settings)
     with tempfile.TemporaryDirectory(prefix="rlpipe-sandbox-") as tmp:
-        src, work = Path(tmp, "src"), Path(tmp, "work")
-        src.mkdir()
-        work.mkdir()
-        (src / "solution.py").write_text(program)
-        shutil.copyfile(LAUNCHER, src / "launcher.py")
-        if test is not None:
-            (src / "test.py").write_text(test)
-        # The sandbox's user (nobody, when rlpipe is root) reads the program and, in rlimits mode, writes in work:
-        # and nothing else of the folder.
-        os.chmod(tmp, 0o711)
-        for path in (src, *src.iterdir()):
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
-        os.chown(work, _user(), -1)
-        env = {"RLPIPE_LIMITS": _limits(settings), "PATH": "/usr/bin:/bin", "HOME": "/work"}
-        if settings.mode == "bwrap":
-            command, where, cwd = _bwrap_command(settings, str(src), env, prefix), SRC, "/"
-        else:
-            command, where, cwd = [], str(src), str(work)
-            env["HOME"] = str(work)
-        command += [python, "-I", "-S", f"{where}/launcher.py", where]
-        (Path(tmp) / "stdin").write_text(stdin)
-        with (
-            open(Path(tmp, "stdin"), "rb") as fin,
-            open(Path(tmp, "out"), "wb") as fout,
-            open(Path(tmp, "err"), "wb") as ferr,
-        ):
+        tmp = Path(tmp)
+        command, cwd, env = _sandbox_command(settings, tmp, program, python=python, prefix=prefix)
+        (tmp / "stdin").write_text(stdin)
+        with open(tmp / "stdin", "rb") as fin, open(tmp / "out", "wb") as fout, open(tmp / "err", "wb") as ferr:
             start = time.perf_counter()
-            drop = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
-            proc = subprocess.Popen(
-                command, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, env=env, start_new_session=True, **drop
+            # As root, bwrap itself runs as nobody (root is exempt from the process limit); the reaper drops to
+            # nobody only for the program, so that it stays out of the program's reach.
+            drop = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+            drop = drop if os.geteuid() == 0 and settings.mode == "bwrap" else {}
+            spawn = functools.partial(
+                subprocess.Popen, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, env=env, start_new_session=True, **drop
             )
-            try:
-                code, timed_out = proc.wait(timeout=settings.timeout_s), False
-            except subprocess.TimeoutExpired:
-                code, timed_out = None, True
-            finally:  # also on an exception (the reward pool's own timeout): nothing is left running
-                _kill_group(proc)
+            if test is None:
+                code, verdict = _run_alone(spawn, command, settings=settings), None
+            else:
+                code, verdict = _run_with_test(spawn, command, test=test, settings=settings)
             seconds = time.perf_counter() - start
-        stdout = _head(Path(tmp, "out"), keep_chars)
-        stderr = _tail(Path(tmp, "err"), 64 * 1024)
-    if timed_out:
+        stdout = _head(tmp / "out", keep_chars)
+        stderr = _tail(tmp / "err", 64 * 1024)
+    return _outcome(code, verdict, stdout=stdout, stderr=stderr, seconds=seconds, settings=settings)
+
+
+def _sandbox_command(
+    settings: SandboxConfig, tmp: Path, program: str, *, python: str, prefix: str
+) -> tuple[list[str], str, dict]:
+    """The program and the launcher in tmp/src (no test: it never enters the sandbox), a working folder in
+    tmp/work, and the command that runs the launcher: through bwrap, or through the reaper (rlimits)."""
+    src, work = tmp / "src", tmp / "work"
+    src.mkdir()
+    work.mkdir()
+    (src / "solution.py").write_text(program)
+    shutil.copyfile(LAUNCHER, src / "launcher.py")
+    # The sandbox's user (nobody, when rlpipe is root) reads the program and, in rlimits mode, writes in work:
+    # and nothing else of the folder.
+    os.chmod(tmp, 0o711)
+    for path in (src, *src.iterdir()):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    os.chown(work, _user(), -1)
+    env = {"RLPIPE_LIMITS": _limits(settings), "PATH": "/usr/bin:/bin", "HOME": "/work"}
+    if settings.mode == "bwrap":
+        command, where, cwd = _bwrap_command(settings, str(src), env, prefix), SRC, "/"
+    else:
+        command, where, cwd = [sys.executable, "-I", "-S", str(REAPER), str(_user())], str(src), str(work)
+        env["HOME"] = str(work)
+    return [*command, python, "-I", "-S", f"{where}/launcher.py", where], cwd, env
+
+
+def _run_alone(spawn, command: list[str], *, settings: SandboxConfig) -> int | None:
+    """The program as __main__: its exit status, or None past the timeout."""
+    proc = spawn(command)
+    try:
+        return proc.wait(timeout=settings.timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:  # also on an exception (the reward pool's own timeout): nothing is left running
+        _stop(proc, reaper=settings.mode == "rlimits")
+
+
+def _run_with_test(spawn, command: list[str], *, test: str, settings: SandboxConfig) -> tuple[int | None, dict | None]:
+    """The program in the sandbox, serving; the test in the runner outside it, joined by two pipes. The runner's
+    verdict (None past the timeout), and the program's exit status if it had ended by then (a limit that killed it
+    names the outcome better than the runner's "exited")."""
+    to_program, from_runner = os.pipe()
+    to_runner, from_program = os.pipe()
+    proc = runner = None
+    try:
+        proc = spawn([*command, str(to_program), str(from_program)], pass_fds=(to_program, from_program))
+        runner = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(VERDICT), str(to_runner), str(from_runner)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            pass_fds=(to_runner, from_runner), start_new_session=True,
+        )  # fmt: skip
+        for fd in (to_program, from_runner, to_runner, from_program):  # the two processes hold them now
+            os.close(fd)
+        try:
+            out, _ = runner.communicate(test, timeout=settings.timeout_s)
+        except subprocess.TimeoutExpired:
+            return None, None
+        try:
+            verdict = json.loads(out.strip().splitlines()[-1])
+        except (IndexError, ValueError):  # the runner died (the test's own fault, or the host's memory)
+            detail = f"the test runner gave no verdict (exit status {runner.returncode})"
+            verdict = {"status": "error", "detail": detail}
+        if verdict["status"] == "error":  # give a program killed by a limit the moment to be reported
+            try:
+                proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        return proc.poll(), verdict
+    finally:
+        if runner is not None:
+            _stop(runner, reaper=False)
+        if proc is not None:
+            _stop(proc, reaper=settings.mode == "rlimits")
+
+
+def _outcome(
+    code: int | None, verdict: dict | None, *, stdout: str, stderr: str, seconds: float, settings: SandboxConfig
+) -> Outcome:
+    if code is None and verdict is None:
         return Outcome("timeout", f"no exit after {settings.timeout_s:g}s", stdout, seconds)
     if code in (-25, 128 + 25) or "File too large" in stderr:  # SIGXFSZ, or EFBIG where the signal is ignored
         return Outcome("output_limit", f"wrote more than {settings.max_output_kb} KiB to a file", stdout, seconds)
     if code in (-24, 128 + 24, -9, 128 + 9):  # SIGXCPU, then SIGKILL past the hard CPU limit
         return Outcome("timeout", f"used more than {int(settings.timeout_s) + 1} CPU seconds", stdout, seconds)
+    if verdict is not None:
+        return Outcome(str(verdict["status"]), str(verdict["detail"]), stdout, seconds)
     if code == 0:
         return Outcome("passed", "", stdout, seconds)
     detail = _last_line(stderr) or f"exit status {code}"
-    failed = code == TEST_FAILED if test is not None else detail.startswith("AssertionError")
-    return Outcome("failed" if failed else "error", detail, stdout, seconds)
+    return Outcome("failed" if detail.startswith("AssertionError") else "error", detail, stdout, seconds)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group (in bwrap mode, bwrap: its PID namespace dies with it) and reap it."""
+def _stop(proc: subprocess.Popen, *, reaper: bool) -> None:
+    """End a started process and all it started, and reap it. bwrap: SIGKILL its process group (its PID namespace
+    dies with it). The reaper: SIGTERM, on which it kills every process below it, then the group as a fallback."""
+    if reaper and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, 9)
     except (ProcessLookupError, PermissionError):

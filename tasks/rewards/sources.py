@@ -1,14 +1,16 @@
 """Reward sources, one family: rule functions (built-ins such as `code_tests` among them), a trained reward model,
-a process reward model and LLM judges. Each source says, for a run's reward config, which score columns it writes
-with their weights (`parts`, and `step_parts` for per-step lists), what identifies it for a stage's fingerprint
-(`identities`: a model's files), what can be checked before any engine starts (`check`), and how it scores (`add`:
-its columns added to the scores table, weighted into `reward`, its errors into `error`). Every question of the kind
-"which parts are weighted" or "what does the reward read" asks the family (`weighted_parts`, `identities`,
-`check_all`, `add_all`), never a source by name.
+a process reward model and LLM judges. Which sources a run's reward uses, in which order, and the score columns each
+writes with their weights are facts of its config (`RewardConfig.source_columns`, schemas/config.py: the config's
+own checks need them, and must not import this family, whose code imports the config). Each source here says what
+identifies it for a stage's fingerprint (`identities`: a model's files), what can be checked before any engine starts
+(`check`), and how it scores (`add`: its columns added to the scores table, weighted into `reward`, its errors into
+`error`). Every question of the kind "which parts are weighted" or "what does the reward read" asks the config
+(`weighted_parts`) or the family (`identities`, `check_all`, `add_all`), never a source by name.
 
 Scoring needs engines only the stage has (a torch worker for the reward models, rlpipe's vLLM engine for a local
 judge, the policy's tokenizer for step ends): the stage hands them in as `Calls`. A new source is one class here,
-registered, and its config section (schemas/config.py); docs/architecture.md, "How to extend", has the steps.
+registered, and its config section with its columns (schemas/config.py); docs/architecture.md, "How to extend",
+has the steps.
 """
 
 from __future__ import annotations
@@ -20,14 +22,6 @@ from typing import Callable
 import polars as pl
 
 from tasks.registry import Registry
-
-
-@dataclass(frozen=True)
-class SourceOrder:
-    """Sources score in this order (each may read what an earlier one wrote: the PRM reads the functions' step
-    ends), and their columns appear in it."""
-
-    order: int
 
 
 @dataclass(frozen=True)
@@ -49,18 +43,7 @@ class Calls:
 
 
 class RewardSource:
-    """The interface; each method's default is "nothing"."""
-
-    def present(self, reward) -> bool:
-        return False
-
-    def parts(self, reward) -> list[tuple[str, float]]:
-        """The score columns it writes, each with its weight in `reward` (0 included)."""
-        return []
-
-    def step_parts(self, reward) -> list[tuple[str, float]]:
-        """Its per-step score lists (steps_<name>) with their weights: a process reward."""
-        return []
+    """The interface; each method's default is "nothing". The columns it writes: RewardConfig.source_columns."""
 
     def identities(self, reward, fingerprint: Callable[[str], str], tokenizer: Callable[[str], str]) -> dict:
         """What identifies the models it reads, for a stage's fingerprint."""
@@ -73,7 +56,7 @@ class RewardSource:
         raise NotImplementedError
 
 
-REWARD_SOURCES: Registry = Registry("reward source", SourceOrder)
+REWARD_SOURCES: Registry = Registry("reward source")
 
 
 def _weighted(scores: pl.DataFrame, column: str, weight: float) -> pl.DataFrame:
@@ -82,15 +65,6 @@ def _weighted(scores: pl.DataFrame, column: str, weight: float) -> pl.DataFrame:
 
 class Functions(RewardSource):
     """reward.functions: your functions and the built-ins, in the reward pool (tasks/rewards/scoring.py)."""
-
-    def present(self, reward) -> bool:
-        return True  # it makes the table, whose `reward` is 0 without functions (a reward model alone)
-
-    def parts(self, reward):
-        return [(f"score_{name}", f.weight) for name, f in reward.functions.items()]
-
-    def step_parts(self, reward):
-        return [(f"steps_{name}", f.weight) for name, f in reward.functions.items() if f.per_step]
 
     def check(self, cfg, columns, trains_the_prm):
         from tasks.rewards.loader import preflight
@@ -101,19 +75,13 @@ class Functions(RewardSource):
         from tasks.rewards.scoring import score_frame
 
         scores = score_frame(calls.rollouts, calls.prompts, reward, calls.max_tokens, calls.answer_key, calls.turns)
-        if self.step_parts(reward):
+        if reward.source_columns()["functions"].step_parts:
             scores = scores.with_columns(calls.step_ends())
         return scores
 
 
 class RewardModel(RewardSource):
     """reward.kind=model: a reward model trained by `rlpipe rm-train`, scored into score_model."""
-
-    def present(self, reward):
-        return reward.kind == "model"
-
-    def parts(self, reward):
-        return [("score_model", reward.model_weight)]
 
     def identities(self, reward, fingerprint, tokenizer):
         return {"reward_model": fingerprint(reward.model_path)}
@@ -135,15 +103,6 @@ class RewardModel(RewardSource):
 
 class ProcessModel(RewardSource):
     """reward.process_model: its probability that each step is right (steps_prm), aggregated into score_prm."""
-
-    def present(self, reward):
-        return reward.process_model is not None
-
-    def parts(self, reward):
-        return [("score_prm", reward.process_model.weight)]
-
-    def step_parts(self, reward):
-        return [("steps_prm", reward.process_model.weight)]
 
     def identities(self, reward, fingerprint, tokenizer):
         return {"process_model": fingerprint(reward.process_model.path)}
@@ -170,12 +129,6 @@ class ProcessModel(RewardSource):
 
 class Judges(RewardSource):
     """reward.judges: LLM judges, on an OpenAI-compatible endpoint or rlpipe's own engine (tasks/rewards/judge.py)."""
-
-    def present(self, reward):
-        return bool(reward.judges)
-
-    def parts(self, reward):
-        return [(f"score_{name}", j.weight) for name, j in reward.judges.items()]
 
     def identities(self, reward, fingerprint, tokenizer):
         # A local judge's tokenizer writes its prompts (its chat template): part of its identity.
@@ -219,38 +172,25 @@ def _judge_dtype(column: str):
     return pl.Float64 if column.startswith("score_") else pl.Utf8
 
 
-for _order, (_name, _source) in enumerate(
-    (("functions", Functions()), ("model", RewardModel()), ("process_model", ProcessModel()), ("judges", Judges()))
+for _name, _source in (
+    ("functions", Functions()),
+    ("model", RewardModel()),
+    ("process_model", ProcessModel()),
+    ("judges", Judges()),
 ):
-    REWARD_SOURCES.register(_name, order=_order)(_source)
+    REWARD_SOURCES.register(_name)(_source)
 
 
 def sources(reward) -> list[RewardSource]:
-    """The run's sources, in scoring order."""
-    entries = sorted((REWARD_SOURCES.entry(n) for n in REWARD_SOURCES.names()), key=lambda e: e.order)
-    return [e.fn for e in entries if e.fn.present(reward)]
-
-
-def score_columns(reward) -> list[str]:
-    """Every score column the reward writes, weighted or not (what eval.judge may name, without `score_`)."""
-    return [c for s in sources(reward) for c, _ in s.parts(reward)]
-
-
-def weighted_parts(reward) -> tuple[tuple[str, float], ...]:
-    """Every weighted score column of the reward (weight 0 left out): the one list the config's checks (GDPO) and
-    the advantages stage ask."""
-    return tuple((c, w) for s in sources(reward) for c, w in s.parts(reward) if w)
-
-
-def weighted_step_parts(reward) -> tuple[tuple[str, float], ...]:
-    """The process rewards' step-score lists with their weights (0 left out)."""
-    return tuple((c, w) for s in sources(reward) for c, w in s.step_parts(reward) if w)
+    """The run's sources, in scoring order (the config's: RewardConfig.source_columns)."""
+    return [REWARD_SOURCES.get(name) for name in reward.source_columns()]
 
 
 def outcome_parts(reward) -> tuple[tuple[str, float], ...]:
     """The weighted parts that score a whole response: not the aggregates of per-step lists (score_<x> of steps_<x>)."""
-    per_step = {"score_" + c.removeprefix("steps_") for s in sources(reward) for c, _ in s.step_parts(reward)}
-    return tuple((c, w) for c, w in weighted_parts(reward) if c not in per_step)
+    steps = [c for s in reward.source_columns().values() for c, _ in s.step_parts]
+    per_step = {"score_" + c.removeprefix("steps_") for c in steps}
+    return tuple((c, w) for c, w in reward.weighted_parts() if c not in per_step)
 
 
 def identities(reward, fingerprint: Callable[[str], str], tokenizer: Callable[[str], str]) -> dict[str, str]:
@@ -259,6 +199,21 @@ def identities(reward, fingerprint: Callable[[str], str], tokenizer: Callable[[s
     out: dict[str, str] = {}
     for source in sources(reward):
         out.update(source.identities(reward, fingerprint, tokenizer))
+    return out
+
+
+def unscored(reward, scores: pl.DataFrame) -> list[tuple[str, str]]:
+    """(its config key, its first error) for each weighted part of which no row of `scores` got a score: every one
+    holds an error (a function that always raises, a judge whose replies never hold a score), so its column is all
+    zeros that an update would take for scores. A part without an error column (a reward model's: its failure fails
+    the stage) never is; nor is any part of no rows."""
+    out = []
+    for kind, columns in reward.source_columns().items():  # scoring order
+        for column, weight in columns.parts:
+            name = column.removeprefix("score_")
+            errors = scores.get_column(f"error_{name}", default=None)
+            if weight and scores.height and errors is not None and errors.null_count() == 0:
+                out.append((f"reward.{kind}.{name}", errors[0]))
     return out
 
 

@@ -2,6 +2,8 @@
 model folder and its tokenizer, the data files (read, mapped, formatted and tokenized: the `dataset` and `sft_data`
 stages run here, and a restart skips them), the reward functions against the dataset's columns, the LLM judges
 (their templates, models and endpoints), and the context window. A built-in example task first writes its files.
+`run` and `resume` ask all of it (`preflight`); `rlpipe rerun` asks the same checks of the run's config with its
+overrides (`check_saved_rl_run`), so a setting that `run` refuses is refused by a rerun with the same line.
 Imports: the LoRA check (peft, 4.5 s) and the agent section's loaders (transformers, 0.9 s) are imported only for runs
 that use them."""
 
@@ -9,8 +11,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from schemas.errors import TeacherError, UserError
-from storage import read_stage
+from schemas.errors import NotFound, TeacherError, UserError
+from storage import read_manifest, read_stage
 from storage.model_ids import model_fingerprint
 from tasks.algos.advantages import ADVANTAGE_ESTIMATORS
 from tasks.data.example_tasks import ensure_task_files
@@ -111,8 +113,8 @@ def check_sleep(cfg) -> None:
 def check_reward(cfg, columns: set[str], trains_the_prm: bool = False) -> None:
     """Everything the scores stage will call, before it runs: each reward source's own check (tasks/rewards/sources.py:
     the functions load and the built-ins check themselves, the code reward its sandbox; each judge; the reward
-    model's and the process reward model's folders, not when the run trains that PRM). The run's start, `rerun` of a
-    stage that scores and `resume` ask this."""
+    model's and the process reward model's folders, not when the run trains that PRM). The run's start, `rerun` and
+    `resume` ask this."""
     check_all(cfg, columns, trains_the_prm)
 
 
@@ -132,8 +134,21 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         check_lora(cfg, cfg.model.base_path)
         sft_data_task.fn(storage_root, run_id)
         return
+    check_model(cfg, flow=flow)
+    needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None
+    if needs_prompts:
+        dataset = dataset_task.fn(storage_root, run_id)
+        trains_the_prm = flow == "rm" and cfg.reward_model.objective == "process"
+        check_prompts(cfg, layout=ctx.layout, stats=dataset.extra, flow=flow, trains_the_prm=trains_the_prm)
+    if flow == "rl" and cfg.loss.ptx_coef:
+        sft_data_task.fn(storage_root, run_id, cfg.model.path)
+
+
+def check_model(cfg, *, flow: Literal["rl", "dpo", "rm"]) -> None:
+    """The policy's folder and its LoRA targets (the reward model's trainable blocks instead: it trains all its weights,
+    or its top blocks); for RL, vLLM's sleep mode and the distillation teacher."""
     model_fingerprint(cfg.model.path)
-    if flow != "rm":  # the reward model trains all its weights, or its top blocks
+    if flow != "rm":
         check_lora(cfg, cfg.model.path)
     else:
         check_trainable_layers(cfg.model.path, cfg.reward_model.trainable_layers)
@@ -141,19 +156,32 @@ def preflight(storage_root: str, run_id: str, flow: Literal["rl", "sft", "dpo", 
         check_sleep(cfg)
     if flow == "rl" and ADVANTAGE_ESTIMATORS.entry(cfg.advantage.estimator).needs_teacher:
         check_teacher(cfg.advantage.teacher_path, cfg.model.path)
-    needs_prompts = flow == "rl" or cfg.data.train_files or cfg.preference.data is None
-    if needs_prompts:
-        dataset = dataset_task.fn(storage_root, run_id)
-        trains_the_prm = flow == "rm" and cfg.reward_model.objective == "process"
-        check_reward(cfg, dataset_columns(ctx.layout), trains_the_prm)
-        check_context(cfg.model.path, dataset.extra["longest_prompt_tokens"], cfg.rollout.max_tokens)
-        if flow == "rl":
-            check_agent(cfg, cfg.model.path, dataset.extra["longest_prompt_tokens"])
-        train = dataset.extra["prompts"]["train"]
-        if flow == "rl" and cfg.rollout.prompts_per_round > train:
-            raise ContextLengthError(
-                f"rollout.prompts_per_round={cfg.rollout.prompts_per_round} is more than the {train} train prompts "
-                "of data.train_files"
-            )
-    if flow == "rl" and cfg.loss.ptx_coef:
-        sft_data_task.fn(storage_root, run_id, cfg.model.path)
+
+
+def check_prompts(cfg, *, layout, stats: dict, flow: str, trains_the_prm: bool = False) -> None:
+    """What is checked against the run's prompts (`stats`: the dataset stage's statistics): the reward against their
+    columns, the context window after the longest prompt, and for RL the agent section and the train prompts a round
+    asks for."""
+    check_reward(cfg, dataset_columns(layout), trains_the_prm)
+    longest = stats["longest_prompt_tokens"]
+    check_context(cfg.model.path, longest, cfg.rollout.max_tokens)
+    if flow != "rl":
+        return
+    check_agent(cfg, cfg.model.path, longest)
+    train = stats["prompts"]["train"]
+    if cfg.rollout.prompts_per_round > train:
+        raise ContextLengthError(
+            f"rollout.prompts_per_round={cfg.rollout.prompts_per_round} is more than the {train} train prompts "
+            "of data.train_files"
+        )
+
+
+def check_saved_rl_run(cfg, layout) -> None:
+    """An RL run's checks of its start (`preflight`'s, less the stages it computes) for a saved run under another
+    config (a rerun's overrides), against the prompts the run holds: the same line `run` would give, and nothing
+    written (its dataset was computed at the run's start; the rerun reads it as it is)."""
+    check_model(cfg, flow="rl")
+    manifest = read_manifest(layout, "dataset", 0, verify=False)
+    if manifest is None:
+        raise NotFound(f"run {layout.run_id!r} has no complete dataset stage")
+    check_prompts(cfg, layout=layout, stats=manifest["extra"], flow="rl")

@@ -24,7 +24,8 @@ from tasks.engines.ray_cluster import Placement
 from tasks.engines.vllm_client import resident_engine
 from tasks.rewards.judge import Reply, judge_tokenizer
 from tasks.rewards.loader import source_hash, specs_from_config
-from tasks.rewards.sources import Calls, add_all, identities
+from tasks.rewards.scoring import RewardError
+from tasks.rewards.sources import Calls, add_all, identities, unscored
 from tasks.rewards.steps import step_ends_column
 from tasks.stages.common import (
     Computed,
@@ -52,7 +53,9 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, ups
             if "conversation" in rollouts.columns
             else None
         )
-        return Computed(scored(ctx, rollouts, prompts, f"{iteration:05d}-{round_}", turns))
+        scores = scored(ctx, rollouts, prompts, f"{iteration:05d}-{round_}", turns)
+        require_scored(ctx.cfg.reward, scores, where=f"iteration {iteration} round {round_}")
+        return Computed(scores)
 
     return run_stage(
         ctx,
@@ -62,6 +65,20 @@ def scores_task(storage_root: str, run_id: str, iteration: int, round_: int, ups
         inputs={**upstream, **reward_models(ctx.cfg.reward)},
         compute=compute,
     )
+
+
+def require_scored(reward, scores: pl.DataFrame, *, where: str) -> None:
+    """reward.stop_when_unscored: stop the run in one line, before the round's scores are written, when a weighted
+    source scored none of its samples (tasks/rewards/sources.py, `unscored`). Its zeros are no signal: a run that
+    went on trained on them, with one warning line (a judge's) among the progress (issue 75)."""
+    if not reward.stop_when_unscored:
+        return
+    for key, first in unscored(reward, scores):
+        first = (first.splitlines() or [""])[0][:200]
+        raise RewardError(
+            f"scores: {key} scored none of the {scores.height} samples of {where}, each got an error (the first: "
+            f"{first}); fix it, or set reward.stop_when_unscored=false to train on its zeros"
+        )
 
 
 def reward_models(reward) -> dict[str, str]:
