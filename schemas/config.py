@@ -18,6 +18,7 @@ import json
 import re
 import string
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -443,40 +444,7 @@ class ChatArithmeticTask(Section):
         return self
 
 
-class ReasoningGymSource(Section):
-    """One of reasoning-gym's tasks in the mix."""
-
-    weight: float = Field(1.0, gt=0, description="Its share of the train rows (weights are normalised).")
-    config: dict[str, Any] = Field(
-        default_factory=dict,
-        description="The task's settings: the fields of its config dataclass (leg_counting: min_animals, ...); its "
-        "size and seed are the task section's.",
-    )
-
-
-class ReasoningGymTask(ReasoningGymDraws):
-    """Built-in task: prompt files from reasoning-gym's procedural tasks, generated offline from a seed, several
-    mixed by weight; score them with the `reasoning_gym` reward (docs/reasoning-tasks.md)."""
-
-    name: Literal["reasoning_gym"] = Field("reasoning_gym", description="The built-in task: reasoning_gym.")
-    out_dir: str = Field(
-        "data/reasoning_gym", description="Where its files are written (train.parquet, eval.parquet, sft.parquet)."
-    )
-    tasks: dict[str, ReasoningGymSource] = Field(
-        ..., min_length=1, description="reasoning-gym's tasks by name (`leg_counting: {weight: 1}`)."
-    )
-    n_train: int = Field(2000, ge=1, description="Train prompts, dealt to the tasks by weight.")
-    n_eval: int = Field(100, ge=1, description="Held-out prompts per task, none asked in training.")
-
-    @model_validator(mode="after")
-    def _seeds(self) -> "ReasoningGymTask":
-        check_seed_ranges("task", self.seed, self.n_train, self.eval_seed, 2 * self.n_eval)
-        return self
-
-
-TaskConfig = Annotated[
-    ArithmeticTask | LongAdditionTask | ChatArithmeticTask | ReasoningGymTask, Field(discriminator="name")
-]
+TaskConfig = Annotated[ArithmeticTask | LongAdditionTask | ChatArithmeticTask, Field(discriminator="name")]
 
 # What a reward function may take as keyword arguments besides the dataset's own columns (tasks/rewards/loader.py).
 REWARD_ARGUMENTS = (
@@ -1686,6 +1654,18 @@ class RunConfig(Section):
         description="MLflow's tracking URI (a server, or sqlite:///path.db); default: "
         "$MLFLOW_TRACKING_URI, else SQLite in the run folder, runs/RUN/mlflow.db.",
     )
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _task_gone(cls, task):
+        # reasoning-gym's tasks had two ways in (a task writing mixed files, and data.sources); one stays.
+        if isinstance(task, Mapping) and task.get("name") == "reasoning_gym":
+            raise ValueError(
+                "the task reasoning_gym is gone: mix reasoning-gym's tasks with data.sources, one source per task "
+                "(data: {sources: [{name: legs, weight: 1, reasoning_gym: {task: leg_counting, config: {...}}}]}; "
+                "docs/reasoning-tasks.md)"
+            )
+        return task
 
     @property
     def generation_ahead(self) -> int:

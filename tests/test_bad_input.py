@@ -30,8 +30,12 @@ NO_FILES = ["--set", "data.train_files=[]", "--set", "data.eval_files=[]"]  # da
         (["--set", "kl.placement"], "expected key=value"),
         (["--algo", "nope"], "unknown --algo 'nope'"),
         (
-            ["--set", "task={name: reasoning_gym, out_dir: '{ws}/rg', tasks: {nope: {}}}"],
+            [*NO_FILES, "--set", "data.sources=[{name: g, reasoning_gym: {task: nope}}]"],
             "reasoning-gym has no task 'nope'",
+        ),
+        (
+            ["--set", "task={name: reasoning_gym, tasks: {leg_counting: {}}}"],
+            "the task reasoning_gym is gone: mix reasoning-gym's tasks with data.sources",
         ),
         (
             [*NO_FILES, "--set", "data.sources=[{name: a, weight: 0, train_files: '{ws}/data/train.parquet'}]"],

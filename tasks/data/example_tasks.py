@@ -54,14 +54,6 @@ def chat_arithmetic_files(task) -> dict[str, pl.DataFrame]:
     )
 
 
-@EXAMPLE_TASKS.register("reasoning_gym")
-def reasoning_gym_files(task) -> dict[str, pl.DataFrame]:
-    from tasks.data.reasoning_gym_tasks import make_files
-
-    tasks = {name: (source.weight, source.config) for name, source in task.tasks.items()}
-    return make_files(tasks, task.n_train, task.n_eval, task.seed, task.eval_seed, task.system_prompt)
-
-
 def task_paths(task) -> dict[str, Path]:
     return {name: Path(task.out_dir) / f"{name}.parquet" for name in FILES}
 

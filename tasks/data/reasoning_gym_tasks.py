@@ -1,13 +1,12 @@
-"""Built-in task `reasoning_gym`: prompt files from reasoning-gym's procedural tasks (106 of them: leg_counting,
-chain_sum, countdown, gsm_symbolic, ...), generated here from a seed, offline, several tasks mixed by weight.
+"""Prompt rows from reasoning-gym's procedural tasks (106 of them: leg_counting, chain_sum, countdown, gsm_symbolic,
+...), generated here from a seed, offline, for a `data.sources` generator (tasks/data/data_sources.py).
 
 Each row is one of reasoning-gym's entries: the question as a user message after a system prompt (by default
 reasoning-gym's own, which asks for the final answer in <answer> tags), the oracle answer, the task's name (`source`)
 and the whole entry as JSON (`entry`), which the `reasoning_gym` reward hands back to the task's own `score_answer`.
 Train rows come from `seed`, held-out rows from `eval_seed`; a held-out question also asked in training is dropped, so
-the splits share no question. The optional demonstrations (`sft.parquet`) answer in the format alone
-(`<answer>292</answer>`), without reasoning.
-Imports: reasoning-gym (2 s: it registers every task) when the files are written.
+the splits share no question.
+Imports: reasoning-gym (2 s: it registers every task) when the rows are generated.
 """
 
 from __future__ import annotations
@@ -22,18 +21,6 @@ from tasks.data.datasets import MESSAGES
 
 class SourceError(UserError, ValueError):
     pass
-
-
-def shares(total: int, weights: dict[str, float]) -> dict[str, int]:
-    """`total` rows dealt by weight, exactly: floors first, then one more to the largest remainders (ties to the
-    earlier name in the config's order)."""
-    norm = sum(weights.values())
-    exact = {name: total * w / norm for name, w in weights.items()}
-    counts = {name: int(x) for name, x in exact.items()}
-    order = sorted(weights, key=lambda name: (-(exact[name] - counts[name]), list(weights).index(name)))
-    for name in order[: total - sum(counts.values())]:
-        counts[name] += 1
-    return counts
 
 
 def entries(task: str, config: dict, size: int, seed: int) -> list[dict]:
@@ -100,30 +87,3 @@ def entry_frame(rows: list[tuple[str, dict]], ids: list[str], system: str | None
         },
         schema={"prompt_id": pl.Utf8, "prompt": MESSAGES, "answer": pl.Utf8, "source": pl.Utf8, "entry": pl.Utf8},
     )
-
-
-def make_files(
-    tasks: dict[str, tuple[float, dict]],
-    n_train: int,
-    n_eval: int,
-    seed: int,
-    eval_seed: int,
-    system_prompt: str | None,
-) -> dict[str, pl.DataFrame]:
-    """train (n_train rows dealt by weight), eval (n_eval rows per task) and sft files."""
-    counts = shares(n_train, {name: weight for name, (weight, _) in tasks.items()})
-    train, evals = [], []
-    for name, (_, config) in tasks.items():
-        mine = entries(name, config, counts[name], seed)
-        asked = {e["question"] for e in mine}
-        train += [(name, e) for e in mine]
-        evals += [(name, e) for e in held_out(name, config, n_eval, eval_seed, asked, f"reasoning-gym task {name!r}")]
-
-    def frame(rows, prefix):
-        return entry_frame(rows, [f"{prefix}-{name}-{i:06d}" for i, (name, _) in enumerate(rows)], system_prompt)
-
-    train_frame = frame(train, "train")
-    sft = train_frame.select(
-        "prompt_id", "prompt", pl.format("<answer>{}</answer>", pl.col("answer")).alias("response")
-    )
-    return {"train": train_frame, "eval": frame(evals, "eval"), "sft": sft}
