@@ -1,6 +1,8 @@
 """The `rlpipe` command line (typer). Every command fails with one line and a non-zero exit on bad input.
 Imports: Each command imports what it needs inside its function: `rlpipe sql` and `show` start without the flows, the
-stage graph and torch (`import flows.rl` alone is 2.7 s of imports on the 2-core machine; DuckDB 0.1 s)."""
+stage graph and torch (`import flows.rl` alone is 2.7 s of imports on the 2-core machine; DuckDB 0.1 s).
+Over 400 lines as the command surface: every command is a thin typer function here, its work elsewhere, so that this
+file and `rlpipe --help` list the same commands."""
 
 from __future__ import annotations
 
@@ -230,13 +232,16 @@ def run(
 
 # The flow each command runs, imported only once its input is checked: `import flows.rl` is ~2 s on the 2-core
 # machine, which a bad config need not wait for and an RL run's engines (spawned by the checks) need not either.
-FLOWS = {"rl": "flows.rl:rl_run", "rm": "flows.reward_model:reward_model_flow", "dpo": "flows.dpo:dpo_flow"}
+FLOWS = {
+    "rl": "flows.rl:rl_run",
+    "rm": "flows.reward_model:reward_model_flow",
+    "dpo": "flows.dpo:dpo_flow",
+    "sft": "flows.sft:sft_flow",
+}
 
 
 def _start(config: str, overrides, run_id: str, algo: str | None, flow: str, reconfigure: bool) -> None:
     """Validate and save the config, check the model, data and reward functions (before any engine starts), run."""
-    import importlib
-
     from flows.deployments import prepare_checked_run
     from schemas.config import preset_overrides
 
@@ -250,6 +255,12 @@ def _start(config: str, overrides, run_id: str, algo: str | None, flow: str, rec
     root = prepare_checked_run(
         config, overrides, run_id, algo, flow, reconfigure
     )  # an RL run's engines start loading here
+    _run_flow(flow, run_id, root)
+
+
+def _run_flow(flow: str, run_id: str, root: str) -> None:
+    import importlib
+
     module, name = FLOWS[flow].split(":")
     flow_fn = getattr(importlib.import_module(module), name)
     with local_flow_settings():
@@ -360,9 +371,12 @@ def judge_agreement_cmd(
 @app.command()
 def rerun(
     run_id: str,
-    iteration: int = typer.Option(..., "--iteration"),
+    iteration: int = typer.Option(..., "--iteration", help="The iteration; 0 for a stage of an SFT, DPO or RM run."),
     stage: str = typer.Option(
-        ..., "--stage", help="The stage to recompute, by its table's name (optimize: train_metrics)."
+        ...,
+        "--stage",
+        help="The stage to recompute, by its table's name (optimize: train_metrics). A stage of an SFT, DPO or "
+        "reward-model run (dpo_eval) recomputes every stage after it in its graph.",
     ),
     through: Optional[str] = typer.Option(
         None, "--through", help="Recompute the stages after --stage up to this one too (logprobs → optimize)."
@@ -382,21 +396,22 @@ def rerun(
 
 @app.command()
 def resume(run_id: str, root: str = typer.Option("runs", "--root")) -> None:
-    """Continue a run with its saved config (after a crash, or after `rerun`)."""
+    """Continue a run with its saved config (after a crash, or after `rerun`), with the flow that wrote it (RL, SFT,
+    DPO or the reward model's)."""
 
     _stop_on_signals()
 
     def go():
         from flows.deployments import check_then_start
+        from flows.rerun import run_flow
         from storage.lock import acquire_run_lock
         from tasks.stages.common import load_run
 
-        acquire_run_lock(load_run(root, run_id).layout, "resume")  # a missing run fails here, before a flow starts
-        check_then_start(root, run_id)  # the run's preflight, then the engines load while Prefect starts its API
-        from flows.rl import rl_run  # after the engines' spawn (FLOWS)
-
-        with local_flow_settings():
-            _print_summary(rl_run(run_id, root))
+        layout = load_run(root, run_id).layout
+        acquire_run_lock(layout, "resume")  # a missing run fails here, before a flow starts
+        flow = run_flow(layout)
+        check_then_start(root, run_id, flow)  # the run's preflight, then the engines load while Prefect starts its API
+        _run_flow(flow, run_id, root)  # the flow's module after the engines' spawn (FLOWS)
 
     _guard(go)
 
@@ -418,6 +433,43 @@ def export(
     from tasks.stages.weights import export_run
 
     result = _guard(export_run, run_id, root, out, iteration, merge)
+    console.print(" ".join(f"{k}={v}" for k, v in result.items()), highlight=False)
+
+
+@app.command("export-data")
+def export_data_cmd(
+    run_id: str,
+    out: str = typer.Argument(
+        ..., help="The file to write (.parquet, .jsonl), or a folder with --format hf; replaced."
+    ),
+    shape: str = typer.Option(
+        "raw",
+        "--shape",
+        help="sft: prompt, response (rlpipe sft's files); pairs: prompt, chosen, rejected of one group (rlpipe dpo's "
+        "preference.data); raw: every column of rollouts, scores, advantages and prompts.",
+    ),
+    where: Optional[str] = typer.Option(
+        None,
+        "--where",
+        help='A SQL filter over the samples\' columns ("reward > 0 AND NOT truncated"); subqueries may read any of '
+        "the run's tables.",
+    ),
+    fmt: Optional[str] = typer.Option(
+        None, "--format", help="parquet, jsonl or hf (a Hugging Face datasets folder); default: OUT's suffix."
+    ),
+    pairs: str = typer.Option(
+        "best-worst",
+        "--pairs",
+        help="pairs: best-worst (a group's highest reward against its lowest) or all (every two whose rewards differ).",
+    ),
+    min_margin: float = typer.Option(0.0, "--min-margin", help="pairs: the least reward gap (ties never pair)."),
+    root: str = typer.Option("runs", "--root"),
+) -> None:
+    """A run's scored rollouts as data: SFT demonstrations, preference pairs or every column, each row with its
+    provenance (run, iteration, prompt, sample, policy version, config hash, reward fingerprint)."""
+    from tasks.analysis.export_data import export_data
+
+    result = _guard(export_data, run_id, out, shape, where, fmt, pairs, min_margin, root, console)
     console.print(" ".join(f"{k}={v}" for k, v in result.items()), highlight=False)
 
 

@@ -1,8 +1,8 @@
 """The RL flow: one `rl-iteration` flow run per iteration, one task per stage (docs/architecture.md: the stage
 contract).
 
-Flows only order stages and pass fingerprints; every stage reads and writes through storage, so a restart
-of the same run skips what is complete and recomputes the rest.
+Flows only order stages; the graph's runner (tasks/stages/graph.py `run_stages`) passes the fingerprints. Every stage
+reads and writes through storage, so a restart of the same run skips what is complete and recomputes the rest.
 """
 
 from __future__ import annotations
@@ -10,50 +10,21 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from storage import StageOutput
 from tasks.stages.artifacts import artifacts_task
 from tasks.stages.common import RunPlan, plan_task
 from tasks.stages.dataset import dataset_task
 from tasks.stages.evaluate import eval_task
-from tasks.stages.graph import GENERATION_TASKS, ITERATION_TASKS, task_arguments
+from tasks.stages.graph import GENERATION_TASKS, ITERATION_TASKS, run_stages
 from tasks.stages.rollouts import release_engines_task, sample_ahead_task
 from tasks.stages.sft import sft_data_task
-from tasks.stages.spec import AnotherRound
 from tasks.stages.start_engines import start_engines
 from tasks.stages.summary import summary_task
 from tasks.stages.tracking import track_task
 
 
-def run_iteration_stages(storage_root: str, run_id: str, iteration: int, stages=ITERATION_TASKS) -> dict:
-    """Call each stage's task in the graph's data order, handing each the fingerprints of the tables it reads.
-
-    Dynamic sampling: the per-round stages (prompts → rollouts → scores) run again, one round more, while the stage
-    that gathers their rounds (batch: it alone knows target_groups and max_rounds) returns AnotherRound.
-    Returns table → its StageOutput (a per-round table's: its last round's) and `rounds`."""
-    fingerprints: dict[str, list[str]] = {}
-    outputs: dict[str, StageOutput] = {}
-    every_round = {s.name for s in stages if s.scope == "round"}
-    round_ = 0
-    while True:
-        for spec in (s for s in stages if s.scope == "round"):
-            args = task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints, every_round)
-            outputs[spec.name] = spec.task(**args)
-            fingerprints.setdefault(spec.name, []).append(outputs[spec.name].fingerprint)
-        for spec in (s for s in stages if s.scope != "round"):
-            out = spec.task(**task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints, every_round))
-            if isinstance(out, AnotherRound):
-                break
-            if out is None:
-                raise RuntimeError(f"stage {spec.name!r} returned no output")
-            outputs[spec.name], fingerprints[spec.name] = out, [out.fingerprint]
-        else:
-            return {**outputs, "rounds": round_ + 1}
-        round_ += 1
-
-
 @flow(name="rl-iteration", flow_run_name="{run_id}-iter-{iteration}")
 def rl_iteration(run_id: str, iteration: int, storage_root: str = "runs") -> dict:
-    outputs = run_iteration_stages(storage_root, run_id, iteration)
+    outputs = run_stages(ITERATION_TASKS, storage_root, run_id, iteration)
     artifacts_task(storage_root, run_id, iteration)
     checkpoint = outputs["train_metrics"].extra.get("checkpoint")
     return {"iteration": iteration, "rounds": outputs["rounds"], "checkpoint": checkpoint}
@@ -64,7 +35,7 @@ def generation_ahead(storage_root: str, run_id: str, iteration: int) -> int:
     """An iteration's generation (its rounds' prompts, rollouts and scores, and the batch: each its own task run), one
     step off-policy, beside the iteration before it; that iteration's flow run then finds these stages complete. A
     task submitted to the flow's task runner: a second flow run in a thread of its own waited for the iteration's."""
-    return run_iteration_stages(storage_root, run_id, iteration, GENERATION_TASKS)["rounds"]
+    return run_stages(GENERATION_TASKS, storage_root, run_id, iteration)["rounds"]
 
 
 def iterations(run_id: str, storage_root: str, plan: RunPlan):

@@ -7,15 +7,17 @@ It needs torch, transformers, DeepSpeed, pydantic and polars, nothing else (no v
 bare CUDA machine with the wheels it carries (`make gpu-check-wheels`). Models are built here with random weights in
 the shapes of the demo's SmolLM2-135M and of Qwen2.5-0.5B: a real model's weights are too large to carry (64 MiB).
 
-Three measurements, each in its own process (a fresh process group and device state), one JSON file at the end:
+Three measurements, each step in its own process (a fresh process group and device state; the steps themselves are
+infra/gpu_check_steps.py's, this script builds their inputs, compares and reports), one JSON file at the end:
 - `equality`: one batch of groups through the trainer's own code (token_batch.batched_responses for the logprobs,
-  deepspeed_train._Update.micro_step for the loss, DeepSpeed's step for one update) on the device in float32 and in
+  policy_update.PolicyUpdate.micro_step for the loss, DeepSpeed's step for one update) on the device in float32 and in
   bfloat16, and on the CPU in float32; the device's logprobs, loss, gradient and weight update against the CPU's.
 - `throughput`: tokens/s of the update (forward, backward, optimizer step; bfloat16 on a GPU) at both shapes, and the
   model FLOP utilisation against the card's bfloat16 matrix-product peak, measured in the same run (`peak`).
-- `weight_send`: not run: the sync goes through vLLM's weight-transfer API (tasks/engines/workers/weight_transfer.py),
-  both of whose sides are vLLM's code, and vLLM is not on such a machine (its CUDA wheel is several times the 64 MiB a
-  bare machine can be sent); tests/test_weight_sync.py runs the API here on the CPU.
+- `weight_send`: not run: the sync goes through vLLM's weight-transfer API (tasks/engines/workers/weight_transfer.py
+  and weight_transfer_trainer.py), both of whose sides are vLLM's code, and vLLM is not on such a machine (its CUDA
+  wheel is several times the 64 MiB a bare machine can be sent); tests/test_weight_sync.py runs the API here on the
+  CPU.
 A step that fails is recorded with its error and the others still run; the exit status is non-zero if any failed or
 any tolerance was missed.
 """
@@ -91,7 +93,6 @@ TOLERANCE = {
     "float32": {"logprob_max_abs": 1e-3, "logprob_mean_abs": 1e-4, "loss_rel": 1e-3, "grad_rel": 1e-3, "agree": 0.99},
     "bfloat16": {"logprob_max_abs": 1.0, "logprob_mean_abs": 0.05, "loss_rel": 2e-2, "grad_rel": 0.1, "agree": 0.9},
 }
-LR = 1e-5
 
 
 def build_model(shape: str, out_dir: Path, seed: int = 0) -> Path:
@@ -134,207 +135,6 @@ def training_rows(vocab: int, groups: int, samples: int, prompt_len: int, max_re
                 }
             )
     return rows
-
-
-def _engine(model_dir: str, dtype: str, budget: int, gas: int):
-    from schemas.requests import EngineSettings
-    from tasks.engines.workers.deepspeed_train import load_policy
-    from tasks.engines.workers.training import deepspeed_engine
-
-    settings = EngineSettings(
-        zero_stage=0,
-        lr=LR,
-        weight_decay=0.0,
-        grad_clip=1e9,  # no clipping: the gradient itself is compared
-        micro_batch_size=1,
-        dtype=dtype,
-        gradient_checkpointing=False,
-        lora=None,
-        micro_batch_tokens=budget,
-    )
-    engine, _ = deepspeed_engine(load_policy(model_dir), settings, gas=gas)
-    return engine, settings
-
-
-def _update(settings, rows, model_dir: str):
-    from types import SimpleNamespace
-
-    import polars as pl
-    from transformers import AutoTokenizer
-
-    from schemas.config import LossConfig
-    from schemas.requests import LossSettings
-    from tasks.engines.workers.deepspeed_train import _Update
-
-    loss = LossSettings(
-        loss=LossConfig(), kl_beta=0.0, entropy_coef=0.0, max_tokens=max(len(r["token_ids"]) for r in rows)
-    )
-    return _Update(
-        SimpleNamespace(loss=loss, engine=settings), AutoTokenizer.from_pretrained(model_dir), pl.DataFrame(rows)
-    )
-
-
-def _one_step(engine, update, n: int, gas: int, keep_grad: bool):
-    """One optimizer step over all `n` rows through the trainer's micro-step; the flattened gradient (float32, on the
-    CPU) read just before the step when `keep_grad`."""
-    import torch
-    from deepspeed.utils import safe_get_full_grad
-
-    from tasks.engines.workers import data_parallel
-
-    minibatch = list(range(n))
-    norm, parts = update.norm(minibatch), update.micro_batches(minibatch, gas)
-    grads, step = [], engine.step
-
-    def record():
-        if keep_grad and engine.is_gradient_accumulation_boundary():
-            grads.append(torch.cat([safe_get_full_grad(p).float().flatten().cpu() for p in engine.module.parameters()]))
-        step()
-
-    engine.step = record
-    for k, idx, scale in data_parallel.micro_steps(minibatch, parts):
-        engine.set_gradient_accumulation_boundary(k == len(parts) - 1)
-        update.micro_step(engine, idx, norm, None, scale)
-    engine.step = step
-    return grads[-1] if grads else None
-
-
-def _master_weights(engine):
-    """The weights the optimizer updates, flattened on the CPU: in bfloat16 DeepSpeed's float32 master copy (a step of
-    lr = 1e-5 does not move most bfloat16 weights at all), else the module's own."""
-    import torch
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    params = list(engine.module.parameters())
-    # ZeRO 1-3 and DeepSpeed's bf16 optimizer map each parameter to its master copy; ZeRO 0 in bfloat16 wraps the
-    # optimizer in FP16_UnfusedOptimizer, whose float32 groups mirror its low-precision ones.
-    groups = getattr(engine.optimizer, "fp32_groups", None)
-    mirror = {}
-    if groups is not None and hasattr(engine.optimizer, "fp16_groups"):
-        mirror = {id(p): m for low, high in zip(engine.optimizer.fp16_groups, groups) for p, m in zip(low, high)}
-    master = [mirror.get(id(p), safe_get_full_fp32_param(p)) for p in params]
-    return torch.cat([(p if m is None else m).detach().float().flatten().cpu() for p, m in zip(params, master)])
-
-
-def run_equality(args) -> dict:
-    """One process: logprobs, loss, gradient and updated weights of the batch in `args.dtype` on `args.device`."""
-    import torch
-
-    from tasks.engines.workers.token_batch import batched_responses, eval_mode
-
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
-    rows = json.loads(Path(args.rows).read_text())
-    engine, settings = _engine(args.model, args.dtype, budget=args.budget, gas=1)
-    before = _master_weights(engine)
-    prompts, responses = [r["prompt_token_ids"] for r in rows], [r["token_ids"] for r in rows]
-    with eval_mode(engine.module):
-        logp, _ = batched_responses(
-            engine.module, prompts, responses, 0, 64, with_entropy=False, micro_tokens=args.budget
-        )
-    update = _update(settings, rows, args.model)
-    grad = _one_step(engine, update, len(rows), gas=1, keep_grad=True)
-    after = _master_weights(engine)
-    torch.save(
-        {
-            "logprobs": [torch.tensor(x) for x in logp],
-            "loss": update.totals["loss"],
-            "grad": grad,
-            "delta": after - before,
-        },
-        args.result + ".pt",
-    )
-    return {"device": str(engine.device)}
-
-
-def _gib(n: float) -> float:
-    return round(n / 2**30, 3)
-
-
-def run_throughput(args) -> dict:
-    """One process: tokens/s and model FLOPs of the update of `args.shape` in `args.dtype` (after a warm-up step)."""
-    import torch
-
-    engine, settings = _engine(args.model, args.dtype, budget=args.budget, gas=1)
-    config = engine.module.config
-    rows = json.loads(Path(args.rows).read_text())
-    update = _update(settings, rows, args.model)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    _one_step(engine, update, len(rows), gas=1, keep_grad=False)  # warm-up: kernels chosen, memory allocated
-    update.counts.clear()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        _one_step(engine, update, len(rows), gas=1, keep_grad=False)
-    sync()
-    seconds = time.perf_counter() - t0
-    flops = train_flops(config, update.counts)
-    profile = _profiled_step(engine, update, len(rows)) if args.profile else None
-    peak_mem = torch.cuda.max_memory_allocated() if engine.device.type == "cuda" else 0
-    return {
-        "parameters": sum(p.numel() for p in engine.module.parameters()),
-        "tokens": update.counts["update_tokens"],
-        "seconds": seconds,
-        "tokens_per_s": update.counts["update_tokens"] / seconds,
-        "model_flops": flops,
-        "flops_per_s": flops / seconds,
-        "peak_gpu_gib": _gib(peak_mem),
-        **({"profile": profile} if profile else {}),
-    }
-
-
-def _profiled_step(engine, update, n: int) -> dict:
-    """One more step under torch's profiler: the operators that took the most device time and the most host time."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from tasks.engines.workers import deepspeed_train
-
-    packing = [0.0]
-    pack = deepspeed_train.pack_shared
-
-    def timed_pack(*a, **k):  # packing runs on the host, in Python: the profiler's operator tables do not see it
-        t = time.perf_counter()
-        out = pack(*a, **k)
-        packing[0] += time.perf_counter() - t
-        return out
-
-    cuda = engine.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    deepspeed_train.pack_shared = timed_pack
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        _one_step(engine, update, n, gas=1, keep_grad=False)
-        if cuda:
-            torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    deepspeed_train.pack_shared = pack
-    table = prof.key_averages()
-    device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy = sum(getattr(e, device_key) for e in table) / 1e6
-    print(f"profiled step: {wall:.3f} s wall (profiler on), device busy {busy:.3f} s, packing {packing[0]:.3f} s")
-    return {
-        "wall_s": wall,
-        "device_busy_s": busy,
-        "packing_s": packing[0],
-        "device": table.table(sort_by=device_key, row_limit=25, max_name_column_width=60),
-        "host": table.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60),
-    }
-
-
-def train_flops(config, counts: dict[str, float]) -> float:
-    """Model FLOPs of the forward and backward passes counted in `counts` (token_batch.count_into's `update_*`):
-    2 per multiply-add forward, twice that backward, over the useful work only (real tokens, the attention pairs the
-    mask allows, the logits of predicted tokens), as PaLM's model FLOP utilisation counts it."""
-    d, layers = config.hidden_size, config.num_hidden_layers
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    per_layer = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * config.intermediate_size  # q,o; k,v; MLP
-    forward = (
-        2 * layers * per_layer * counts["update_tokens"]
-        + 2 * layers * 2 * heads * head_dim * counts["update_attention_pairs"]  # QKᵀ and the weighted sum of V
-        + 2 * d * config.vocab_size * counts["update_logit_positions"]
-    )
-    return 3 * forward
 
 
 def measure_peak(device: str) -> dict:
@@ -394,7 +194,7 @@ def _child(step: str, device: str, dtype: str, work: Path, **extra) -> dict:
     return json.loads(Path(f"{result}.json").read_text())
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", default="gpu_check.json")
@@ -407,21 +207,16 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--shape", default="", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help="profile one more update step of each throughput shape")
-    args = p.parse_args(argv)
-    if args.step:  # a child
-        out = (run_equality if args.step == "equality" else run_throughput)(args)
-        Path(args.result + ".json").write_text(json.dumps(out))
-        return 0
+    return p.parse_args(argv)
 
+
+def environment(device: str) -> dict | None:
+    """Where and when the check runs: the device and the libraries' versions; None, with one line on stderr, when
+    DeepSpeed or transformers is missing."""
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: --device cuda, but torch sees no GPU (use --device cpu)", file=sys.stderr)
-        return 2
-    gpu = args.device == "cuda"
-    t_start = time.time()
     report: dict = {
-        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -433,73 +228,79 @@ def main(argv=None) -> int:
         report.update(deepspeed=deepspeed.__version__, transformers=transformers.__version__)
     except ImportError as exc:
         print(f"gpu_check: {exc} (install the carried wheels first: docs/operations.md)", file=sys.stderr)
-        return 2
-    report["peak"] = measure_peak(args.device)
-    ok = True
+        return None
+    return report
 
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        if not args.profile:  # --profile: the throughput steps only
-            # Equality: the demo's shape on a GPU (the tiny one on a CPU), one batch, three runs.
-            shape = "smollm2-135m" if gpu else "tiny"
-            model = build_model(shape, work / shape)
-            vocab = SHAPES[shape][1]["vocab_size"]
-            rows = training_rows(vocab, groups=4, samples=4, prompt_len=32, max_response=256 if gpu else 64)
-            (work / "eq_rows.json").write_text(json.dumps(rows))
-            common = dict(model=model, rows=work / "eq_rows.json", budget=2048)
-            runs = {"cpu-float32": _child("equality", "cpu", "float32", work, **common)}
-            for dtype in ("float32", "bfloat16"):
-                runs[f"{args.device}-{dtype}"] = _child("equality", args.device, dtype, work, **common)
-            equality: dict = {"shape": shape, "rows": len(rows), "tokens": sum(len(r["token_ids"]) for r in rows)}
-            ref_path = work / "equality-cpu-float32-.pt"
-            for dtype in ("float32", "bfloat16"):
-                name = f"{args.device}-{dtype}"
-                if "error" in runs[name] or "error" in runs["cpu-float32"]:
-                    equality[dtype] = runs[name] if "error" in runs[name] else runs["cpu-float32"]
-                    ok = False
-                    continue
-                got = torch.load(work / f"equality-{args.device}-{dtype}-.pt", weights_only=False)
-                equality[dtype] = compare(torch.load(ref_path, weights_only=False), got, dtype)
-                ok = ok and equality[dtype]["within"]
-            report["equality"] = equality
-        # Throughput: the update in bfloat16 on a GPU (float32 on a CPU, whose bfloat16 is emulated), both shapes.
-        throughput = {}
-        dtype = "bfloat16" if gpu else "float32"
-        for shape in ("smollm2-135m", "qwen2.5-0.5b") if gpu else ("tiny",):
-            model = build_model(shape, work / shape)
-            vocab = SHAPES[shape][1]["vocab_size"]
-            rows = training_rows(
-                vocab,
-                groups=16 if gpu else 2,
-                samples=8 if gpu else 2,
-                prompt_len=128,
-                max_response=4096 if gpu else 64,  # responses of 128 to 4,096 tokens on a GPU
-            )
-            path = work / f"tp_rows_{shape}.json"
-            path.write_text(json.dumps(rows))
-            row = _child(
-                "throughput",
-                args.device,
-                dtype,
-                work,
-                shape=shape,
-                model=model,
-                rows=path,
-                budget=16384,
-                steps=3 if gpu else 1,
-                **({"profile": True} if args.profile else {}),
-            )
-            if "error" not in row:
-                row["mfu"] = row["flops_per_s"] / report["peak"]["bf16_flops_per_s"]
-            else:
-                ok = False
-            throughput[shape] = {"dtype": dtype, **row}
-        report["throughput"] = throughput
-    report["weight_send"] = {
-        "run": False,
-        "why": "the weight sync is vLLM's weight-transfer API, both sides vLLM's code, and vLLM is not on this machine "
-        "(its wheel is far over what a bare machine is sent); tests/test_weight_sync.py runs it on the CPU",
-    }
+
+def check_equality(device: str, work: Path) -> tuple[dict, bool]:
+    """The demo's shape on a GPU (the tiny one on a CPU), one batch, three runs: the device in float32 and in bfloat16
+    against the CPU in float32; (the comparisons, whether every run ran within its tolerances)."""
+    import torch
+
+    gpu, ok = device == "cuda", True
+    shape = "smollm2-135m" if gpu else "tiny"
+    model = build_model(shape, work / shape)
+    vocab = SHAPES[shape][1]["vocab_size"]
+    rows = training_rows(vocab, groups=4, samples=4, prompt_len=32, max_response=256 if gpu else 64)
+    (work / "eq_rows.json").write_text(json.dumps(rows))
+    common = dict(model=model, rows=work / "eq_rows.json", budget=2048)
+    runs = {"cpu-float32": _child("equality", "cpu", "float32", work, **common)}
+    for dtype in ("float32", "bfloat16"):
+        runs[f"{device}-{dtype}"] = _child("equality", device, dtype, work, **common)
+    equality: dict = {"shape": shape, "rows": len(rows), "tokens": sum(len(r["token_ids"]) for r in rows)}
+    ref_path = work / "equality-cpu-float32-.pt"
+    for dtype in ("float32", "bfloat16"):
+        name = f"{device}-{dtype}"
+        if "error" in runs[name] or "error" in runs["cpu-float32"]:
+            equality[dtype] = runs[name] if "error" in runs[name] else runs["cpu-float32"]
+            ok = False
+            continue
+        got = torch.load(work / f"equality-{device}-{dtype}-.pt", weights_only=False)
+        equality[dtype] = compare(torch.load(ref_path, weights_only=False), got, dtype)
+        ok = ok and equality[dtype]["within"]
+    return equality, ok
+
+
+def check_throughput(device: str, work: Path, peak: dict, profile: bool) -> tuple[dict, bool]:
+    """The update in bfloat16 on a GPU (float32 on a CPU, whose bfloat16 is emulated), both shapes (the tiny one on a
+    CPU); (a row per shape, whether every shape ran)."""
+    gpu, ok = device == "cuda", True
+    throughput = {}
+    dtype = "bfloat16" if gpu else "float32"
+    for shape in ("smollm2-135m", "qwen2.5-0.5b") if gpu else ("tiny",):
+        model = build_model(shape, work / shape)
+        vocab = SHAPES[shape][1]["vocab_size"]
+        rows = training_rows(
+            vocab,
+            groups=16 if gpu else 2,
+            samples=8 if gpu else 2,
+            prompt_len=128,
+            max_response=4096 if gpu else 64,  # responses of 128 to 4,096 tokens on a GPU
+        )
+        path = work / f"tp_rows_{shape}.json"
+        path.write_text(json.dumps(rows))
+        row = _child(
+            "throughput",
+            device,
+            dtype,
+            work,
+            shape=shape,
+            model=model,
+            rows=path,
+            budget=16384,
+            steps=3 if gpu else 1,
+            **({"profile": True} if profile else {}),
+        )
+        if "error" not in row:
+            row["mfu"] = row["flops_per_s"] / peak["bf16_flops_per_s"]
+        else:
+            ok = False
+        throughput[shape] = {"dtype": dtype, **row}
+    return throughput, ok
+
+
+def print_profiles(throughput: dict) -> None:
+    """Each profiled shape's operator tables printed, out of its row; the profile's figures stay in it."""
     for shape, row in throughput.items():
         prof = row.pop("profile", {})
         for kind in ("device", "host"):
@@ -508,6 +309,39 @@ def main(argv=None) -> int:
         if prof:
             row["profile"] = prof
             print(f"--- {shape}: {prof}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.step:  # a child
+        from gpu_check_steps import run_equality, run_throughput
+
+        out = (run_equality if args.step == "equality" else run_throughput)(args)
+        Path(args.result + ".json").write_text(json.dumps(out))
+        return 0
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda, but torch sees no GPU (use --device cpu)", file=sys.stderr)
+        return 2
+    t_start = time.time()
+    report = environment(args.device)
+    if report is None:
+        return 2
+    report["peak"] = measure_peak(args.device)
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.profile:  # --profile: the throughput steps only
+            report["equality"], ok = check_equality(args.device, Path(tmp))
+        report["throughput"], ran = check_throughput(args.device, Path(tmp), report["peak"], args.profile)
+        ok = ok and ran
+    report["weight_send"] = {
+        "run": False,
+        "why": "the weight sync is vLLM's weight-transfer API, both sides vLLM's code, and vLLM is not on this machine "
+        "(its wheel is far over what a bare machine is sent); tests/test_weight_sync.py runs it on the CPU",
+    }
+    print_profiles(report["throughput"])
     report["seconds"] = round(time.time() - t_start, 1)
     report["ok"] = ok
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -204,6 +204,11 @@ def check_seed_ranges(what: str, seed: int, train_draws: int, eval_seed: int, ev
         )
 
 
+# balance_eval_labels: how far past eval_seed a balanced held-out set may draw, in multiples of n_eval (a label with
+# a share of 1/16 among the task's answers can still fill half of a two-label set).
+BALANCED_DRAWS = 16
+
+
 class ReasoningGymDraws(Section):
     """The seeds and the system prompt of prompts drawn from reasoning-gym (a generated source, the built-in task)."""
 
@@ -211,7 +216,8 @@ class ReasoningGymDraws(Section):
     eval_seed: int = Field(
         1_000_000_000,
         ge=0,
-        description="The held-out entries' seed; its range of 2 × n_eval draws must not meet the train range.",
+        description="The held-out entries' seed; its range of 2 × n_eval draws (a generator's with "
+        f"balance_eval_labels: {BALANCED_DRAWS} × n_eval) must not meet the train range.",
     )
     system_prompt: str | None = Field(
         None,
@@ -231,6 +237,20 @@ class ReasoningGymGenerator(ReasoningGymDraws):
     )
     n_train: int = Field(1000, ge=1, description="Train prompts (with a curriculum: at each level).")
     n_eval: int = Field(100, ge=1, description="Held-out prompts, none asked in training.")
+    balance_eval_labels: bool = Field(
+        False,
+        description="Draw the held-out prompts so that each distinct answer of a categorical task (syllogism's Yes and "
+        f"No) gets an equal share, drawing on past 2 × n_eval entries as needed (up to {BALANCED_DRAWS} × n_eval); "
+        "then a model that always gives one answer scores 1 / (the number of answers). false: the task's own mix.",
+    )
+
+    HASHED_WHEN_SET: ClassVar[frozenset[str]] = frozenset({"balance_eval_labels"})  # added after runs existed
+
+    @property
+    def eval_draws(self) -> int:
+        """How many entries from eval_seed the held-out prompts may come from (their seed range): twice n_eval, so
+        that dropping the questions training asks still leaves n_eval; balanced, BALANCED_DRAWS × n_eval."""
+        return (BALANCED_DRAWS if self.balance_eval_labels else 2) * self.n_eval
 
 
 class CurriculumConfig(Section):
@@ -300,7 +320,7 @@ class DataSource(Section):
         g = self.reasoning_gym
         if g is not None:
             levels = self.curriculum.levels if self.curriculum else 1
-            check_seed_ranges(f"{what}.reasoning_gym", g.seed, levels * g.n_train, g.eval_seed, 2 * g.n_eval)
+            check_seed_ranges(f"{what}.reasoning_gym", g.seed, levels * g.n_train, g.eval_seed, g.eval_draws)
         return self
 
 
@@ -1668,10 +1688,16 @@ class RunConfig(Section):
         return task
 
     @property
+    def carried_reach(self) -> int:
+        """How many iterations before its own a sample's tokens may have been generated in: rl.max_staleness with
+        partial rollouts (a carried prefix), else 0."""
+        return self.rl.max_staleness if self.rollout.partial_tokens else 0
+
+    @property
     def generation_ahead(self) -> int:
         """How many updates ahead of the trainer generation runs: rl.max_staleness without partial rollouts, else 0
-        (rl.max_staleness then bounds the carried samples' age)."""
-        return 0 if self.rollout.partial_tokens else self.rl.max_staleness
+        (rl.max_staleness then bounds the carried samples' age: carried_reach)."""
+        return self.rl.max_staleness - self.carried_reach
 
     @model_validator(mode="after")
     def _staleness_fits(self) -> "RunConfig":
@@ -1854,12 +1880,21 @@ class RunConfig(Section):
             section, _, name = key.partition(".")
             value = getattr(getattr(self, section), name)
             if not _at_default(getattr(self, section), name):
-                # a key may hold sections (data.sources: a list of them)
-                set_keys[key] = pydantic_core.to_jsonable_python(value)
+                # a key may hold sections (data.sources: a list of them), pruned as a section's own are
+                set_keys[key] = _jsonable(value)
         if set_keys:
             payload["keys"] = set_keys
         payload["seed"] = self.seed
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _jsonable(value):
+    """A value as JSON for a fingerprint: a section in it (or a list of them) as _dump writes one."""
+    if isinstance(value, Section):
+        return _dump(value)
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return pydantic_core.to_jsonable_python(value)
 
 
 def _hashed(section) -> bool:
@@ -1886,9 +1921,13 @@ def _pruned(section, dumped: dict) -> dict:
     reward.judges, say), so that the rule holds at every depth."""
     for name in type(section).model_fields:
         value, out = getattr(section, name), dumped.get(name)
-        nested = value.items() if isinstance(value, dict) else [(None, value)]
-        for key, item in nested:
-            target = out if key is None else (out or {}).get(key)
+        if isinstance(value, dict):
+            nested = [(item, (out or {}).get(key)) for key, item in value.items()]
+        elif isinstance(value, list):  # data.sources
+            nested = list(zip(value, out if isinstance(out, list) else []))
+        else:
+            nested = [(value, out)]
+        for item, target in nested:
             if isinstance(item, Section) and isinstance(target, dict):
                 for k in item.HASHED_WHEN_SET:
                     if _at_default(item, k):

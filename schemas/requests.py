@@ -3,7 +3,10 @@ workers), as frozen dataclasses imported by both sides. The client sets every fi
 the stage that asks (the `from_config` constructors), so one setting has one path from the config to the engine; the
 few defaults below are for callers outside a run (tests, benchmarks), and a worker never fills in a missing field.
 
-They travel as JSON (`to_wire` / `from_wire`): the kind's name plus its fields, nested dataclasses as objects.
+They travel as JSON (`to_wire` / `from_wire`): the kind's name plus its fields, nested dataclasses as objects. The vLLM
+engine's answer comes back the same way (`GenerationReply`): its fields are the one statement of its keys.
+
+Over 400 lines as a declaration file: every message between a stage and an engine is stated here once, for both sides.
 """
 
 from __future__ import annotations
@@ -99,6 +102,28 @@ class GenerationJob:
 class GenerateRequest:
     model_path: str  # the weights to sample with: the engine syncs to them in place first
     jobs: tuple[GenerationJob, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobTiming:
+    generate_seconds: float
+    tokens: int  # generated, all samples together
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationReply:
+    """The vLLM engine's answer to a GenerateRequest (tasks/engines/workers/vllm_generate.py), or the rollout replicas'
+    answers merged into one (tasks/stages/rollouts.py, `merge_replies`: the slowest start and sync, the worst gap)."""
+
+    engine_start_seconds: float  # the engine's start, paid by its first answer (0 after)
+    sync_seconds: float  # bringing it to the request's weights first (0: it held them)
+    sync_logprob_gap: float | None  # the sampler's mean gap to the trainer's probe logprobs; None: no probe
+    jobs: tuple[JobTiming, ...]  # one per job of the request
+    vllm_version: str
+    peak_rss_gib: float
+    kv_cache_gib: float | None  # the KV cache it reserved; None where vLLM sized it from GPU memory
+    sync_bytes: int = 0  # merged: what the trainer sent over its process group before (tasks/engines/weight_sync.py)
+    per_engine: tuple[JobTiming, ...] = ()  # merged: each replica's jobs together
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -401,6 +426,7 @@ KINDS = {
         VLLMSettings,
         GenerationJob,
         GenerateRequest,
+        GenerationReply,
         WeightGroup,
         SendWeightsRequest,
         WeightUpdateCall,

@@ -3,6 +3,8 @@
 A table is a name, a version and ordered columns (Polars dtypes). The pyarrow schema is derived from it.
 Token-level data is `list<float32>` / `list<int32>`. Tables marked `open` (metrics) must hold their declared
 columns but may carry extra float columns, so a new metric does not need a schema version bump.
+
+Over 400 lines as a declaration file: every table's columns are stated here once, one declaration per table.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Run storage: the path layout and the stage contract (atomic parts, manifests, fingerprints)."""
 
 from storage.layout import LayoutError, RunLayout, check_name
+from storage.scans import DamagedDataError, complete_files, scan, verified_parts
 from storage.stage_io import (
-    DamagedDataError,
     DiskFullError,
     StageOutput,
     changed_inputs,
     commit_dir,
-    complete_files,
     ensure_free,
     find_complete,
     fingerprint,
@@ -16,12 +15,10 @@ from storage.stage_io import (
     package_versions,
     read_manifest,
     read_stage,
-    scan,
     stage_part,
     state_bytes,
     state_dir_for,
     temp_dir_for,
-    verified_parts,
     write_json_atomic,
     write_stage,
     written,

@@ -112,6 +112,18 @@ def tiny_sft(tmp_path_factory):
     return workspace, cfg
 
 
+@pytest.fixture(scope="module")
+def one_iteration(tiny_sft):
+    """A complete GRPO run (one trainer rank, one vLLM engine, 2 iterations) that the scale-out tests fork and
+    `export-data` exports: the run that tests/test_e2e.py's test_sigkill_inside_each_stage_then_resume finishes, so no
+    second base run is paid for; made here when that test did not run."""
+    workspace, cfg = tiny_sft
+    layout = RunLayout(workspace / "runs", "crashy")
+    if not layout.summary_path.exists():
+        rlpipe("run", str(cfg), "--run-id", "crashy", cwd=workspace)
+    return workspace, layout
+
+
 def read_table(layout: RunLayout, stage: str, iteration: int):
     import polars as pl
 

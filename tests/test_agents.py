@@ -550,6 +550,7 @@ def agent_play(tmp_path, tok, rows: list[dict], script: list[str], data=None, en
     from types import SimpleNamespace
 
     from schemas.config import AgentConfig, DataConfig
+    from schemas.requests import GenerationReply, JobTiming
     from tasks.data.datasets import prompt_rows
     from tasks.stages import agent_rollouts
 
@@ -576,7 +577,11 @@ def agent_play(tmp_path, tok, rows: list[dict], script: list[str], data=None, en
         out = frame.select("prompt_id").with_columns(
             token_ids=pl.Series(ids), sampler_logprobs=logprobs, finish_reason=pl.lit("stop")
         )
-        return out, {"jobs": [{"generate_seconds": 0.0, "tokens": sum(map(len, ids))}]}
+        timing = JobTiming(generate_seconds=0.0, tokens=sum(map(len, ids)))
+        return out, GenerationReply(
+            engine_start_seconds=0.0, sync_seconds=0.0, sync_logprob_gap=None, jobs=(timing,), vllm_version="",
+            peak_rss_gib=0.0, kv_cache_gib=None,
+        )  # fmt: skip
 
     return agent_rollouts.play(ctx, str(tmp_path / "model"), prompts, 1, 0, "t", generate_frames, lambda seed: {})
 

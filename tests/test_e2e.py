@@ -727,18 +727,16 @@ def test_reward_model_and_dpo_on_kwise_rankings(tiny_sft):
     ref = read_table(dpo, "ref_logprobs", 0)
     assert ref.height == 160 * 2 and (ref["chosen_logp"] < 0).all()
     assert pl.read_parquet(dpo.stage_dir("dpo_eval", 1) / "*.parquet").height == 64
-
-
-@pytest.fixture(scope="module")
-def one_iteration(tiny_sft):
-    """A complete GRPO run (one trainer rank, one vLLM engine) whose iteration 1 the scale-out tests fork: the run that
-    test_sigkill_inside_each_stage_then_resume finishes, so no second base run is paid for; made here when that test
-    did not run."""
-    workspace, cfg = tiny_sft
-    layout = RunLayout(workspace / "runs", "crashy")
-    if not layout.summary_path.exists():
-        rlpipe("run", str(cfg), "--run-id", "crashy", cwd=workspace)
-    return workspace, layout
+    # A run-scope stage reruns through its graph from the cached tables, with the fingerprint the flow gave it; then
+    # `resume` runs the DPO flow (not RL's): its stages complete, the summary written again.
+    first = read_manifest(dpo, "dpo_eval", 1)
+    rlpipe("rerun", "dpo", "--iteration", "0", "--stage", "dpo_eval", "--root", str(root), cwd=workspace)
+    again = read_manifest(dpo, "dpo_eval", 1)
+    assert again["fingerprint"] == first["fingerprint"] and again["inputs"] == first["inputs"]
+    assert not dpo.summary_path.exists()
+    rlpipe("resume", "dpo", "--root", str(root), cwd=workspace)
+    assert json.loads(dpo.summary_path.read_text())["dpo_reward_accuracy"] == summary["dpo_reward_accuracy"]
+    assert not dpo.stage_dir("train_metrics", 1).exists() and read_manifest(dpo, "dpo_eval", 1) == again
 
 
 def max_weight_gap(a_dir, b_dir) -> float:
@@ -971,7 +969,8 @@ def test_a_sampling_temperature_is_the_trainers_and_the_samplers(one_iteration):
     import yaml
     from transformers import AutoModelForCausalLM
 
-    from tasks.engines.workers.token_batch import pack_shared, response_logprobs
+    from tasks.engines.workers.packing import pack_shared
+    from tasks.engines.workers.token_batch import response_logprobs
 
     workspace, base = one_iteration
     root = str(workspace / "runs")

@@ -49,7 +49,7 @@ def test_cuda_without_a_gpu_is_one_line(tmp_path):
 
 def test_train_flops_by_hand():
     sys.path.insert(0, str(SCRIPT.parent))
-    from gpu_check import train_flops
+    from gpu_check_steps import train_flops
 
     config = SimpleNamespace(
         hidden_size=8,

@@ -381,7 +381,7 @@ def test_the_time_plot_stacks_only_disjoint_stage_times():
 
 
 def test_progress_lines_say_steps_rate_and_time_left(tmp_path, capsys):
-    from tasks.engines.resident import _LogTail
+    from tasks.engines.launch import LogTail
     from tasks.engines.workers.training import Progress
 
     progress = Progress("sft", 100, seconds=0.0)
@@ -391,7 +391,7 @@ def test_progress_lines_say_steps_rate_and_time_left(tmp_path, capsys):
     assert line.startswith("progress: sft step 20/100 (20%), 2.00 steps/s, 40s left, loss 0.5"), line
     log = tmp_path / "worker.log"
     log.write_text("before the wait\nprogress: old\n")
-    tail = _LogTail(log)  # what a waiting client echoes: the progress lines appended since the wait began
+    tail = LogTail(log)  # what a waiting client echoes: the progress lines appended since the wait began
     for i in range(3):
         with open(log, "a") as f:
             f.write(f"noise\nprogress: step {i}\nprogress: half a li" if i == 1 else f"noise\nprogress: step {i}\n")

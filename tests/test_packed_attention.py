@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tasks.engines.workers.packed_attention import ATTENTION, packed_layout
-from tasks.engines.workers.token_batch import pack_shared, response_logprobs
+from tasks.engines.workers.packing import pack_shared
+from tasks.engines.workers.token_batch import response_logprobs
 
 CAP = 9  # the longest response: "a response at the cap"
 

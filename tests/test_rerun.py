@@ -8,6 +8,7 @@ import pytest
 
 from flows.rerun import affected, check_sampler_logprobs, fork, supersede
 from schemas.config import ConfigError, build_config
+from schemas.errors import NotFound
 from storage import RunLayout, write_stage
 from tasks.analysis.run_diff import diff_frames
 from tasks.stages.graph import RL_ITERATION
@@ -134,3 +135,97 @@ def test_sampler_logprobs_at_another_temperature_are_refused_as_pi_old(tmp_path)
             check_sampler_logprobs(partial, layout, 2, regenerated=regenerated)
     trainer = build_config({"rollout": {"temperature": 0.5}})  # π_old from the trainer, no correction: nothing read
     check_sampler_logprobs(trainer, layout, 1, regenerated=False)
+
+
+def preference_run(tmp_path, run_id: str, stages: dict[str, int]) -> RunLayout:
+    """A run-scope flow's run (its config real, no engine ran): `stages` (table → iteration) as placeholders, except
+    the pairs and reference logprobs the DPO eval reads, a checkpoint 1 and a summary."""
+    from schemas.config import dump_config, load_config
+    from tests.conftest import tiny_config
+
+    layout = RunLayout(tmp_path / "runs", run_id)
+    layout.run_dir.mkdir(parents=True)
+    layout.config_path.write_text(dump_config(load_config(tiny_config(tmp_path))))
+    keys = {"prompt_id": ["a", "a", "b"], "pair_idx": pl.Series([0, 1, 0], dtype=pl.Int32)}
+    ids = pl.Series([[1]] * 3, dtype=pl.List(pl.Int32))
+    real = {
+        "preference_pairs": pl.DataFrame(
+            {**keys, "prompt": "p", "prompt_token_ids": ids, "chosen": "c", "rejected": "r", "split": "heldout"}
+        ),
+        "ref_logprobs": pl.DataFrame({**keys, "chosen_logp": [-1.0, -2.0, -1.0], "rejected_logp": [-1.5, -1.0, -3.0]}),
+    }
+    for name, k in stages.items():
+        if name in real:
+            write_stage(layout, name, k, real[name], fp=f"fp-{name}{k}", inputs={}, config_hash="", started=0.0)
+        else:
+            write_placeholder(layout, name, k)
+    layout.checkpoint_dir(1).mkdir(parents=True)
+    (layout.checkpoint_dir(1) / "model.safetensors").write_bytes(b"w")
+    layout.summary_path.write_text("{}")
+    return layout
+
+
+def write_placeholder(layout, name: str, k: int) -> None:
+    from schemas.tables import TableSchema
+
+    table = TableSchema("placeholder", 1, {"x": pl.Int64})
+    write_stage(layout, name, k, pl.DataFrame({"x": [1]}), fp=f"fp-{name}{k}", inputs={}, config_hash="", started=0.0,
+                table=table)  # fmt: skip
+
+
+def test_a_dpo_runs_eval_stage_is_rerun_from_its_cached_tables_with_the_fingerprint_the_flow_gave_it(
+    tmp_path, monkeypatch
+):
+    """A run-scope stage reruns at iteration 0 through the graph: it and what reads it in the run's graph are
+    recomputed, the upstream handed from the manifests as the flow handed it (the same fingerprint); a rerun of the
+    training moves its checkpoint and the trained policy's eval aside, and `resume` runs the DPO flow."""
+    from flows.rerun import rerun, run_flow
+    from storage import read_manifest
+    from tasks.stages import dpo, graph
+
+    stages = {"dataset": 0, "eval": 0, "preference_rankings": 0, "preference_pairs": 0, "ref_logprobs": 0}
+    layout = preference_run(tmp_path, "dpo", {**stages, "dpo_metrics": 1})
+    stages["dpo_metrics"] = 1
+    write_placeholder(layout, "eval", 1)  # the trained policy's eval
+    scored = []
+
+    def policy_logprobs(ctx, model_path, pairs, name):  # the trained policy's, without a scoring worker
+        scored.append(model_path)
+        return pairs.select("prompt_id", "pair_idx", chosen_logp=pl.lit(-1.0), rejected_logp=pl.lit(-2.0))
+
+    monkeypatch.setattr(dpo, "sequence_logprobs", policy_logprobs)
+    monkeypatch.setattr("tasks.stages.preflight.check_model", lambda cfg, flow: None)
+    root = str(layout.root)
+    fps = {name: [f"fp-{name}{k}"] for name, k in stages.items()}
+    first = dpo.dpo_eval_task.fn(**graph.task_arguments(dpo.EVAL_SPEC, root, "dpo", 0, 0, fps, set()))
+    assert first.fingerprint == read_manifest(layout, "dpo_eval", 1)["fingerprint"]
+    assert run_flow(layout) == "dpo"
+
+    result = rerun("dpo", 0, "dpo_eval", [], None, root)
+    again = read_manifest(layout, "dpo_eval", 1)
+    assert result["stage"] == "dpo_eval" and result["superseded"] == 2  # dpo_eval and the summary
+    assert again["fingerprint"] == first.fingerprint
+    assert again["inputs"] == {"pairs": "fp-preference_pairs0", "ref": "fp-ref_logprobs0", "dpo": "fp-dpo_metrics1"}
+    assert scored == [str(layout.checkpoint_dir(1))] * 2 and layout.manifest_path("eval", 1).exists()
+
+    stale = rel(layout, affected(layout, "dpo_metrics", 0))
+    assert stale == ["checkpoints/iter=00001", "dpo_eval/iter=00001", "dpo_metrics/iter=00001", "eval/iter=00001"]
+    assert rel(layout, affected(layout, "ref_logprobs", 0))[-1] == "ref_logprobs/iter=00000"
+    with pytest.raises(ConfigError, match="computed once per run: rerun it with --iteration 0"):
+        rerun("dpo", 1, "dpo_eval", [], None, root)
+    with pytest.raises(ConfigError, match="--through spans an RL iteration's stages"):
+        rerun("dpo", 0, "ref_logprobs", [], None, root, through="dpo_eval")
+    with pytest.raises(NotFound, match="not a run of the flow that computes rm_eval \\(dpo\\)"):
+        rerun("dpo", 0, "rm_eval", [], None, root)
+
+
+def test_a_reward_model_runs_pairs_rerun_leaves_its_trained_model_which_reads_the_rankings(tmp_path):
+    """Stale is what reads the stage in the run's own graph: the reward model trains on the rankings, not the pairs."""
+    rm = {"preference_rankings": 0, "preference_pairs": 0, "rm_metrics": 1, "rm_eval": 1}
+    layout = preference_run(tmp_path, "rm", rm)
+    assert rel(layout, affected(layout, "preference_pairs", 0)) == [
+        "preference_pairs/iter=00000",
+        "rm_eval/iter=00001",
+        "summary.json",
+    ]
+    assert "checkpoints/iter=00001" in rel(layout, affected(layout, "preference_rankings", 0))

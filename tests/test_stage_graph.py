@@ -337,10 +337,8 @@ def toy_graph(calls: list, rounds_needed: int):
 
 
 def test_the_flow_calls_the_graph_in_order_with_the_fingerprints_of_what_each_stage_reads():
-    from flows.rl import run_iteration_stages
-
     calls = []
-    out = run_iteration_stages("root", "r", 7, toy_graph(calls, rounds_needed=2))
+    out = graph.run_stages(toy_graph(calls, rounds_needed=2), "root", "r", 7)
     j0, j1 = "judge(draw7.0)", "judge(draw7.1)"
     assert calls == [
         ("draw", 0, {}),
@@ -405,3 +403,77 @@ def test_the_rl_flow_lists_no_stage():
     source = (ROOT / "flows" / "rl.py").read_text()
     for spec in graph.ITERATION_TASKS:
         assert spec.task.fn.__name__ not in source, spec.task.fn.__name__
+
+
+def test_every_flow_is_a_declared_graph_in_data_order_whose_tasks_the_graph_can_call():
+    """SFT, DPO, the reward model and the PRM: graphs of the iteration's form, each stage with its task; a flow frees
+    the sampler between two spans of its graph."""
+    assert {name: [s.name for s in specs] for name, specs in graph.RUN_GRAPHS.items()} == {
+        "sft": ["sft_data", "sft_metrics"],
+        "dpo": ["preference_rankings", "preference_pairs", "ref_logprobs", "dpo_metrics", "dpo_eval"],
+        "rm": ["preference_rankings", "preference_pairs", "rm_metrics", "rm_eval"],
+        "prm": ["prm_steps", "prm_metrics", "prm_eval"],
+    }
+    for specs in graph.RUN_GRAPHS.values():
+        order = [s.name for s in specs]
+        for i, spec in enumerate(specs):
+            assert not set(spec.all_reads) & set(order[i + 1 :]) and spec.task is not None, spec.name
+        graph.checked(specs)
+    data, training = graph.split(graph.DPO, after="preference_rankings")
+    assert [s.name for s in data] == ["preference_rankings"] and data + training == graph.DPO
+    assert graph.run_graph_of({"dataset", "eval", "preference_rankings", "ref_logprobs"}) == "dpo"
+    assert graph.run_graph_of({"preference_rankings", "preference_pairs", "rm_eval"}) == "rm"
+    assert graph.run_graph_of({"dataset", "sft_data", "prompts", "eval"}) is None  # an RL run with PPO-ptx
+    assert graph.downstream_tables("ref_logprobs") == ["ref_logprobs", "dpo_metrics", "dpo_eval"]
+
+
+def test_run_scope_stages_fingerprint_the_inputs_they_had_before_their_flows_were_graphs(tmp_path, monkeypatch):
+    """Each run-scope task, handed `upstream` by the graph, fingerprints exactly the inputs it had when its flow passed
+    fingerprints by position (by hand, from the flows before): no existing run recomputes. Its iteration too."""
+    from tasks.stages import dpo, preference_data, process_model, reward_model, sft
+
+    layout = fake_run(tmp_path)
+    seen = {}
+
+    def fake_run_stage(ctx, iteration, *, inputs, compute, salt=""):
+        seen[ctx.spec.name] = (iteration, inputs)
+        return Out(f"fp-{ctx.spec.name}")
+
+    for module in (sft, preference_data, dpo, reward_model, process_model):
+        monkeypatch.setattr(module, "run_stage", fake_run_stage)
+        monkeypatch.setattr(module, "model_fingerprint", lambda path: "model")
+    for module in (dpo, reward_model, process_model):
+        monkeypatch.setattr(module, "ensure_exported", lambda *a: None)
+    monkeypatch.setattr(sft, "export_checkpoint", lambda *a: None)
+    firsts = {"sft_data", "preference_rankings", "prm_steps"}  # what they read is not a stage of their graph
+    for specs in graph.RUN_GRAPHS.values():
+        fingerprints = {s.name: [f"fp-{s.name}"] for s in specs if s.name in firsts}
+        for spec in (s for s in specs if s.name not in firsts):
+            args = graph.task_arguments(spec, str(layout.root), "r", 0, 0, fingerprints, set())
+            fingerprints[spec.name] = [spec.task.fn(**args).fingerprint]
+    assert seen == {
+        "sft_metrics": (0, {"data": "fp-sft_data", "base": "model"}),
+        "preference_pairs": (0, {"rankings": "fp-preference_rankings"}),
+        "ref_logprobs": (0, {"pairs": "fp-preference_pairs", "ref": "model"}),
+        "dpo_metrics": (1, {"pairs": "fp-preference_pairs", "ref": "fp-ref_logprobs", "policy": "model"}),
+        "dpo_eval": (1, {"pairs": "fp-preference_pairs", "ref": "fp-ref_logprobs", "dpo": "fp-dpo_metrics"}),
+        "rm_metrics": (1, {"rankings": "fp-preference_rankings", "base": "model"}),
+        "rm_eval": (1, {"pairs": "fp-preference_pairs", "reward_model": "fp-rm_metrics"}),
+        "prm_metrics": (1, {"steps": "fp-prm_steps", "base": "model"}),
+        "prm_eval": (1, {"steps": "fp-prm_steps", "prm": "fp-prm_metrics"}),
+    }
+    # prm_steps reads the run's dataset: handed from its manifest, the fingerprint it read itself before
+    write_stage_placeholder(layout, "dataset", 0, "fp-dataset")
+    spec = graph.stage("prm_steps")
+    args = graph.task_arguments(spec, str(layout.root), "r", 0, 0, {}, set())
+    assert args["upstream"] == {"dataset": "fp-dataset"}
+    assert "upstream" not in graph.task_arguments(graph.stage("preference_rankings"), "root", "r", 0, 0, {}, set())
+
+
+def write_stage_placeholder(layout, stage: str, iteration: int, fp: str) -> None:
+    from schemas.tables import TableSchema
+    from storage import write_stage
+
+    table = TableSchema("placeholder", 1, {"x": pl.Int64})
+    write_stage(layout, stage, iteration, pl.DataFrame({"x": [1]}), fp=fp, inputs={}, config_hash="", started=0.0,
+                table=table)  # fmt: skip

@@ -9,13 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tasks.engines.workers.data_parallel import contiguous_micro_batches
 from tasks.engines.workers.micro_batches import group_order
-from tasks.engines.workers.token_batch import (
-    align_responses,
-    pack,
-    pack_shared,
-    response_logprobs,
-    token_logprobs,
-)
+from tasks.engines.workers.packing import pack, pack_shared
+from tasks.engines.workers.token_batch import align_responses, response_logprobs, token_logprobs
 
 
 def unalign(grid: torch.Tensor, prompt_lens: list[int], response_lens: list[int]) -> list[list[float]]:

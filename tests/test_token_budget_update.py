@@ -1,5 +1,5 @@
 """optim.micro_batch_tokens in the real update loop: the DeepSpeed engine, the trainer's own micro-step
-(deepspeed_train._Update), one optimizer step's gradient with token-budget micro-batches against sample-count ones,
+(policy_update.PolicyUpdate), one optimizer step's gradient with token-budget micro-batches against sample-count ones,
 for every aggregation mode, on one rank and on two (gloo, each rank its own process, gradients averaged by DeepSpeed).
 Samples stay whole and every aggregation divides by the minibatch's normalisers, so the two must agree to float
 rounding (1e-6 relative)."""
@@ -25,8 +25,8 @@ from schemas.config import LossConfig
 from schemas.requests import EngineSettings, LossSettings
 from tasks.algos.losses import AGGREGATIONS
 from tasks.engines.workers import data_parallel
-from tasks.engines.workers.deepspeed_train import _Update
 from tasks.engines.workers.micro_batches import groups_of
+from tasks.engines.workers.policy_update import PolicyUpdate
 from tasks.engines.workers.training import deepspeed_engine
 
 torch.manual_seed(0)
@@ -57,7 +57,7 @@ for aggregation, budget, mask_threshold in cases + [("token-mean", 40, 0.3)]:  #
     loss = LossSettings(loss=LossConfig(aggregation=aggregation, clip_eps_high=0.28,
                                         off_policy_mask_threshold=mask_threshold),
                         kl_beta=0.04, entropy_coef=0.01, max_tokens=30)
-    update = _Update(SimpleNamespace(loss=loss, engine=settings), tokenizer, data)
+    update = PolicyUpdate(SimpleNamespace(loss=loss, engine=settings), tokenizer, data)
     engine, _ = deepspeed_engine(copy.deepcopy(base), settings, gas=4)
     grads, step = [], engine.step
 

@@ -65,7 +65,7 @@ def test_sync_in_place_matches_the_trainer_from_files_and_over_a_process_group(t
     settings = VLLMSettings(model_path=str(before), dtype="float32", seed=0, kv_cache_gib=1, gpu_memory_utilization=0.5)
     try:
         first = engine.generate(GenerateRequest(model_path=str(before), jobs=(job,)), settings)
-        assert first["engine_start_seconds"] > 0 and first["sync_logprob_gap"] < 1e-3
+        assert first.engine_start_seconds > 0 and first.sync_logprob_gap < 1e-3
         synced = engine.generate(GenerateRequest(model_path=str(after), jobs=(job,)), settings)
         from_files = pl.read_parquet(job.out_path)
         engine.generate(GenerateRequest(model_path=str(before), jobs=(job,)), settings)  # back, from files
@@ -75,14 +75,14 @@ def test_sync_in_place_matches_the_trainer_from_files_and_over_a_process_group(t
         back, _ = receive_from_a_sender(engine, before, tmp_path, settings, sender)  # the same group and buffers
     finally:
         engine.close()
-    assert synced["engine_start_seconds"] == 0  # the same engine: synced, not restarted
-    assert 0 < synced["sync_seconds"] < 5
-    assert synced["sync_logprob_gap"] < 1e-3
-    assert received["sync_logprob_gap"] == synced["sync_logprob_gap"]  # bit-identical weights
+    assert synced.engine_start_seconds == 0  # the same engine: synced, not restarted
+    assert 0 < synced.sync_seconds < 5
+    assert synced.sync_logprob_gap < 1e-3
+    assert received["sync_logprob_gap"] == synced.sync_logprob_gap  # bit-identical weights
     params = AutoModelForCausalLM.from_pretrained(after).parameters()
     assert received["sync_bytes"] == sum(p.numel() * 4 for p in params)  # each weight once (a tied one too), fp32
-    assert again["sync_seconds"] == 0 and over_group.equals(from_files)
-    assert back["sync_logprob_gap"] == first["sync_logprob_gap"]
+    assert again.sync_seconds == 0 and over_group.equals(from_files)
+    assert back["sync_logprob_gap"] == first.sync_logprob_gap
 
 
 _GROUPS = itertools.count()
@@ -93,7 +93,8 @@ def _sender(engine, tmp_path, bucket_bytes: int, source):
     process and the replica, and its client."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from tasks.engines.workers.weight_transfer import GlooTrainerInitInfo, ReplicaClient, register
+    from tasks.engines.workers.weight_transfer import register
+    from tasks.engines.workers.weight_transfer_trainer import GlooTrainerInitInfo, ReplicaClient
 
     register()
     client = ReplicaClient([(f"replica 0 (actor {engine.actors[0]._actor_id.hex()[:12]})", engine.actors[0])], 1)
@@ -111,10 +112,12 @@ def _sender(engine, tmp_path, bucket_bytes: int, source):
 
 def receive_from_a_sender(engine, model_dir, tmp_path, settings, sender=None):
     """The engine receives `model_dir`'s weights through vLLM's API, sent as the trainer sends them
-    (weight_transfer.policy_tensors of an engine holding the model); (its answer, the sender kept for the next)."""
+    (weight_transfer_trainer.policy_tensors of an engine holding the model); (its answer, the sender kept for the
+    next)."""
     from types import SimpleNamespace
 
-    from tasks.engines.workers.weight_transfer import PolicySource, chunks, policy_tensors, tensor_bytes
+    from tasks.engines.workers.weight_transfer import chunks, tensor_bytes
+    from tasks.engines.workers.weight_transfer_trainer import PolicySource, policy_tensors
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     size = sum(p.numel() * 4 for p in model.parameters())
@@ -136,7 +139,7 @@ class _Partial:
     """A weight source whose iteration stops after `n` tensors while its metadata declares them all."""
 
     def __init__(self, named, n: int):
-        from tasks.engines.workers.weight_transfer import PolicySource
+        from tasks.engines.workers.weight_transfer_trainer import PolicySource
 
         self.whole = PolicySource()
         self.whole.hold(named)
@@ -156,7 +159,7 @@ def test_a_partial_or_failed_send_names_the_replica_and_a_partial_one_leaves_the
     wrong shape, declared so) fails with its own error, named."""
     from types import SimpleNamespace
 
-    from tasks.engines.workers.weight_transfer import PolicySource, policy_tensors
+    from tasks.engines.workers.weight_transfer_trainer import PolicySource, policy_tensors
 
     before, after = _policy_pair(tmp_path, tied=True)
     settings = VLLMSettings(model_path=str(before), dtype="float32", seed=0, kv_cache_gib=1, gpu_memory_utilization=0.5)

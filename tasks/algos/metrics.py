@@ -62,6 +62,16 @@ def explained_variance(advantages: pl.DataFrame, logprobs: pl.DataFrame) -> floa
     return float(1.0 - (tokens["returns"] - tokens["values"]).var() / var_r)
 
 
+def label_prior(answers: pl.Series) -> float | None:
+    """The accuracy of always giving the most common answer: its share of all the answers (an empty or null answer is
+    no label, but counts in the total); None when there is no label. The control a held-out accuracy is read against:
+    50 "Yes" among 64 answers give 0.781 to a model that only ever says "Yes"."""
+    labels = answers.drop_nulls().filter(answers.drop_nulls() != "")
+    if labels.is_empty():
+        return None
+    return float(labels.value_counts(sort=True)["count"][0] / answers.len())
+
+
 def auc(scores: pl.Series, labels: pl.Series) -> float | None:
     """P(score of a positive > score of a negative), ties ½ (Mann–Whitney U over n₊·n₋, from average ranks); None when
     one class is empty."""

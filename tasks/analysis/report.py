@@ -41,7 +41,7 @@ def _line_plot(path: Path, title: str, ylabel: str, series: dict[str, tuple[list
 
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
     for label, (x, y) in series.items():
-        ax.plot(x, y, marker="o", markersize=3, label=label)
+        ax.plot(x, y, marker="o", markersize=3, label=label, linestyle="--" if label.startswith("label prior") else "-")
     ax.set(title=title, xlabel="iteration", ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -102,14 +102,21 @@ def eval_table(layout: RunLayout) -> pl.DataFrame:
 
 
 def source_accuracy(layout: RunLayout) -> dict[str, tuple[list[int], list[float]]]:
-    """Each source's eval accuracy by iteration (its `accuracy/<source>` figures), when the dataset names sources."""
+    """Each source's eval accuracy by iteration (its `accuracy/<source>` figures) and, beside it, its label prior (the
+    accuracy of always giving its most common held-out answer, `label_prior/<source>`), when the dataset names
+    sources: one line each, by name."""
     out: dict[str, tuple[list[int], list[float]]] = {}
     for it in layout.iterations("eval"):
         m = read_manifest(layout, "eval", it, verify=False)
         for source, figures in split_by_source(m["extra"] if m else {}).items():
-            its, values = out.setdefault(source, ([], []))
-            its.append(it)
-            values.append(figures["accuracy"])
+            for line, key in (
+                (f"eval greedy accuracy, {source}", "accuracy"),
+                (f"label prior, {source}", "label_prior"),
+            ):
+                if key in figures:
+                    its, values = out.setdefault(line, ([], []))
+                    its.append(it)
+                    values.append(figures[key])
     return dict(sorted(out.items()))
 
 
@@ -136,8 +143,7 @@ def write_report(run_id: str, root: str = "runs") -> Path:
             _line_plot(out_dir / f"{stem}.png", title, ylabel, series)
             figures.append((stem, title))
     accuracy = {"eval greedy accuracy (rule)": (evals["iteration"].to_list(), evals["accuracy"].to_list())}
-    for source, points in source_accuracy(layout).items():  # a dataset that names its sources: one line each
-        accuracy[f"eval greedy accuracy, {source}"] = points
+    accuracy.update(source_accuracy(layout))  # a dataset that names its sources: its accuracy and prior, each
     if "score_accuracy_mean" in metrics.columns:
         accuracy["train accuracy reward"] = (x, metrics["score_accuracy_mean"].to_list())
     _line_plot(out_dir / "accuracy.png", "Accuracy", "fraction", accuracy)

@@ -126,9 +126,18 @@ def pass_at(figures: dict) -> float:
     return next((v for k, v in figures.items() if k.startswith("pass_at_") and "/" not in k), float("nan"))
 
 
+def prior(figures: dict) -> str:
+    """The label prior beside an accuracy; "-" where the held-out set has no answers or the eval predates the figure."""
+    value = figures.get("label_prior")
+    return "-" if value is None else f"{value:.4f}"
+
+
 def eval_table(layout) -> Table:
-    table = Table(title="eval (greedy pass@1, sampled pass@k, greedy mean reward; held-out prompts)")
-    for col in ("iteration", "accuracy", "pass@k", "reward", "length", "prompts", "seconds"):
+    table = Table(
+        title="eval (greedy pass@1 beside its label prior: always the most common held-out answer; sampled pass@k, "
+        "greedy mean reward; held-out prompts)"
+    )
+    for col in ("iteration", "accuracy", "prior", "pass@k", "reward", "length", "prompts", "seconds"):
         table.add_column(col, justify="right")
     for it in layout.iterations("eval"):
         m = read_manifest(layout, "eval", it, verify=False)
@@ -138,6 +147,7 @@ def eval_table(layout) -> Table:
             table.add_row(
                 str(it),
                 f"{e['accuracy']:.4f}",
+                prior(e),
                 f"{pk:.4f}",
                 f"{e.get('mean_reward', float('nan')):.4f}",
                 f"{e.get('mean_length', float('nan')):.1f}",
@@ -148,6 +158,7 @@ def eval_table(layout) -> Table:
                 table.add_row(
                     f"{it} {source}",
                     f"{f['accuracy']:.4f}",
+                    prior(f),
                     f"{pass_at(f):.4f}",
                     "",
                     f"{f.get('mean_length', float('nan')):.1f}",

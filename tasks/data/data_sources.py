@@ -37,7 +37,8 @@ def generated_rows(source: DataSource) -> dict[str, pl.DataFrame]:
         train += [(level, e) for e in entries(g.task, settings(level), g.n_train, g.seed + level * g.n_train)]
     top = (c.levels - 1 if c.eval_level is None else c.eval_level) if c else 0
     asked = {e["question"] for _, e in train}
-    evals = held_out(g.task, settings(top), g.n_eval, g.eval_seed, asked, f"data.sources[{source.name}]")
+    balanced = g.eval_draws if g.balance_eval_labels else 0
+    evals = held_out(g.task, settings(top), g.n_eval, g.eval_seed, asked, f"data.sources[{source.name}]", balanced)
 
     def frame(rows: list[tuple[int, dict]], split: str) -> pl.DataFrame:
         ids = [f"{source.name}-{split}-{level}-{i:06d}" for i, (level, _) in enumerate(rows)]

@@ -1,6 +1,6 @@
 """What the engine actors (tasks/engines/resident.py) and their worker modules share: the error a failed engine raises
-(one line plus its log's path), the environment an engine runs in, the progress-line mark a client echoes, and the
-few facts an engine reports of itself.
+(one line plus its log's path), each rank's log and the progress lines a client echoes from it, the environment an
+engine runs in, and the few facts an engine reports of itself.
 """
 
 from __future__ import annotations
@@ -36,6 +36,31 @@ def last_error_line(log: Path) -> str:
         if "Error" in line or "error:" in line or "Exception" in line:
             return line[-300:]
     return lines[-1][-300:] if lines else "empty log"
+
+
+def rank_log(log: Path, rank: int) -> Path:
+    """Rank 0 writes the engine's log; rank r > 0 writes `<log>-rank<r>.log` beside it."""
+    return log if rank == 0 else log.with_name(f"{log.stem}-rank{rank}{log.suffix}")
+
+
+class LogTail:
+    """The `progress:` lines appended to a log since the wait began, echoed to the terminal."""
+
+    def __init__(self, log: Path):
+        self.log, self.at = log, log.stat().st_size if log.exists() else 0
+
+    def echo(self) -> None:
+        if not self.log.exists():
+            return
+        with open(self.log, "rb") as f:
+            f.seek(self.at)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.at += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            if line.startswith(PROGRESS_PREFIX):
+                sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def engine_env() -> dict:

@@ -12,7 +12,8 @@ An engine of several ranks (data-parallel DeepSpeed) is one actor per rank, plac
 torch.distributed group themselves, at rank 0's node address (gloo on CPU, NCCL on GPU), with a timeout the config
 sets. Every request goes to every rank, and rank 0's answer is kept: no relay between ranks. A rank that dies (its
 process, its node) or fails ends the whole group with one line naming the rank, its node and the cause; the next
-request starts a new group.
+request starts a new group. Where the ranks go and what each starts with (its placement group, its environment, where
+the ranks meet) is tasks/engines/placing.py's.
 
 Correctness never depends on an actor's memory: every request names the checkpoint it starts from, and a server reuses
 what it holds only when that is provably the same state (see each server's docstring).
@@ -22,20 +23,16 @@ Imports: ray (0.6 s) is imported inside functions: the CLI imports this module a
 from __future__ import annotations
 
 import atexit
-import getpass
-import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from schemas.requests import to_wire
-from tasks.engines import ray_cluster
-from tasks.engines.launch import PROGRESS_PREFIX, WorkerError, engine_env, last_error_line
+from tasks.engines import placing, ray_cluster
+from tasks.engines.launch import PROGRESS_PREFIX, LogTail, WorkerError, engine_env, last_error_line, rank_log
 from tasks.engines.ray_cluster import Placement
-from tasks.engines.workers import data_parallel
 from tasks.engines.workers.engine_actor import EngineActor
 
 POLL_S = 0.5  # how often a waiting client checks the ranks (and echoes their progress lines)
@@ -109,8 +106,9 @@ class ResidentProcess:
             return
         ray_cluster.connect(self.placement.ray_address)
         _register_exit()
-        actor, options = _actor_class(), self._options()
-        env = {**engine_env(), **self.env, **self._thread_env(), **self._temp_env()}
+        actor = _actor_class()
+        options, self.group, self.placed = placing.actor_options(self.name, self.ranks, self.placement)
+        env = {**engine_env(), **self.env, **placing.thread_env(self.ranks), **placing.temp_env(self.placement)}
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
         self.actors = [actor.options(**options(r)).remote(self.module, env) for r in range(self.ranks)]
@@ -118,97 +116,22 @@ class ResidentProcess:
         if not held:
             self._release(settings)
 
-    def _thread_env(self) -> dict:
-        """Ranks that each take every core slow each other down several times over: the cores are shared out (a
-        thread count the user set wins). One rank chooses for itself, as a process of its own would (vLLM-CPU keeps one
-        torch thread for serving, and binds its compute threads itself): the OMP_NUM_THREADS Ray sets in an actor
-        (the CPUs it reserved, or 1) is removed."""
-        if os.environ.get("OMP_NUM_THREADS"):
-            return {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
-        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // self.ranks)) if self.ranks > 1 else None}
-
-    def _temp_env(self) -> dict:
-        """The engines' temporary files (vLLM's rendezvous file, one per start) in the embedded instance's folder,
-        which goes with it (and with the reaper's sweep); torch's compile cache stays where it was."""
-        if self.placement.ray_address:
-            return {}
-        return {
-            "TMPDIR": os.path.join(ray_cluster.temp_dir_for(os.getpid()), "engines"),
-            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-            or os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
-        }
-
-    def _options(self) -> Callable[[int], dict]:
-        """Each rank's actor options: its reserved resources, in its bundle of the engine's placement group."""
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundle = dict(self.placement.bundle)
-        reserve = {
-            "num_cpus": bundle.pop("CPU", 0),
-            "num_gpus": bundle.pop("GPU", 0),
-            "resources": bundle,
-        }
-        p = self.placement
-        if not p.bundle:
-            return lambda r: reserve
-        bundles = [dict(p.bundle)] * (self.ranks * p.replicas)
-        if not p.share or p.share not in _SHARED_GROUPS:
-            reason = ray_cluster.why_unplaceable(dict(p.bundle), len(bundles), p.strategy, ray_cluster.node_resources())
-            if reason:  # Ray would keep it pending, and the engine would wait START_DEADLINE_S for nothing
-                raise WorkerError(f"{self.name} cannot be placed on this Ray cluster: {reason} ({p.strategy})")
-        if not p.share:
-            self.group = group = placement_group(bundles, strategy=p.strategy)
-        elif p.share not in _SHARED_GROUPS:
-            group = _SHARED_GROUPS[p.share] = placement_group(bundles, strategy=p.strategy)
-        else:
-            group = _SHARED_GROUPS[p.share]
-        self.placed = (group, group.ready(), bundles)
-        return lambda r: {
-            **reserve,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=p.index * self.ranks + r
-            ),
-        }
-
     def _release(self, settings) -> None:
         """Hand the actors their settings, their log and their rank variables (at rank 0's node address)."""
         self.nodes = self._wait(
             [a.where.remote() for a in self.actors], "failed to start", deadline=time.time() + START_DEADLINE_S
         )
         wire = to_wire(settings) if settings is not None else None
-        meet = self._meeting_place()
+        meet, self.rendezvous = placing.meeting_place(self.name, self.ranks, self.nodes, self.placement)
         self.starting = [
-            actor.start.remote(wire, str(_rank_log(self.log, r)), {**self._rank_env(r), **meet})
+            actor.start.remote(
+                wire,
+                str(rank_log(self.log, r)),
+                {**placing.rank_env(r, self.ranks, self.nodes, self.devices, self.placement), **meet},
+            )
             for r, actor in enumerate(self.actors)
         ]
         self.released, self.spawned = True, time.time()  # the start's deadline and progress count from here
-
-    def _rank_env(self, r: int) -> dict:
-        """The standard torch.distributed variables (what torchrun sets): rank 0's node address and a port free there.
-        On a GPU Ray gives each actor its own devices, so its local rank is 0 among what it sees."""
-        if self.ranks == 1:
-            return {}
-        head = self.nodes[0]
-        return {
-            "RANK": str(r),
-            "LOCAL_RANK": "0" if not self.devices else str(r),
-            "WORLD_SIZE": str(self.ranks),
-            "LOCAL_WORLD_SIZE": str(sum(n["node_id"] == self.nodes[r]["node_id"] for n in self.nodes)),
-            "MASTER_ADDR": head["ip"],
-            "MASTER_PORT": str(head["port"]),
-            data_parallel.TIMEOUT_ENV: str(self.placement.collective_timeout_s),
-        }
-
-    def _meeting_place(self) -> dict:
-        """Where the ranks meet, the same for all of them: at MASTER_ADDR:MASTER_PORT, or, when rank 0 is on loopback
-        (one machine, which must stay on it), through a file (torch's TCP store would listen on every interface), with
-        gloo connecting over `lo` (not the interface the host name resolves to)."""
-        if self.ranks == 1 or self.nodes[0]["ip"] != ray_cluster.LOOPBACK:
-            return {}
-        self.rendezvous = ray_cluster.meeting_file(self.placement.ray_address, f"rendezvous-{self.name}")
-        self.rendezvous.parent.mkdir(parents=True, exist_ok=True)
-        return {data_parallel.RENDEZVOUS_ENV: f"file://{self.rendezvous}", "GLOO_SOCKET_IFNAME": "lo"}
 
     def call(self, request, settings=None, label: str = "", extra: dict | None = None) -> dict:
         """Send one typed request (schemas.requests) to every rank, starting the engine first if needed, with
@@ -245,7 +168,7 @@ class ResidentProcess:
 
         results: list = [None] * len(refs)
         pending = {ref: r for r, ref in enumerate(refs)}
-        tail = _LogTail(_rank_log(self.log, 0))
+        tail = LogTail(rank_log(self.log, 0))
         while pending:
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
             for ref in done:
@@ -271,31 +194,19 @@ class ResidentProcess:
 
     def _check_placed(self) -> None:
         """While the actors wait for their placement group: once Ray has placed it, nothing more; past
-        engines.placement_timeout_s, one line naming what the group needs and what the nodes have free (other engines'
-        groups may hold the rest), and the engine ended."""
+        engines.placement_timeout_s, the engine ended with one line (placing.not_placed)."""
         import ray
 
         if self.placed is None:
             return
-        group, ready, bundles = self.placed
-        if ray.wait([ready], timeout=0)[0]:
+        if ray.wait([self.placed[1]], timeout=0)[0]:
             self.placed = None
             return
         if time.time() - self.spawned < self.placement.placement_timeout_s:
             return
-        free = ray_cluster.node_resources(free=True)
-        reason = ray_cluster.why_unplaceable(bundles[0], len(bundles), self.placement.strategy, free)
+        error = placing.not_placed(self.name, self.placed, self.placement)  # before the kill frees what the group holds
         self.kill()
-        p = self.placement
-        raise WorkerError(
-            f"{self.name} was not placed within {p.placement_timeout_s:g}s (engines.placement_timeout_s): "
-            f"{len(bundles)} bundles of {ray_cluster.bundle_text(bundles[0])} ({p.strategy}); "
-            + (
-                f"free now (other engines' groups hold the rest): {reason}"
-                if reason
-                else "it would fit what is free now"
-            )
-        )
+        raise error
 
     def _died(self, what: str, rank: int, cause: str, pending: dict) -> WorkerError:
         """Rank `rank`'s actor died. Its peers, in a collective with it, may die or fail a moment later, and the first
@@ -343,9 +254,9 @@ class ResidentProcess:
         actor = f"actor {self.actors[rank]._actor_id.hex()[:12]}" if rank < len(self.actors) else "actor"
         which = f" ({f'rank {rank} of {self.ranks}, ' if self.ranks > 1 else ''}{actor} on node {self.node(rank)})"
         if "not answer" not in cause and cause.endswith("died"):
-            cause = f"{cause}; its log: {last_error_line(_rank_log(self.log, rank))}"
+            cause = f"{cause}; its log: {last_error_line(rank_log(self.log, rank))}"
         self.kill()
-        return WorkerError(f"{self.name} {what}{which}: {cause} [log: {_rank_log(self.log, rank)}]")
+        return WorkerError(f"{self.name} {what}{which}: {cause} [log: {rank_log(self.log, rank)}]")
 
     def _progress(self, text: str) -> None:
         """A progress line in the terminal (not in the log, whose own progress lines the client echoes)."""
@@ -392,26 +303,6 @@ class ResidentProcess:
         self.placed = None
 
 
-class _LogTail:
-    """The `progress:` lines appended to a log since the wait began, echoed to the terminal."""
-
-    def __init__(self, log: Path):
-        self.log, self.at = log, log.stat().st_size if log.exists() else 0
-
-    def echo(self) -> None:
-        if not self.log.exists():
-            return
-        with open(self.log, "rb") as f:
-            f.seek(self.at)
-            data = f.read()
-        complete = data[: data.rfind(b"\n") + 1]
-        self.at += len(complete)
-        for line in complete.decode(errors="replace").splitlines():
-            if line.startswith(PROGRESS_PREFIX):
-                sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-
 def _is_error(result) -> bool:
     return isinstance(result, str) or (isinstance(result, dict) and "error" in result)
 
@@ -426,11 +317,6 @@ def _actor_death(exc) -> str:
     if "node" in text.lower() and ("died" in text.lower() or "dead" in text.lower()):
         return "its node died"
     return "its process died"
-
-
-def _rank_log(log: Path, rank: int) -> Path:
-    """Rank 0 writes the engine's log; rank r > 0 writes `<log>-rank<r>.log` beside it."""
-    return log if rank == 0 else log.with_name(f"{log.stem}-rank{rank}{log.suffix}")
 
 
 def run_worker(
@@ -452,7 +338,6 @@ def run_worker(
 
 
 _PROCESSES: dict[tuple[str, str], ResidentProcess] = {}
-_SHARED_GROUPS: dict[str, object] = {}  # Placement.share -> its placement group
 _EXIT = {"registered": False}
 
 
@@ -485,12 +370,12 @@ def close_all() -> None:
     errors = [error for server in servers if (error := server.request_shutdown())]
     for server in servers:
         server.kill()
-    if _SHARED_GROUPS:
+    if placing.SHARED_GROUPS:
         import ray
 
-        for group in _SHARED_GROUPS.values():
+        for group in placing.SHARED_GROUPS.values():
             ray.util.remove_placement_group(group)
-        _SHARED_GROUPS.clear()
+        placing.SHARED_GROUPS.clear()
     if errors:
         raise WorkerError(errors[0])
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schemas.requests import GenerateRequest, VLLMSettings
+from schemas.requests import GenerateRequest, GenerationReply, VLLMSettings, from_wire
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.resident import ResidentProcess, resident
 from tasks.engines.workers import VLLM_SERVER
@@ -24,11 +24,11 @@ class ResidentEngine(ResidentProcess):
         # with (None: unknown, e.g. an adapter to load). tasks/engines/weight_sync.py reads and sets it.
         self.weights: str | None = None
 
-    def generate(self, request: GenerateRequest, settings: VLLMSettings) -> dict:
+    def generate(self, request: GenerateRequest, settings: VLLMSettings) -> GenerationReply:
         """Run the request's jobs with its weights; `settings` start the engine when none is running."""
-        resp = self.call(request, settings)
+        reply = from_wire(self.call(request, settings))
         self.weights = request.model_path
-        return resp
+        return reply
 
     def _release(self, settings) -> None:
         super()._release(settings)

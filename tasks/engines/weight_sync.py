@@ -3,7 +3,7 @@
 Before a generation that names weights some rollout replicas do not hold, the run's resident trainer, which holds them
 (the engine its last update or replay kept), sends them to those replicas through vLLM's weight-transfer API: every
 trainer rank is called, with the replicas' Ray actors beside the request, and trainer rank 0 drives the replicas' side
-of vLLM's calls while it broadcasts (tasks/engines/workers/weight_transfer.py). No file is written or read.
+of vLLM's calls while it broadcasts (tasks/engines/workers/weight_transfer_trainer.py). No file is written or read.
 
 Otherwise (engines.weight_sync file, or weights this process's trainer does not hold, e.g. the starting model) nothing
 happens here: each replica reloads the checkpoint's files in place as it takes the generation request.

@@ -1,10 +1,12 @@
-"""The rollouts stage's multi-turn path (the agent section): each prompt's G trajectories played by
-tasks/agents/rollout_loop.py on the resident vLLM engines, the tools and environment in their worker processes. Writes
-the `rollouts` rows (one per trajectory, with the multi-turn columns) and the `turns` rows."""
+"""The rollouts stage's multi-turn mode (the agent section; tasks/stages/rollout_modes.py), and the eval's episodes:
+each prompt's G trajectories played by tasks/agents/rollout_loop.py on the resident vLLM engines, the tools and
+environment in their worker processes. Writes the `rollouts` rows (one per trajectory, with the multi-turn columns) and
+the `turns` rows."""
 
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import polars as pl
 
@@ -15,6 +17,39 @@ from tasks.agents.rollout_loop import Branching, LoopSettings, Sampled, Trajecto
 from tasks.agents.tools import load_tools, tool_specs
 from tasks.agents.workers import AgentWorkers
 from tasks.data.formatting import load_tokenizer
+from tasks.stages.common import RunContext
+from tasks.stages.rollout_modes import SampledRound, Sampler, register
+from tasks.stages.weights import Weights
+
+
+@register("multi_turn")
+def sample(
+    *,
+    ctx: RunContext,
+    prompts: pl.DataFrame,
+    policy: Weights,
+    iteration: int,
+    round_: int,
+    seed: int,
+    name: str,
+    sampler: Sampler,
+) -> SampledRound:
+    """The round's trajectories (`play`), one sample per turn's job; the figures count the turns too."""
+    group_size, branching = ctx.cfg.rollout.group_size, ctx.cfg.agent.branching
+    rows, turns, reply, totals = play(
+        ctx,
+        policy.path,
+        prompts,
+        group_size,
+        seed,
+        name,
+        sampler.generate,
+        partial(sampler.job, 1),
+        branching=branching,
+    )
+    present = [c for c in TURNS.optional if c in turns.columns]
+    turns = turns.select(*(c for c in TURNS.columns if c not in ("iteration", "round")), *present)  # stamped after
+    return SampledRound(rows, reply, totals, tables={"turns": turns})
 
 
 def play(
@@ -103,8 +138,8 @@ class Turns:
         df, resp = self.generate_frames(frame, job, f"{self.log_name}-turn{totals['turns']}")
         self.first = resp if self.first is None else self.first
         totals["turns"] += 1
-        totals["generate_seconds"] += resp["jobs"][0]["generate_seconds"]
-        totals["tokens"] += resp["jobs"][0]["tokens"]
+        totals["generate_seconds"] += resp.jobs[0].generate_seconds
+        totals["tokens"] += resp.jobs[0].tokens
         by_id = {row["prompt_id"]: row for row in df.iter_rows(named=True)}
         return [
             Sampled(list(o["token_ids"]), list(o["sampler_logprobs"]), o["finish_reason"], o.get("head_entropy"))

@@ -84,11 +84,12 @@ def run_stage(
     table is known incomplete); otherwise compute and write it.
 
     The fingerprint covers the stage name, the config sections it declares (plus `salt`, e.g. a hash of
-    reward-function code) and the fingerprints of its inputs. A second table's covers its own name, the same
-    sections (without the salt) and the same inputs; it is written before the stage's own table, whose manifest,
-    written last, marks both complete.
+    reward-function code) and the fingerprints of its inputs, with the values of its spec's `key_inputs`. A second
+    table's covers its own name, the same sections (without the salt) and the same inputs; it is written before the
+    stage's own table, whose manifest, written last, marks both complete.
     """
     stage = ctx.spec.name
+    inputs = {**inputs, **ctx.spec.key_input_values(ctx.cfg)}
     sections_hash = ctx.cfg.section_hash(*ctx.spec.sections, keys=ctx.spec.keys)
     config_hash = sections_hash + salt
     fp = fingerprint(stage, config_hash, inputs)

@@ -20,22 +20,6 @@ from tasks.stages.spec import StageSpec
 KEYS = ["prompt_id", "pair_idx"]
 
 
-REF_SPEC = StageSpec("ref_logprobs", reads=("preference_pairs",), sections=("dpo", "model", "prompt"), scope="run")
-TRAIN_SPEC = StageSpec(
-    "dpo_metrics",
-    reads=("preference_pairs", "ref_logprobs"),
-    sections=("dpo", "model", "lora", "prompt"),
-    scope="run",
-    also_writes=("checkpoints",),
-)
-EVAL_SPEC = StageSpec(
-    "dpo_eval",
-    reads=("preference_pairs", "ref_logprobs", "dpo_metrics"),
-    sections=("dpo", "model", "prompt"),
-    scope="run",
-)
-
-
 def sequence_logprobs(ctx: RunContext, model_path: str, pairs: pl.DataFrame, name: str) -> pl.DataFrame:
     """prompt_id, pair_idx, chosen_logp, rejected_logp of `pairs` under the model at `model_path`."""
     data = with_token_ids(
@@ -47,18 +31,23 @@ def sequence_logprobs(ctx: RunContext, model_path: str, pairs: pl.DataFrame, nam
 
 
 @stage_task("ref_logprobs")
-def ref_logprobs_task(storage_root: str, run_id: str, pairs_fp: str) -> StageOutput:
+def ref_logprobs_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, REF_SPEC)
 
     def compute():
         pairs = read_stage(ctx.layout, "preference_pairs", 0)
         return Computed(sequence_logprobs(ctx, ctx.cfg.model.path, pairs, "ref_logprobs"))
 
-    return run_stage(ctx, 0, compute=compute, inputs={"pairs": pairs_fp, "ref": model_fingerprint(ctx.cfg.model.path)})
+    return run_stage(
+        ctx,
+        0,
+        compute=compute,
+        inputs={"pairs": upstream["preference_pairs"], "ref": model_fingerprint(ctx.cfg.model.path)},
+    )
 
 
 @stage_task("dpo_optimize")
-def dpo_optimize_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str) -> StageOutput:
+def dpo_optimize_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, TRAIN_SPEC)
     d = ctx.cfg.dpo
 
@@ -88,14 +77,18 @@ def dpo_optimize_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str
         ctx,
         1,
         compute=compute,
-        inputs={"pairs": pairs_fp, "ref": ref_fp, "policy": model_fingerprint(ctx.cfg.model.path)},
+        inputs={
+            "pairs": upstream["preference_pairs"],
+            "ref": upstream["ref_logprobs"],
+            "policy": model_fingerprint(ctx.cfg.model.path),
+        },
     )
     ensure_exported(ctx.layout.checkpoint_dir(1), d.out_path)
     return out
 
 
 @stage_task("dpo_eval")
-def dpo_eval_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str, dpo_fp: str) -> StageOutput:
+def dpo_eval_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, EVAL_SPEC)
     beta = ctx.cfg.dpo.beta
 
@@ -113,4 +106,33 @@ def dpo_eval_task(storage_root: str, run_id: str, pairs_fp: str, ref_fp: str, dp
             out, extra={"reward_accuracy": float(out["correct"].mean()), "reward_margin": margin, "pairs": out.height}
         )
 
-    return run_stage(ctx, 1, compute=compute, inputs={"pairs": pairs_fp, "ref": ref_fp, "dpo": dpo_fp})
+    return run_stage(
+        ctx,
+        1,
+        compute=compute,
+        inputs={"pairs": upstream["preference_pairs"], "ref": upstream["ref_logprobs"], "dpo": upstream["dpo_metrics"]},
+    )
+
+
+REF_SPEC = StageSpec(
+    "ref_logprobs",
+    reads=("preference_pairs",),
+    sections=("dpo", "model", "prompt"),
+    scope="run",
+    task=ref_logprobs_task,
+)
+TRAIN_SPEC = StageSpec(
+    "dpo_metrics",
+    reads=("preference_pairs", "ref_logprobs"),
+    sections=("dpo", "model", "lora", "prompt"),
+    scope="run",
+    also_writes=("checkpoints",),
+    task=dpo_optimize_task,
+)
+EVAL_SPEC = StageSpec(
+    "dpo_eval",
+    reads=("preference_pairs", "ref_logprobs", "dpo_metrics"),
+    sections=("dpo", "model", "prompt"),
+    scope="run",
+    task=dpo_eval_task,
+)

@@ -4,7 +4,8 @@ Reads `dataset` (split eval, at most eval.max_prompts) and the weights after ite
 model); writes `eval`, one row per prompt. Every response is scored by the run's reward functions, in the reward
 pool as in training; a response is correct when score_<eval.judge> ≥ eval.judge_threshold. The manifest records
 the greedy accuracy, pass@k, the mean reward and length of the greedy responses, the samples' mean reward and each
-function's error rate; per source too (`accuracy/<source>`, ...) when the dataset has a `source` column; with a
+function's error rate, and the label prior (the accuracy of always giving the most common held-out answer); per source
+too (`accuracy/<source>`, `label_prior/<source>`, ...) when the dataset has a `source` column; with a
 reward model, also its Spearman correlation with the judge on the samples.
 """
 
@@ -15,7 +16,7 @@ from math import comb
 import polars as pl
 
 from storage import StageOutput
-from tasks.algos.metrics import spearman
+from tasks.algos.metrics import label_prior, spearman
 from tasks.rewards.loader import source_hash, specs_from_config
 from tasks.stages import agent_rollouts
 from tasks.stages.common import Computed, RunContext, load_run, run_stage, stage_task
@@ -91,22 +92,23 @@ def sources_of(held_out: pl.DataFrame) -> pl.DataFrame | None:
 
 
 def source_figures(df: pl.DataFrame, sources: pl.DataFrame, k: int) -> dict:
-    """Per source: greedy accuracy, pass@k, greedy mean length and prompts, as flat keys (`accuracy/<source>`), which
-    the tracking backends log as `eval/accuracy/<source>`."""
+    """Per source: greedy accuracy, pass@k, greedy mean length, prompts and the label prior (the accuracy of always
+    giving the source's most common held-out answer), as flat keys (`accuracy/<source>`), which the tracking backends
+    log as `eval/accuracy/<source>`."""
     out = {}
-    per = (
-        df.join(sources, on="prompt_id")
-        .group_by("source")
-        .agg(
-            pl.col("greedy_correct").mean().alias("accuracy"),
-            pl.col("pass_at_k").mean().alias(f"pass_at_{k}"),
-            pl.col("greedy_length").mean().alias("mean_length"),
-            pl.len().alias("prompts"),
-        )
+    joined = df.join(sources, on="prompt_id")
+    priors = {s: label_prior(rows["answer"]) for (s,), rows in joined.partition_by("source", as_dict=True).items()}
+    per = joined.group_by("source").agg(
+        pl.col("greedy_correct").mean().alias("accuracy"),
+        pl.col("pass_at_k").mean().alias(f"pass_at_{k}"),
+        pl.col("greedy_length").mean().alias("mean_length"),
+        pl.len().alias("prompts"),
     )
     for row in per.sort("source").iter_rows(named=True):
         source = row.pop("source")
         out.update({f"{name}/{source}": (int(v) if name == "prompts" else float(v)) for name, v in row.items()})
+        if priors[source] is not None:
+            out[f"label_prior/{source}"] = priors[source]
     return out
 
 
@@ -122,6 +124,7 @@ def eval_summary(
         "sampled_mean_reward": float(sampled["reward"].mean()),
         "mean_length": float(df["greedy_length"].mean()),
         "prompts": df.height,
+        **({"label_prior": prior} if (prior := label_prior(df["answer"])) is not None else {}),
         **{f"{c.replace('error_', 'error_rate_')}": float(both[c].is_not_null().mean()) for c in both.columns},
     }
     if sources is not None:
@@ -185,7 +188,7 @@ def eval_task(
             extra = {}
         df = eval_table(held_out, greedy, sampled, e.pass_k, iteration)
         summary = {**eval_summary(ctx, df, greedy, sampled, sources_of(held_out)), **extra}
-        return Computed(df, engines={"vllm": resp["vllm_version"]}, extra=summary)
+        return Computed(df, engines={"vllm": resp.vllm_version}, extra=summary)
 
     inputs = {
         "weights": weights_fingerprint(ctx, iteration, weights_stage),

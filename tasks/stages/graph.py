@@ -1,14 +1,18 @@
-"""The stage graph: every stage's declaration (each module's SPEC). The iteration's stage order (a topological order of
-the declared reads), the fingerprints each stage's task is handed (its `reads`), what `rlpipe rerun` can recompute
-and from what, what a rerun makes stale, `show`'s order and what a config change invalidates are all derived from
-here; nothing else lists the stages. Adding a stage to an RL iteration is its module (its task and its SPEC), its
-table's schema and one line below; a second table is its schema, the stage's `also_writes` and one line below.
+"""The stage graph: every stage's declaration (each module's SPEC), in graphs: the RL iteration and the run-scope flows'
+(SFT, DPO, reward model, process reward model), all run by `run_stages`. Each graph's stage order (a topological
+order of the declared reads), the fingerprints each stage's task is handed (its `reads`), what `rlpipe rerun` can
+recompute and from what, what a rerun makes stale, `show`'s order and what a config change invalidates are all
+derived from here; nothing else lists the stages. Adding a stage to an RL iteration is its module (its task and its
+SPEC), its table's schema and one line below; a second table is its schema, the stage's `also_writes` and one line
+below; a run-scope stage is the same three, its line in its flow's graph.
 """
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
+from storage import RunLayout, StageOutput
 from tasks.stages import (
     advantages,
     batch,
@@ -25,7 +29,7 @@ from tasks.stages import (
     scores,
     sft,
 )
-from tasks.stages.spec import StageSpec
+from tasks.stages.spec import AnotherRound, StageSpec
 
 
 def in_data_order(specs: tuple[StageSpec, ...]) -> tuple[StageSpec, ...]:
@@ -47,8 +51,19 @@ PROMPT_STATS = advantages.STATS_SPEC
 TURNS = rollouts.TURNS_SPEC
 CARRY = rollouts.CARRY_SPEC
 
+# The run-scope flows, one graph each: once per run, their data at iteration 0, a trained model's metrics and eval at
+# its checkpoint's iteration, 1 (the SFT's at 0: its checkpoint is the run's `checkpoints/sft`). A flow runs its graph
+# in spans (`split`): the stages that sample with vLLM, then, the engine freed, the training and its eval.
+SFT = in_data_order((sft.SPEC, sft.TRAIN_SPEC))
+DPO = in_data_order((preference_data.SPEC, preference_data.PAIRS_SPEC, dpo.REF_SPEC, dpo.TRAIN_SPEC, dpo.EVAL_SPEC))
+REWARD_MODEL = in_data_order(
+    (preference_data.SPEC, preference_data.PAIRS_SPEC, reward_model.TRAIN_SPEC, reward_model.EVAL_SPEC)
+)
+PROCESS_REWARD_MODEL = in_data_order((process_model.STEPS_SPEC, process_model.TRAIN_SPEC, process_model.EVAL_SPEC))
+RUN_GRAPHS = {"sft": SFT, "dpo": DPO, "rm": REWARD_MODEL, "prm": PROCESS_REWARD_MODEL}
+
 # Once per run, before any iteration (iteration 0).
-RUN_STAGES = (dataset.SPEC, sft.SPEC, sft.TRAIN_SPEC)
+RUN_STAGES = (dataset.SPEC, *SFT)
 # One RL iteration, in data order; prompt_stats is advantages' second table; eval reads the iteration's checkpoint.
 RL_ITERATION = in_data_order(
     (
@@ -65,19 +80,9 @@ RL_ITERATION = in_data_order(
         evaluate.SPEC,
     )
 )
-PREFERENCE_STAGES = (
-    preference_data.SPEC,
-    preference_data.PAIRS_SPEC,
-    dpo.REF_SPEC,
-    dpo.TRAIN_SPEC,
-    dpo.EVAL_SPEC,
-    reward_model.TRAIN_SPEC,
-    reward_model.EVAL_SPEC,
-    process_model.STEPS_SPEC,
-    process_model.TRAIN_SPEC,
-    process_model.EVAL_SPEC,
-)
+PREFERENCE_STAGES = tuple({s.name: s for s in DPO + REWARD_MODEL + PROCESS_REWARD_MODEL}.values())
 STAGES = RUN_STAGES + RL_ITERATION + PREFERENCE_STAGES
+RUN_TABLES = {s.name for s in STAGES if s.scope == "run"}
 
 
 def stage(name: str) -> StageSpec:
@@ -93,17 +98,43 @@ def rerunnable() -> list[StageSpec]:
 
 
 def downstream_tables(name: str) -> list[str]:
-    """The tables of one iteration that recomputing `name` makes stale: it and everything after it in data order."""
+    """The tables that recomputing `name` makes stale: of one iteration, it and everything after it in data order; of a
+    run-scope flow's graph, it and every stage of those graphs that reads it, transitively, in data order."""
+    spec = stage(name)
+    if spec.scope == "run":
+        stale = with_readers({spec.name}, SFT + PREFERENCE_STAGES)  # the run-scope graphs' stages
+        return [s.name for s in STAGES if s.name in stale]
     names = [s.name for s in RL_ITERATION]
-    return names[names.index(stage(name).name) :]
+    return names[names.index(spec.name) :]
 
 
-def with_readers(names: set[str]) -> set[str]:
-    """The stages named and every stage that reads one of them, transitively."""
+def with_readers(names: set[str], specs: tuple[StageSpec, ...] = STAGES) -> set[str]:
+    """The stages named and every stage of `specs` that reads one of them, transitively."""
     stale = set(names)
-    while more := {s.name for s in STAGES if s.name not in stale and stale & {*s.all_reads, *s.reads_previous}}:
+    while more := {s.name for s in specs if s.name not in stale and stale & {*s.all_reads, *s.reads_previous}}:
         stale |= more
     return stale
+
+
+def run_graph_of(tables: set[str]) -> str | None:
+    """The run-scope graph (RUN_GRAPHS) a run's tables come from: the one holding a table no other graph writes (DPO's
+    ref_logprobs, the reward model's rm_metrics); None for an RL run (it holds its iterations' tables; their eval
+    is the DPO flow's too) or a run that holds neither."""
+    if tables & {s.name for s in RL_ITERATION if s.name != "eval"}:
+        return None
+    for name, specs in RUN_GRAPHS.items():
+        others = {s.name for other, g in RUN_GRAPHS.items() if other != name for s in g}
+        if tables & ({s.name for s in specs} - others):
+            return name
+    return None
+
+
+def split(specs: tuple[StageSpec, ...], after: str) -> tuple[tuple[StageSpec, ...], tuple[StageSpec, ...]]:
+    """A graph in two spans, for a flow to do something between them (free the sampler's memory before training):
+    the stages up to `after`, included, and the rest."""
+    names = [s.name for s in specs]
+    cut = names.index(after) + 1
+    return specs[:cut], specs[cut:]
 
 
 def invalidated_by(section: str) -> list[str]:
@@ -140,21 +171,29 @@ def task_arguments(
     fingerprints: dict[str, list[str]],
     every_round: set[str],
 ) -> dict:
-    """Keyword arguments for `spec.task`: the context it asks for by name, and `upstream`. `fingerprints`: table → its
-    fingerprints in this iteration, one per round for the per-round tables (`every_round`); a table read from the
-    run's iteration 0 (the dataset) is taken from its manifest."""
+    """Keyword arguments for `spec.task`: the context it asks for by name, and `upstream` if it asks for it.
+    `fingerprints`: table → its fingerprints in this iteration, one per round for the per-round tables
+    (`every_round`); a table written once per run that they lack (the dataset; a rerun's upstream in a run-scope
+    graph) is taken from its manifest."""
+    params = inspect.signature(spec.task).parameters
+    args = {"storage_root": storage_root, "run_id": run_id, "iteration": iteration, "round_": round_}
+    if "upstream" in params:
+        known = dict(fingerprints)
+        for table in (t for t in spec.reads if t not in known):
+            if table not in RUN_TABLES:
+                raise KeyError(f"stage {spec.name!r} reads {table!r}, which nothing before it in the iteration wrote")
+            known[table] = [run_table_fingerprint(storage_root, run_id, table)]
+        args["upstream"] = upstream(spec, round_, known, every_round)
+    return {name: value for name, value in args.items() if name in params}
+
+
+def run_table_fingerprint(storage_root: str, run_id: str, table: str) -> str:
+    """The fingerprint of a complete table written once per run, in the one iteration folder it holds (0; a trained
+    model's metrics and eval: 1, their checkpoint's)."""
     from tasks.stages.common import upstream_fingerprint
 
-    known = dict(fingerprints)
-    for table in spec.reads:
-        if table not in known:
-            if table not in {s.name for s in RUN_STAGES}:
-                raise KeyError(f"stage {spec.name!r} reads {table!r}, which nothing before it in the iteration wrote")
-            known[table] = [upstream_fingerprint(storage_root, run_id, table, 0)]
-    args = {"storage_root": storage_root, "run_id": run_id, "iteration": iteration, "round_": round_}
-    args["upstream"] = upstream(spec, round_, known, every_round)
-    params = inspect.signature(spec.task).parameters
-    return {name: value for name, value in args.items() if name in params}
+    held = RunLayout(Path(storage_root), run_id).iterations(table)
+    return upstream_fingerprint(storage_root, run_id, table, held[-1] if held else 0)
 
 
 def _check_task(spec: StageSpec, tables: dict[str, StageSpec]) -> None:
@@ -177,6 +216,37 @@ def checked(specs: tuple[StageSpec, ...]) -> tuple[StageSpec, ...]:
 
 # The stages an RL iteration's flow run calls, in data order: every round's, then the iteration's.
 ITERATION_TASKS = checked(tuple(s for s in RL_ITERATION if s.task is not None))
+for _specs in RUN_GRAPHS.values():  # the run-scope flows' tasks, checked as the iteration's are
+    checked(_specs)
+
+
+def run_stages(stages: tuple[StageSpec, ...], storage_root: str, run_id: str, iteration: int = 0) -> dict:
+    """Call each stage's task in the graph's data order, handing each the fingerprints of the tables it reads (a table
+    no stage of `stages` writes: from its manifest). The one runner of every flow: an RL iteration's, and the
+    run-scope flows' graphs (iteration 0), each stage skipped when complete (its manifest is the cache).
+
+    Dynamic sampling: the per-round stages (prompts → rollouts → scores) run again, one round more, while the stage
+    that gathers their rounds (batch: it alone knows target_groups and max_rounds) returns AnotherRound.
+    Returns table → its StageOutput (a per-round table's: its last round's) and `rounds`."""
+    fingerprints: dict[str, list[str]] = {}
+    outputs: dict[str, StageOutput] = {}
+    every_round = {s.name for s in stages if s.scope == "round"}
+    round_ = 0
+    while True:
+        for spec in (s for s in stages if s.scope == "round"):
+            args = task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints, every_round)
+            outputs[spec.name] = spec.task(**args)
+            fingerprints.setdefault(spec.name, []).append(outputs[spec.name].fingerprint)
+        for spec in (s for s in stages if s.scope != "round"):
+            out = spec.task(**task_arguments(spec, storage_root, run_id, iteration, round_, fingerprints, every_round))
+            if isinstance(out, AnotherRound):
+                break
+            if out is None:
+                raise RuntimeError(f"stage {spec.name!r} returned no output")
+            outputs[spec.name], fingerprints[spec.name] = out, [out.fingerprint]
+        else:
+            return {**outputs, "rounds": round_ + 1}
+        round_ += 1
 
 
 def generation(specs: tuple[StageSpec, ...]) -> tuple[StageSpec, ...]:

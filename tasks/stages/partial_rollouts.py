@@ -12,18 +12,24 @@ weights (whenever that happens); here a round's chunk bounds every sequence, so 
 the machine's speed. As in AReaL, the sampler's logprob of every token is the behaviour policy's (`sampler_logprobs`,
 per token whatever weights produced it), and each token's policy version is a column (`token_versions`).
 
-The functions below are pure (frames in, frames out); the rollouts stage reads and writes the tables.
+The planning steps below are pure (frames in, frames out); `sample`, the rollouts stage's partial mode
+(tasks/stages/rollout_modes.py), reads the tables a round continues and returns what the stage writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 
+from schemas.requests import GenerationReply, JobTiming
 from schemas.tables import CARRY
-from storage import RunLayout, stage_part
+from storage import RunLayout, read_stage, stage_part
+from tasks.stages.common import RunContext
+from tasks.stages.rollout_modes import SampledRound, Sampler, register
+from tasks.stages.weights import Weights
 
 # The carry table's columns but its stamps (schemas/tables.py's CARRY, with iteration and round added as it is written).
 CARRY_COLUMNS = {k: v for k, v in CARRY.columns.items() if k not in ("iteration", "round")}
@@ -185,8 +191,6 @@ def surplus_carry(rollouts: pl.DataFrame, batch: pl.DataFrame) -> pl.DataFrame:
 def source_prompts(layout: RunLayout, rollouts: pl.DataFrame, prompts: pl.DataFrame, iteration: int) -> pl.DataFrame:
     """The prompts table's rows of the rollouts' groups: this iteration's, and, for groups carried from an earlier
     iteration (partial rollouts), the rows of the iteration that admitted them, one per prompt_id."""
-    from storage import read_stage
-
     if "prompt_iteration" not in rollouts.columns:
         return prompts
     older = sorted(set(rollouts["prompt_iteration"].unique().to_list()) - {iteration})
@@ -195,3 +199,99 @@ def source_prompts(layout: RunLayout, rollouts: pl.DataFrame, prompts: pl.DataFr
     wanted = rollouts.select(pl.col("prompt_iteration").alias("iteration"), "prompt_id").unique()
     every = pl.concat([prompts, *(read_stage(layout, "prompts", it) for it in older)], how="diagonal_relaxed")
     return every.join(wanted, on=["iteration", "prompt_id"], how="semi").unique("prompt_id", keep="first")
+
+
+def passes_surplus(rollout, iteration: int, round_: int) -> bool:
+    """Whether the round passes on the groups the batch before left over (rollout.carry_surplus): an iteration's first,
+    after the first iteration."""
+    return bool(rollout.carry_surplus) and round_ == 0 and iteration > 1
+
+
+def continued(ctx: RunContext, iteration: int, round_: int) -> dict[str, str]:
+    """The fingerprints of what a round continues (the mode's `inputs`): the carry table (carry_part) and, when it
+    passes the surplus on, the batch before."""
+    inputs = {"carry": carry_part(ctx.layout, iteration, round_)[1]}
+    if passes_surplus(ctx.cfg.rollout, iteration, round_):
+        batch_before = stage_part(ctx.layout, "batch", iteration - 1)
+        if batch_before is None:
+            raise FileNotFoundError(f"partial rollouts: the batch of iteration {iteration - 1} is not complete")
+        inputs["surplus"] = batch_before[1]
+    return inputs
+
+
+# An empty round's (nothing in flight, every prompt of the round taken already): no engine asked.
+NO_REPLY = GenerationReply(
+    engine_start_seconds=0.0,
+    sync_seconds=0.0,
+    sync_logprob_gap=None,
+    jobs=(JobTiming(generate_seconds=0.0, tokens=0),),
+    vllm_version="",
+    peak_rss_gib=0.0,
+    kv_cache_gib=None,
+)
+
+
+@register("partial", inputs=continued)
+def sample(
+    *,
+    ctx: RunContext,
+    prompts: pl.DataFrame,
+    policy: Weights,
+    iteration: int,
+    round_: int,
+    seed: int,
+    name: str,
+    sampler: Sampler,
+) -> SampledRound:
+    """One round of partial rollouts: the pool's unfinished sequences each get at most rollout.partial_tokens more
+    tokens; the ended groups the batch before left over (rollout.carry_surplus) go ahead of the carried sequences.
+    The rows are the groups that ended, the second table the next carry; the figures add the round's pool's."""
+    r = ctx.cfg.rollout
+    surplus = empty_carry()
+    if passes_surplus(r, iteration, round_):
+        before = iteration - 1
+        surplus = surplus_carry(read_stage(ctx.layout, "rollouts", before), read_stage(ctx.layout, "batch", before))
+    carry = pl.concat([surplus, carry_before(ctx.layout, iteration, round_)[0]])
+    taken = (
+        read_stage(ctx.layout, "rollouts", iteration).filter(pl.col("round") < round_)["prompt_id"].unique()
+        if round_
+        else None
+    )
+    plan = plan_round(
+        carry,
+        prompts,
+        iteration=iteration,
+        version=policy.version,
+        group_size=r.group_size,
+        prompts_per_round=r.prompts_per_round,
+        partial_tokens=r.partial_tokens,
+        max_tokens=r.max_tokens,
+        min_tokens=r.min_tokens,
+        max_staleness=ctx.cfg.rl.max_staleness,
+        taken=taken,
+    )
+    if plan.requests.height:  # n = 1: each sequence is its own request
+        generated, reply = sampler.generate(plan.requests, sampler.job(1, seed), name)
+    else:
+        generated, reply = nothing_generated(plan.requests), NO_REPLY
+    rows, left = split_ended(advance(plan.pool, generated, version=policy.version, max_tokens=r.max_tokens))
+    # the surplus groups the staleness bound kept (the others are stale_groups) left at once: generation ended none
+    kept_surplus = rows.filter(pl.col("prompt_id").is_in(surplus["prompt_id"].implode()))["prompt_id"].n_unique()
+    figures = {
+        **dataclasses.asdict(reply.jobs[0]),
+        "stale_groups": plan.stale_groups,
+        "admitted_groups": plan.admitted_groups,
+        "surplus_groups": kept_surplus,
+        "ended_groups": rows["prompt_id"].n_unique() - kept_surplus,
+        "carried_sequences": left.height,
+    }
+    return SampledRound(rows, reply, figures, tables={"carry": left})
+
+
+def nothing_generated(requests: pl.DataFrame) -> pl.DataFrame:
+    return requests.select("prompt_id").with_columns(
+        pl.lit(None, pl.List(pl.Int32)).alias("token_ids"),
+        pl.lit(None, pl.Utf8).alias("text"),
+        pl.lit(None, pl.List(pl.Float32)).alias("sampler_logprobs"),
+        pl.lit(None, pl.Utf8).alias("finish_reason"),
+    )

@@ -34,14 +34,6 @@ from tasks.stages.rollouts import generate, sampling_job
 from tasks.stages.scores import reward_models
 from tasks.stages.spec import StageSpec
 
-SPEC = StageSpec(
-    "preference_rankings",
-    reads=("dataset",),
-    scope="run",
-    sections=("preference", "prompt", "rollout", "reward", "eval", "model", "lora", "data", "optim"),
-)
-PAIRS_SPEC = StageSpec("preference_pairs", reads=("preference_rankings",), sections=(), scope="run")
-
 
 def generated_rankings(ctx: RunContext) -> Computed:
     p = ctx.cfg.preference
@@ -62,7 +54,7 @@ def generated_rankings(ctx: RunContext) -> Computed:
         "rankings": rankings.height,
         "sample_accuracy": float(scored["correct"].mean()),
     }
-    return Computed(rankings, engines={"vllm": resp["vllm_version"]}, extra=extra)
+    return Computed(rankings, engines={"vllm": resp.vllm_version}, extra=extra)
 
 
 @stage_task("preference_rankings")
@@ -94,7 +86,7 @@ def preference_rankings_task(storage_root: str, run_id: str) -> StageOutput:
 
 
 @stage_task("preference_pairs")
-def preference_pairs_task(storage_root: str, run_id: str, rankings_fp: str) -> StageOutput:
+def preference_pairs_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, PAIRS_SPEC)
 
     def compute():
@@ -107,4 +99,18 @@ def preference_pairs_task(storage_root: str, run_id: str, rankings_fp: str) -> S
             )
         return Computed(pairs, extra={"pairs_by_split": counts})
 
-    return run_stage(ctx, 0, inputs={"rankings": rankings_fp}, compute=compute)
+    return run_stage(ctx, 0, inputs={"rankings": upstream["preference_rankings"]}, compute=compute)
+
+
+# Reads the dataset only when it samples (no preference.data): it fingerprints the dataset itself, so it asks the graph
+# for no `upstream` (a run from a file may hold no dataset).
+SPEC = StageSpec(
+    "preference_rankings",
+    reads=("dataset",),
+    scope="run",
+    sections=("preference", "prompt", "rollout", "reward", "eval", "model", "lora", "data", "optim"),
+    task=preference_rankings_task,
+)
+PAIRS_SPEC = StageSpec(
+    "preference_pairs", reads=("preference_rankings",), sections=(), scope="run", task=preference_pairs_task
+)

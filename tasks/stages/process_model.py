@@ -22,27 +22,11 @@ from tasks.data.preferences import assign_splits
 from tasks.rewards.loader import source_hash, specs_from_config
 from tasks.rewards.scoring import score_frame
 from tasks.stages.common import Computed, load_run, run_stage, score_frame_worker, stage_task
-from tasks.stages.dataset import dataset_fingerprint
 from tasks.stages.prompts import split_of
 from tasks.stages.reward_model import ensure_exported, trained_model
 from tasks.stages.rollouts import generate, sampling_job
 from tasks.stages.scores import step_ends
 from tasks.stages.spec import StageSpec
-
-STEPS_SPEC = StageSpec(
-    "prm_steps",
-    reads=("dataset",),
-    scope="run",
-    sections=("preference", "prompt", "rollout", "reward", "reward_model", "model", "data", "lora", "optim"),
-)
-TRAIN_SPEC = StageSpec(
-    "prm_metrics",
-    reads=("prm_steps",),
-    sections=("reward_model", "model", "prompt"),
-    scope="run",
-    also_writes=("checkpoints",),
-)
-EVAL_SPEC = StageSpec("prm_eval", reads=("prm_steps", "prm_metrics"), sections=("reward_model", "model"), scope="run")
 
 
 class ProcessDataError(UserError, ValueError):
@@ -61,7 +45,7 @@ def step_labels(label: str) -> pl.Expr:
 
 
 @stage_task("prm_steps")
-def prm_steps_task(storage_root: str, run_id: str) -> StageOutput:
+def prm_steps_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, STEPS_SPEC)
     p, label = ctx.cfg.preference, step_label_function(ctx.cfg.reward, ctx.cfg.reward_model)
 
@@ -116,14 +100,14 @@ def prm_steps_task(storage_root: str, run_id: str) -> StageOutput:
             "right_step_share": float(flat.mean()) if flat.len() else None,
             "label_function": label,
         }
-        return Computed(steps, engines={"vllm": resp["vllm_version"]}, extra=extra)
+        return Computed(steps, engines={"vllm": resp.vllm_version}, extra=extra)
 
-    inputs = {"model": model_fingerprint(ctx.cfg.model.path), "dataset": dataset_fingerprint(ctx)[0]}
+    inputs = {"model": model_fingerprint(ctx.cfg.model.path), "dataset": upstream["dataset"]}
     return run_stage(ctx, 0, salt=source_hash(specs_from_config(ctx.cfg.reward)), inputs=inputs, compute=compute)
 
 
 @stage_task("prm_optimize")
-def prm_optimize_task(storage_root: str, run_id: str, steps_fp: str) -> StageOutput:
+def prm_optimize_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, TRAIN_SPEC)
     r = ctx.cfg.reward_model
 
@@ -131,13 +115,15 @@ def prm_optimize_task(storage_root: str, run_id: str, steps_fp: str) -> StageOut
         train = read_stage(ctx.layout, "prm_steps", 0).filter(pl.col("split") == "train")
         return trained_model(ctx, "prm", train, r, "responses")
 
-    out = run_stage(ctx, 1, compute=compute, inputs={"steps": steps_fp, "base": model_fingerprint(ctx.cfg.model.path)})
+    out = run_stage(
+        ctx, 1, compute=compute, inputs={"steps": upstream["prm_steps"], "base": model_fingerprint(ctx.cfg.model.path)}
+    )
     ensure_exported(ctx.layout.checkpoint_dir(1), r.out_path)
     return out
 
 
 @stage_task("prm_eval")
-def prm_eval_task(storage_root: str, run_id: str, steps_fp: str, prm_fp: str) -> StageOutput:
+def prm_eval_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, EVAL_SPEC)
 
     def compute():
@@ -151,4 +137,24 @@ def prm_eval_task(storage_root: str, run_id: str, steps_fp: str, prm_fp: str) ->
         )
         return Computed(df, extra=prm_summary(df))
 
-    return run_stage(ctx, 1, inputs={"steps": steps_fp, "prm": prm_fp}, compute=compute)
+    return run_stage(ctx, 1, inputs={"steps": upstream["prm_steps"], "prm": upstream["prm_metrics"]}, compute=compute)
+
+
+STEPS_SPEC = StageSpec(
+    "prm_steps",
+    reads=("dataset",),
+    scope="run",
+    sections=("preference", "prompt", "rollout", "reward", "reward_model", "model", "data", "lora", "optim"),
+    task=prm_steps_task,
+)
+TRAIN_SPEC = StageSpec(
+    "prm_metrics",
+    reads=("prm_steps",),
+    sections=("reward_model", "model", "prompt"),
+    scope="run",
+    also_writes=("checkpoints",),
+    task=prm_optimize_task,
+)
+EVAL_SPEC = StageSpec(
+    "prm_eval", reads=("prm_steps", "prm_metrics"), sections=("reward_model", "model"), scope="run", task=prm_eval_task
+)

@@ -33,17 +33,6 @@ from tasks.stages.common import (
 )
 from tasks.stages.spec import StageSpec
 
-TRAIN_SPEC = StageSpec(
-    "rm_metrics",
-    reads=("preference_rankings",),
-    sections=("reward_model", "model", "prompt"),
-    scope="run",
-    also_writes=("checkpoints",),
-)
-EVAL_SPEC = StageSpec(
-    "rm_eval", reads=("preference_pairs", "rm_metrics"), sections=("reward_model", "model", "prompt"), scope="run"
-)
-
 
 def with_token_ids(ctx: RunContext, frame: pl.DataFrame, columns: dict[str, str]) -> pl.DataFrame:
     """Responses as the tokens the trainer sees ({text column: ids column}): formatted like a sampled response,
@@ -127,7 +116,7 @@ def ensure_exported(checkpoint: Path, dest: str) -> None:
 
 
 @stage_task("rm_optimize")
-def rm_optimize_task(storage_root: str, run_id: str, rankings_fp: str) -> StageOutput:
+def rm_optimize_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, TRAIN_SPEC)
     r = ctx.cfg.reward_model
 
@@ -137,7 +126,10 @@ def rm_optimize_task(storage_root: str, run_id: str, rankings_fp: str) -> StageO
         return trained_model(ctx, "rm", train, r, "rankings")
 
     out = run_stage(
-        ctx, 1, compute=compute, inputs={"rankings": rankings_fp, "base": model_fingerprint(ctx.cfg.model.path)}
+        ctx,
+        1,
+        compute=compute,
+        inputs={"rankings": upstream["preference_rankings"], "base": model_fingerprint(ctx.cfg.model.path)},
     )
     ensure_exported(ctx.layout.checkpoint_dir(1), r.out_path)
     return out
@@ -173,7 +165,7 @@ def pair_eval_frame(chosen_score: pl.DataFrame, rejected_score: pl.DataFrame) ->
 
 
 @stage_task("rm_eval")
-def rm_eval_task(storage_root: str, run_id: str, pairs_fp: str, rm_fp: str) -> StageOutput:
+def rm_eval_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, EVAL_SPEC)
 
     def compute():
@@ -186,4 +178,23 @@ def rm_eval_task(storage_root: str, run_id: str, pairs_fp: str, rm_fp: str) -> S
         df = pair_eval_frame(*(scored.filter(pl.col("side") == s).drop("side") for s in ("chosen", "rejected")))
         return Computed(df, extra={"pairwise_accuracy": float(df["correct"].mean()), "pairs": df.height})
 
-    return run_stage(ctx, 1, inputs={"pairs": pairs_fp, "reward_model": rm_fp}, compute=compute)
+    return run_stage(
+        ctx, 1, inputs={"pairs": upstream["preference_pairs"], "reward_model": upstream["rm_metrics"]}, compute=compute
+    )
+
+
+TRAIN_SPEC = StageSpec(
+    "rm_metrics",
+    reads=("preference_rankings",),
+    sections=("reward_model", "model", "prompt"),
+    scope="run",
+    also_writes=("checkpoints",),
+    task=rm_optimize_task,
+)
+EVAL_SPEC = StageSpec(
+    "rm_eval",
+    reads=("preference_pairs", "rm_metrics"),
+    sections=("reward_model", "model", "prompt"),
+    scope="run",
+    task=rm_eval_task,
+)

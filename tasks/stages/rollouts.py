@@ -13,15 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
 
-from schemas.requests import GenerateRequest, GenerationJob, VLLMSettings
-from schemas.tables import TURNS
-from storage import StageOutput, has_weight_files, read_stage, stage_part
+from schemas.requests import GenerateRequest, GenerationJob, GenerationReply, JobTiming, VLLMSettings
+from storage import StageOutput, has_weight_files, read_stage
 from tasks.engines.launch import WorkerError
 from tasks.engines.ray_cluster import Placement
 from tasks.engines.resident import close_all
 from tasks.engines.vllm_client import resident_engine
 from tasks.engines.weight_sync import backend, sync_replicas, unreported_sync
-from tasks.stages import agent_rollouts
+from tasks.stages import agent_rollouts, partial_rollouts, single_turn_rollouts  # noqa: F401 (each registers its mode)
 from tasks.stages.common import (
     Computed,
     RunContext,
@@ -30,15 +29,7 @@ from tasks.stages.common import (
     scratch_file,
     stage_task,
 )
-from tasks.stages.partial_rollouts import (
-    advance,
-    carry_part,
-    empty_carry,
-    plan_round,
-    read_carry,
-    split_ended,
-    surplus_carry,
-)
+from tasks.stages.rollout_modes import ROLLOUT_MODES, SampledRound, Sampler
 from tasks.stages.spec import StageSpec
 from tasks.stages.weights import Weights, sampling_version, weights_after, weights_fingerprint
 
@@ -79,7 +70,7 @@ def deal_by_tokens(groups: list[str], pending: list[int], replicas: int) -> list
 
 def generate(
     ctx: RunContext, model_path: str, prompts: pl.DataFrame, jobs: list[dict], log_name: str
-) -> tuple[list[pl.DataFrame], dict]:
+) -> tuple[list[pl.DataFrame], GenerationReply]:
     """Run the resident vLLM engines over `jobs` for the prompts' token ids (formatted once, in the `dataset` stage);
     return one frame per job, each row with its prompt_token_ids, in the prompts' order.
 
@@ -113,10 +104,11 @@ def generate(
         )
         calls.append((engines[k], request, inp, outs))
     with ThreadPoolExecutor(len(calls)) as pool:  # each replica is its own actor: they generate at the same time
-        resp = merge_engine_responses(list(pool.map(lambda c: c[0].generate(c[1], settings), calls)))
+        reply = merge_replies(list(pool.map(lambda c: c[0].generate(c[1], settings), calls)))
     if sync is not None:  # the weights came over the trainer's process group before the generation
-        resp = {**resp, "sync_seconds": resp["sync_seconds"] + sync["sync_seconds"], "sync_bytes": sync["sync_bytes"]}
-    gap, limit = resp["sync_logprob_gap"], ctx.cfg.rollout.max_sync_logprob_gap
+        seconds = reply.sync_seconds + sync["sync_seconds"]
+        reply = dataclasses.replace(reply, sync_seconds=seconds, sync_bytes=sync["sync_bytes"])
+    gap, limit = reply.sync_logprob_gap, ctx.cfg.rollout.max_sync_logprob_gap
     if gap is not None and not gap <= limit:
         raise WorkerError(
             f"the sampler's weights do not match the trainer's: mean logprob gap {gap:.3g} on the "
@@ -135,7 +127,7 @@ def generate(
         for o in outs:
             o.unlink()
         inp.unlink()
-    return frames, resp
+    return frames, reply
 
 
 def start_rollout_engines(ctx: RunContext, model_path: str | None) -> list:
@@ -196,199 +188,104 @@ def sampler_settings(ctx: RunContext, model_path: str) -> VLLMSettings:
     )
 
 
-def merge_engine_responses(resps: list[dict]) -> dict:
-    """One response for the replicas' answers: the slowest start and sync, the worst probe gap, each job's wall seconds
-    (the replicas ran at once) and total tokens, and per replica its generation seconds and tokens/s."""
-    gaps = [x["sync_logprob_gap"] for x in resps if x["sync_logprob_gap"] is not None]
-    jobs = [
-        {"generate_seconds": max(t["generate_seconds"] for t in timings), "tokens": sum(t["tokens"] for t in timings)}
-        for timings in zip(*(x["jobs"] for x in resps))
-    ]
-    per_engine = [
-        {
-            "generate_seconds": sum(t["generate_seconds"] for t in x["jobs"]),
-            "tokens": sum(t["tokens"] for t in x["jobs"]),
-        }
-        for x in resps
-    ]
-    for e in per_engine:
-        e["tokens_per_second"] = e["tokens"] / e["generate_seconds"] if e["generate_seconds"] > 0 else 0.0
-    return {
-        "engine_start_seconds": max(x["engine_start_seconds"] for x in resps),
-        "sync_seconds": max(x["sync_seconds"] for x in resps),
-        "sync_logprob_gap": max(gaps) if gaps else None,
-        "jobs": jobs,
-        "vllm_version": resps[0]["vllm_version"],
-        "per_engine": per_engine,
-        "peak_rss_gib": max(x.get("peak_rss_gib", 0.0) for x in resps),
-        "kv_cache_gib": resps[0].get("kv_cache_gib"),
-    }
+def merge_replies(replies: list[GenerationReply]) -> GenerationReply:
+    """One reply for the replicas' replies: the slowest start and sync, the worst probe gap, each job's wall seconds
+    (the replicas ran at once) and total tokens, and per replica its jobs together."""
+    gaps = [x.sync_logprob_gap for x in replies if x.sync_logprob_gap is not None]
+    return GenerationReply(
+        engine_start_seconds=max(x.engine_start_seconds for x in replies),
+        sync_seconds=max(x.sync_seconds for x in replies),
+        sync_logprob_gap=max(gaps) if gaps else None,
+        jobs=tuple(_together(timings, max) for timings in zip(*(x.jobs for x in replies))),
+        vllm_version=replies[0].vllm_version,
+        peak_rss_gib=max(x.peak_rss_gib for x in replies),
+        kv_cache_gib=replies[0].kv_cache_gib,
+        per_engine=tuple(_together(x.jobs, sum) for x in replies),
+    )
+
+
+def _together(timings, seconds) -> JobTiming:
+    """Timings of jobs that ran at once (`seconds` max) or one after the other (sum)."""
+    return JobTiming(
+        generate_seconds=seconds(t.generate_seconds for t in timings), tokens=sum(t.tokens for t in timings)
+    )
 
 
 def one_job(ctx: RunContext, model_path: str):
-    """`generate` for one job, as the multi-turn loop calls it each turn: (frame, job, log name) → (frame, response)."""
+    """`generate` for one job, as the modes and the multi-turn loop call it: (frame, job, log name) → (frame, reply)."""
 
     def frames(frame: pl.DataFrame, job: dict, log_name: str):
-        (df,), resp = generate(ctx, model_path, frame, [job], log_name)
-        return df, resp
+        (df,), reply = generate(ctx, model_path, frame, [job], log_name)
+        return df, reply
 
     return frames
 
 
-def multi_turn(ctx: RunContext, model_path: str, prompts: pl.DataFrame, seed: int, name: str):
-    """The agent section's trajectories. Returns the rollout rows, the `turns` rows (the stage's second table), the
-    first turn's engine response and the generation totals."""
-    r = ctx.cfg.rollout
-
-    def job_for(job_seed):
-        return sampling_job(ctx, 1, r.temperature, job_seed, r.top_p)
-
-    frames = one_job(ctx, model_path)
-    df, turns, resp, totals = agent_rollouts.play(
-        ctx, model_path, prompts, r.group_size, seed, name, frames, job_for, branching=ctx.cfg.agent.branching
-    )
-    return (
-        df,
-        turns,
-        resp,
-        {"generate_seconds": totals["generate_seconds"], "tokens": totals["tokens"], "turns": totals["turns"]},
-    )
+def mode_of(cfg) -> str:
+    """The rollout mode the config asks for (tasks/stages/rollout_modes.py): partial rollouts and multi-turn ones
+    exclude each other (the config refuses both)."""
+    if cfg.rollout.partial_tokens:
+        return "partial"
+    return "multi_turn" if cfg.agent.enabled else "single_turn"
 
 
 @stage_task("rollouts")
 def rollouts_task(storage_root: str, run_id: str, iteration: int, round_: int, upstream: dict) -> StageOutput:
+    """One sampling round, by the rollout mode the config asks for (`mode_of`), on the policy's weights."""
     ctx = load_run(storage_root, run_id, SPEC)
     version = sampling_version(ctx.cfg, iteration)
     policy_fp = weights_fingerprint(ctx, version)  # a kept checkpoint's files are needed only to compute
+    mode = ROLLOUT_MODES.entry(mode_of(ctx.cfg))
     r = ctx.cfg.rollout
 
     def compute():
         policy = sampling_weights(ctx, version, policy_fp)
         prompts = read_stage(ctx.layout, "prompts", iteration).filter(pl.col("round") == round_)
         seed, name = ctx.cfg.seed * 1_000_003 + iteration * 1009 + round_ * 101, f"rollouts-{iteration:05d}-{round_}"
-        stamp = (
-            pl.lit(iteration, pl.Int32).alias("iteration"),
-            pl.lit(round_, pl.Int32).alias("round"),
-        )
-        tables = {}
-        if r.partial_tokens:
-            surplus = empty_carry()
-            if "surplus" in carried:  # the groups the batch before left over (rollout.carry_surplus)
-                before = iteration - 1
-                surplus = surplus_carry(
-                    read_stage(ctx.layout, "rollouts", before), read_stage(ctx.layout, "batch", before)
-                )
-            carry = read_carry(carry_path)
-            df, left, resp, timing = partial_round(ctx, policy, prompts, carry, surplus, iteration, round_, seed, name)
-            tables["carry"] = left.with_columns(*stamp)
-            turns = None
-        elif ctx.cfg.agent.enabled:
-            df, turns, resp, timing = multi_turn(ctx, policy.path, prompts, seed, name)
-            present = [c for c in TURNS.optional if c in turns.columns]
-            turns = turns.with_columns(*stamp).select(*TURNS.columns, *present)  # validated as it is written
-        else:
-            job = sampling_job(ctx, r.group_size, r.temperature, seed, r.top_p)
-            (df,), resp = generate(ctx, policy.path, prompts, [job], name)
-            timing, turns = resp["jobs"][0], None
-        df = df.with_columns(*stamp)
-        if "policy_version" not in df.columns:  # partial rollouts': the oldest of their tokens' versions
-            df = df.with_columns(pl.lit(policy.version, pl.Int32).alias("policy_version"))
-        if turns is not None:
-            tables["turns"] = turns
-        return Computed(
-            df,
-            tables=tables,
-            engines={"vllm": resp["vllm_version"]},
-            extra={
-                # What the rollouts' sampler_logprobs are the log-softmax of: logits / T. A rerun of a later stage
-                # keeps these rollouts under its new config, and checks it (flows/rerun.py check_sampler_logprobs).
-                "sampler_logprobs_temperature": ctx.cfg.sampler_logprobs_temperature,
-                f"round{round_}": {
-                    "engine_start_seconds": resp["engine_start_seconds"],
-                    "sync_seconds": resp["sync_seconds"],
-                    "sync_bytes": resp.get("sync_bytes", 0),
-                    "sync_logprob_gap": resp["sync_logprob_gap"],
-                    "sampler_peak_rss_gib": resp["peak_rss_gib"],
-                    "sampler_kv_cache_gib": resp["kv_cache_gib"],
-                    **timing,
-                    "engines": resp["per_engine"],
-                },
-            },
-        )
+        sampler = Sampler(lambda n, s: sampling_job(ctx, n, r.temperature, s, r.top_p), one_job(ctx, policy.path))
+        sampled = mode.fn(
+            ctx=ctx, prompts=prompts, policy=policy, iteration=iteration, round_=round_, seed=seed, name=name,
+            sampler=sampler,
+        )  # fmt: skip
+        return round_written(ctx, sampled, policy, iteration, round_)
 
-    carry_path, carried = None, {}
-    if r.partial_tokens:  # the sequences this round continues (read only if it runs), the bound that drops stale ones
-        carry_path, fp = carry_part(ctx.layout, iteration, round_)
-        carried = {"carry": fp, "max_staleness": str(ctx.cfg.rl.max_staleness)}
-        if r.carry_surplus and round_ == 0 and iteration > 1:
-            batch_before = stage_part(ctx.layout, "batch", iteration - 1)
-            if batch_before is None:
-                raise FileNotFoundError(f"partial rollouts: the batch of iteration {iteration - 1} is not complete")
-            carried["surplus"] = batch_before[1]
-    inputs = {**upstream, "policy": policy_fp, **carried}
+    inputs = {**upstream, "policy": policy_fp, **mode.inputs(ctx, iteration, round_)}
     return run_stage(ctx, iteration, part=round_, inputs=inputs, compute=compute)
 
 
-def partial_round(
-    ctx: RunContext, policy: Weights, prompts, carry, surplus, iteration: int, round_: int, seed: int, name: str
-):
-    """One round of partial rollouts (tasks/stages/partial_rollouts.py): the pool's unfinished sequences each get at
-    most rollout.partial_tokens more tokens; `surplus` (the ended groups the batch before left over, or none) goes
-    ahead of the carried sequences. Returns the groups that ended (rollouts rows), the next carry table, the engines'
-    response and the generation totals with the round's pool figures."""
-    r = ctx.cfg.rollout
-    carry = pl.concat([surplus, carry])
-    taken = (
-        read_stage(ctx.layout, "rollouts", iteration).filter(pl.col("round") < round_)["prompt_id"].unique()
-        if round_
-        else None
+def round_written(ctx: RunContext, sampled: SampledRound, policy: Weights, iteration: int, round_: int) -> Computed:
+    """A mode's round as the stage writes it: its tables stamped with the iteration and round, its rows with the policy
+    version they were sampled with (partial rollouts': the oldest of their tokens' versions, theirs already), the reply
+    and the figures in the manifest."""
+    stamp = (pl.lit(iteration, pl.Int32).alias("iteration"), pl.lit(round_, pl.Int32).alias("round"))
+    df = sampled.rows.with_columns(*stamp)
+    if "policy_version" not in df.columns:
+        df = df.with_columns(pl.lit(policy.version, pl.Int32).alias("policy_version"))
+    reply = sampled.reply
+    per_engine = [
+        {**dataclasses.asdict(e), "tokens_per_second": e.tokens / e.generate_seconds if e.generate_seconds > 0 else 0.0}
+        for e in reply.per_engine
+    ]
+    return Computed(
+        df,
+        tables={name: table.with_columns(*stamp) for name, table in sampled.tables.items()},
+        engines={"vllm": reply.vllm_version},
+        extra={
+            # What the rollouts' sampler_logprobs are the log-softmax of: logits / T. A rerun of a later stage
+            # keeps these rollouts under its new config, and checks it (flows/rerun.py check_sampler_logprobs).
+            "sampler_logprobs_temperature": ctx.cfg.sampler_logprobs_temperature,
+            f"round{round_}": {
+                "engine_start_seconds": reply.engine_start_seconds,
+                "sync_seconds": reply.sync_seconds,
+                "sync_bytes": reply.sync_bytes,
+                "sync_logprob_gap": reply.sync_logprob_gap,
+                "sampler_peak_rss_gib": reply.peak_rss_gib,
+                "sampler_kv_cache_gib": reply.kv_cache_gib,
+                **sampled.figures,
+                "engines": per_engine,
+            },
+        },
     )
-    plan = plan_round(
-        carry,
-        prompts,
-        iteration=iteration,
-        version=policy.version,
-        group_size=r.group_size,
-        prompts_per_round=r.prompts_per_round,
-        partial_tokens=r.partial_tokens,
-        max_tokens=r.max_tokens,
-        min_tokens=r.min_tokens,
-        max_staleness=ctx.cfg.rl.max_staleness,
-        taken=taken,
-    )
-    job = sampling_job(ctx, 1, r.temperature, seed, r.top_p)  # n = 1: each sequence is its own request
-    if plan.requests.height:
-        (generated,), resp = generate(ctx, policy.path, plan.requests, [job], name)
-    else:  # nothing in flight and every prompt of the round taken already: an empty round
-        generated = plan.requests.select("prompt_id").with_columns(
-            pl.lit(None, pl.List(pl.Int32)).alias("token_ids"),
-            pl.lit(None, pl.Utf8).alias("text"),
-            pl.lit(None, pl.List(pl.Float32)).alias("sampler_logprobs"),
-            pl.lit(None, pl.Utf8).alias("finish_reason"),
-        )
-        resp = {
-            "engine_start_seconds": 0.0,
-            "sync_seconds": 0.0,
-            "sync_logprob_gap": None,
-            "jobs": [{"generate_seconds": 0.0, "tokens": 0}],
-            "vllm_version": "",
-            "per_engine": [],
-            "peak_rss_gib": 0.0,
-            "kv_cache_gib": None,
-        }
-    pool = advance(plan.pool, generated, version=policy.version, max_tokens=r.max_tokens)
-    rows, left = split_ended(pool)
-    # the surplus groups the staleness bound kept (the others are stale_groups) left at once: generation ended none
-    kept_surplus = rows.filter(pl.col("prompt_id").is_in(surplus["prompt_id"].implode()))["prompt_id"].n_unique()
-    timing = {
-        **resp["jobs"][0],
-        "stale_groups": plan.stale_groups,
-        "admitted_groups": plan.admitted_groups,
-        "surplus_groups": kept_surplus,
-        "ended_groups": rows["prompt_id"].n_unique() - kept_surplus,
-        "carried_sequences": left.height,
-    }
-    return rows, left, resp, timing
 
 
 @stage_task("sample_ahead")
@@ -418,6 +315,7 @@ SPEC = StageSpec(
     reads=("prompts",),
     sections=("rollout", "model", "lora", "agent"),
     keys=("data.prompt_key", "data.id_key"),  # an environment's reset(row) gets those columns by their names
+    key_inputs=(("rl.max_staleness", "rollout.partial_tokens"),),  # the age past which a carried group is dropped
     scope="round",
     also_writes=("turns", "carry"),
     task=rollouts_task,

@@ -25,15 +25,6 @@ from tasks.engines.workers import TRAIN_WORKER
 from tasks.stages.common import Computed, export_checkpoint, load_run, policy_lora, run_stage, scratch_file, stage_task
 from tasks.stages.spec import StageSpec
 
-SPEC = StageSpec("sft_data", reads=(), sections=("sft", "prompt", "data", "model"), scope="run")
-TRAIN_SPEC = StageSpec(
-    "sft_metrics",
-    reads=("sft_data",),
-    sections=("sft", "model", "lora", "optim"),
-    scope="run",
-    also_writes=("checkpoints/sft",),
-)
-
 
 @stage_task("sft_data")
 def sft_data_task(storage_root: str, run_id: str, tokenizer_path: str | None = None) -> StageOutput:
@@ -53,7 +44,7 @@ def sft_data_task(storage_root: str, run_id: str, tokenizer_path: str | None = N
 
 
 @stage_task("sft_train")
-def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
+def sft_train_task(storage_root: str, run_id: str, upstream: dict) -> StageOutput:
     ctx = load_run(storage_root, run_id, TRAIN_SPEC)
     s, m = ctx.cfg.sft, ctx.cfg.model
     final = ctx.layout.sft_checkpoint_dir
@@ -90,7 +81,20 @@ def sft_train_task(storage_root: str, run_id: str, data_fp: str) -> StageOutput:
             extra={"checkpoint": str(final), "exported_to": str(export), "train_seconds": resp["train_seconds"]},
         )
 
-    out = run_stage(ctx, 0, inputs={"data": data_fp, "base": model_fingerprint(m.base_path)}, compute=compute)
+    out = run_stage(
+        ctx, 0, inputs={"data": upstream["sft_data"], "base": model_fingerprint(m.base_path)}, compute=compute
+    )
     if not Path(m.path, "config.json").exists():  # a skipped stage whose export was removed
         export_checkpoint(final, m.path)
     return out
+
+
+SPEC = StageSpec("sft_data", reads=(), sections=("sft", "prompt", "data", "model"), scope="run", task=sft_data_task)
+TRAIN_SPEC = StageSpec(
+    "sft_metrics",
+    reads=("sft_data",),
+    sections=("sft", "model", "lora", "optim"),
+    scope="run",
+    also_writes=("checkpoints/sft",),
+    task=sft_train_task,
+)

@@ -15,19 +15,22 @@ from schemas.config import RunConfig
 
 # What every stage may read: the seed (in every fingerprint), where runs live, how engines live (resident or one
 # process per call) and which checkpoints keep their optimizer state, which change no data, so no fingerprint covers
-# them; and the RL loop's schedule (iterations, evals, rl.max_staleness), whose one effect on a stage's data, the
-# weights it samples with, is an input of that stage's fingerprint.
+# them; and the RL loop's schedule (iterations, evals, rl.max_staleness), whose effect on a stage's data, the weights
+# it samples with, is an input of that stage's fingerprint. A key of these that shapes a stage's data otherwise is
+# declared in its `key_inputs` (partial rollouts drop a carried group older than rl.max_staleness).
 GLOBAL_FIELDS = ("seed", "storage_root", "engines", "checkpoint", "rl")
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    """`task` is the Prefect task that computes the stage inside an RL iteration's flow run. The graph hands it, by
-    parameter name (tasks/stages/graph.py, `task_arguments`), `storage_root`, `run_id`, `iteration` and `round_` as
-    it asks, and `upstream`: the fingerprint of each table in `reads` (a per-round table read once per iteration: one
-    `<table>_round<i>` entry per round so far), which is what its own fingerprint covers, with whatever non-table
-    inputs (the weights it starts from) it adds. A table in `also_reads` is read too, but its content is already
-    fixed by those fingerprints (optimize reads the rollouts that its advantages were computed from). A second table
+    """`task` is the Prefect task that computes the stage inside its graph's flow run (an RL iteration's, or a
+    run-scope flow's: SFT, DPO, reward model). The graph hands it, by parameter name (tasks/stages/graph.py,
+    `task_arguments`), `storage_root`, `run_id`, `iteration` and `round_` as it asks, and `upstream`: the fingerprint
+    of each table in `reads` (a per-round table read once per iteration: one `<table>_round<i>` entry per round so
+    far), which is what its own fingerprint covers, with whatever non-table inputs (the weights it starts from) it
+    adds (a run-scope stage's keep the names they had before its flow was a graph, `pairs` for preference_pairs, so
+    that no existing run recomputes). A table in `also_reads` is read too, but its content is already fixed by those
+    fingerprints (optimize reads the rollouts that its advantages were computed from). A second table
     (`also_writes`) is returned in `Computed.tables` and written by the runner, first. A stage that gathers sampling
     rounds returns `AnotherRound` while it needs one. A stage whose `task` is None is computed elsewhere (eval by the
     run's flow, every `eval.every` iterations)."""
@@ -45,6 +48,10 @@ class StageSpec:
     # Single keys ("section.key") of sections it does not declare whole: it may read them, and its fingerprint covers
     # their values (RunConfig.section_hash), so a change elsewhere in those sections does not recompute it.
     keys: tuple[str, ...] = ()
+    # Keys of the global fields above that shape its data beyond the weights it samples with, each beside the key of a
+    # section it declares that makes them do so: while that key is set, the key's value is an input of its fingerprint,
+    # under the key's name (`key_input_values`; rollouts: rl.max_staleness under rollout.partial_tokens).
+    key_inputs: tuple[tuple[str, str], ...] = ()
 
     @property
     def all_reads(self) -> tuple[str, ...]:
@@ -60,10 +67,24 @@ class StageSpec:
             if section in self.sections or field_name not in getattr(model, "model_fields", {}):
                 raise ValueError(f"stage {self.name!r} declares config key {key!r}, which is not a key of a section "
                                  f"it does not declare whole")  # fmt: skip
+        for key, when in self.key_inputs:
+            if key.partition(".")[0] not in GLOBAL_FIELDS or when.partition(".")[0] not in self.sections:
+                raise ValueError(f"stage {self.name!r}: key input {key!r} is not a global field's key, or {when!r} "
+                                 f"not a key of a section it declares")  # fmt: skip
+
+    def key_input_values(self, cfg) -> dict[str, str]:
+        """The fingerprint inputs of its `key_inputs` whose condition is set: the key's name → its value."""
+        on = [key for key, when in self.key_inputs if _value(cfg, when)]
+        return {key.partition(".")[2]: str(_value(cfg, key)) for key in on}
 
     def keys_of(self, section: str) -> frozenset[str]:
         """The keys of `section` the stage declares one by one."""
         return frozenset(k.partition(".")[2] for k in self.keys if k.partition(".")[0] == section)
+
+
+def _value(cfg, key: str):
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ MICRO_TOKENS = 8800
 def _batch(length: int, dense: bool):
     """The first micro-batch of 32,768 response tokens in groups of 8 `length`-token responses under MICRO_TOKENS."""
     from tasks.engines.workers.micro_batches import token_micro_batches
-    from tasks.engines.workers.token_batch import SharedPrefixBatch, pack_shared
+    from tasks.engines.workers.packing import SharedPrefixBatch, pack_shared
 
     class DenseBatch(SharedPrefixBatch):
         """The reference path: transformers' SDPA under the layout's dense (1, 1, L, L) mask."""
@@ -78,7 +78,7 @@ def run() -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     import tasks.engines.workers.token_batch as token_batch
-    from tasks.engines.workers.token_batch import pack_shared
+    from tasks.engines.workers.packing import pack_shared
 
     token_batch.LOGITS_AT_ONCE_BYTES = 0  # the output layer in chunks at every length, so only attention differs
     rows = []

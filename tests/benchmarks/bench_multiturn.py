@@ -59,7 +59,7 @@ def play(model: str, work: Path, caching: bool, replay: list[list[list[int]]] | 
                 _write(work / f"in-{caching}-{turn}.parquet", prompts), out, max_tokens=MAX_TOKENS, seed=turn
             )
             seconds.append(
-                engine.generate(GenerateRequest(model_path=model, jobs=(job,)), settings)["jobs"][0]["generate_seconds"]
+                engine.generate(GenerateRequest(model_path=model, jobs=(job,)), settings).jobs[0].generate_seconds
             )
             said = pl.read_parquet(out).sort("prompt_id")["token_ids"].to_list()
             by_id = dict(zip(sorted(f"t{i}" for i in range(len(prompts))), said))

@@ -61,8 +61,8 @@ def whole(engine, settings, prompts: pl.DataFrame, work: Path) -> dict:
         inp, out = work / f"whole{r}.parquet", work / f"whole-out{r}.parquet"
         prompts.slice(r * GROUPS, GROUPS).write_parquet(inp)
         job = generation_job(inp, out, n=GROUP_SIZE, max_tokens=MAX_TOKENS, seed=1000 * r)
-        timing = engine.generate(GenerateRequest(model_path=str(MODEL), jobs=(job,)), settings)["jobs"][0]
-        tokens, seconds = tokens + timing["tokens"], seconds + timing["generate_seconds"]
+        timing = engine.generate(GenerateRequest(model_path=str(MODEL), jobs=(job,)), settings).jobs[0]
+        tokens, seconds = tokens + timing.tokens, seconds + timing.generate_seconds
         ended.append(pl.read_parquet(out))
     return {"tokens": tokens, "seconds": seconds, "groups": WHOLE_ROUNDS * GROUPS, **lengths(pl.concat(ended))}
 
@@ -86,8 +86,8 @@ def partial(engine, settings, prompts: pl.DataFrame, work: Path, target_groups: 
         inp, out = work / f"partial{rounds}.parquet", work / f"partial-out{rounds}.parquet"
         plan.requests.write_parquet(inp)
         job = generation_job(inp, out, n=1, max_tokens=MAX_TOKENS, seed=1000 * rounds)
-        timing = engine.generate(GenerateRequest(model_path=str(MODEL), jobs=(job,)), settings)["jobs"][0]
-        tokens, seconds = tokens + timing["tokens"], seconds + timing["generate_seconds"]
+        timing = engine.generate(GenerateRequest(model_path=str(MODEL), jobs=(job,)), settings).jobs[0]
+        tokens, seconds = tokens + timing.tokens, seconds + timing.generate_seconds
         rows, carry = split_ended(advance(plan.pool, pl.read_parquet(out), version=0, max_tokens=MAX_TOKENS))
         ended.append(rows)
         rounds += 1
@@ -107,8 +107,8 @@ def batch_rate(engine, settings, prompts: pl.DataFrame, work: Path, sequences: i
     inp, out = work / f"rate{sequences}.parquet", work / f"rate-out{sequences}.parquet"
     prompts.head(sequences // GROUP_SIZE).write_parquet(inp)
     job = generation_job(inp, out, n=GROUP_SIZE, max_tokens=CHUNK, min_tokens=CHUNK, seed=7)
-    timing = engine.generate(GenerateRequest(model_path=str(MODEL), jobs=(job,)), settings)["jobs"][0]
-    return timing["tokens"] / timing["generate_seconds"]
+    timing = engine.generate(GenerateRequest(model_path=str(MODEL), jobs=(job,)), settings).jobs[0]
+    return timing.tokens / timing.generate_seconds
 
 
 def run() -> list[dict]:

@@ -88,7 +88,7 @@ def gemm_peak(shapes: dict, tokens: int = 512, seconds: float = 0.6) -> float:
 
 
 def forward_flops(shapes: dict, counts: dict, prefix: str) -> float:
-    """Useful FLOPs of the forward passes a stage's counts describe (token_batch.SharedPrefixBatch.counts)."""
+    """Useful FLOPs of the forward passes a stage's counts describe (packing.SharedPrefixBatch.counts)."""
     return (
         2 * shapes["layer_weights"] * counts[f"{prefix}_tokens"]
         + 2 * shapes["head_weights"] * counts[f"{prefix}_predicted_tokens"]

@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct on reasoning-gym's tasks before any training, as a run's start eval evaluates its starting
 model (greedy, and one sample at temperature 1, up to 512 tokens), each task a source of 32 held-out prompts scored by
 the task's own scorer. Prints the table docs/reasoning-tasks.md holds: per task the greedy accuracy (a response is
-correct at score 1, eval.judge_threshold), the sampled one and the mean greedy response length, from which the tasks
-it can learn (start between 0.05 and 0.6) with long responses (≥ 60 tokens) are chosen.
+correct at score 1, eval.judge_threshold), its label prior, the sampled one and the mean greedy response length, from
+which the tasks it can learn (start between 0.05 and 0.6) with long responses (≥ 60 tokens) are chosen.
 
 - `make bench ARGS=reasoning_baseline`: infra/configs/reasoning_baseline.yaml, ten tasks at their default settings
   with reasoning-gym's default prompt (the answer in <answer> tags);
@@ -56,12 +56,13 @@ def run(name: str) -> list[dict]:
     _, figures, seconds = evaluate_start(f"infra/configs/reasoning_{name}.yaml", name)
     tasks = sorted(k.split("/", 1)[1] for k in figures if k.startswith("accuracy/"))
     print(f"reasoning_{name}: {len(tasks)} tasks, start eval in {seconds:.0f} s")
-    print("| task | greedy accuracy | sampled accuracy | mean greedy length (tokens) | prompts |")
-    print("|---|---|---|---|---|")
+    print("| task | greedy accuracy | label prior | sampled accuracy | mean greedy length (tokens) | prompts |")
+    print("|---|---|---|---|---|---|")
     for t in tasks:
         print(
-            f"| `{t}` | {figures[f'accuracy/{t}']:.3f} | {figures.get(f'pass_at_1/{t}', float('nan')):.3f} | "
-            f"{figures[f'mean_length/{t}']:.0f} | {figures[f'prompts/{t}']} |"
+            f"| `{t}` | {figures[f'accuracy/{t}']:.3f} | {figures.get(f'label_prior/{t}', float('nan')):.3f} | "
+            f"{figures.get(f'pass_at_1/{t}', float('nan')):.3f} | {figures[f'mean_length/{t}']:.0f} | "
+            f"{figures[f'prompts/{t}']} |"
         )
     mean = sum(figures[f"accuracy/{t}"] for t in tasks) / len(tasks)
     return [

@@ -72,10 +72,10 @@ def vllm_tokens_per_second(model_dir: Path, prompt_ids: list[list[int]], work: P
     )
     try:
         engine.generate(request, settings)  # warm-up: the first generate pays one-off compilation
-        timing = engine.generate(request, settings)["jobs"][0]
+        timing = engine.generate(request, settings).jobs[0]
     finally:
         engine.close()
-    return timing["tokens"] / timing["generate_seconds"]
+    return timing.tokens / timing.generate_seconds
 
 
 def run() -> list[dict]:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
-from tasks.engines.workers.token_batch import SharedPrefixBatch
+from tasks.engines.workers.packing import SharedPrefixBatch
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -68,5 +68,5 @@ def load_critic(path: str, fresh: bool, dtype: str = "float32") -> ValueModel:
 
 
 def token_values(critic, batch: SharedPrefixBatch):
-    """V of the state before each response token, (N, R) on the response grid of token_batch.pack_shared."""
+    """V of the state before each response token, (N, R) on the response grid of packing.pack_shared."""
     return critic(batch).float()

@@ -1,7 +1,7 @@
 """How samples are grouped and cut into micro-batches: pure Python over token counts, no torch, so that every rank
 computes the same partition from the same request (tasks/engines/workers/data_parallel.py).
 
-- Groups: the samples of one prompt share its token ids; the shared-prefix layout (token_batch.pack_shared) computes
+- Groups: the samples of one prompt share its token ids; the shared-prefix layout (packing.pack_shared) computes
   each prompt once per micro-batch, so micro-batches hold whole groups where they can.
 - Rows: a micro-batch's groups go in one row (the packed attention costs nothing more for a longer row), or, when asked,
   in rows of about a number of tokens (balanced_rows).

@@ -1,4 +1,4 @@
-"""Attention over the shared-prefix layout (token_batch.pack_shared) that computes only the pairs a packed group allows.
+"""Attention over the shared-prefix layout (packing.pack_shared) that computes only the pairs a packed group allows.
 
 A packed row holds groups laid out as a prompt, then its responses. A response may see its prompt and itself, at the
 positions it would have alone; a prompt sees itself. A dense (L, L) mask expresses that, but scaled-dot-product
@@ -106,7 +106,7 @@ def _segments(group: torch.Tensor, segment: torch.Tensor):
 
 def packed_layout(group: torch.Tensor, segment: torch.Tensor) -> PackedLayout:
     """The layout of a packed batch from its (G, L) id vectors: `group` numbers the groups within a row, `segment` is 0
-    on a prompt, k ≥ 1 on one response, negative on padding (as token_batch.pack_shared lays them out). Runs where the
+    on a prompt, k ≥ 1 on one response, negative on padding (as packing.pack_shared lays them out). Runs where the
     tensors are."""
     device = segment.device
     (p_start, p_len, r_start, r_len), prompts, allowed = _segments(group, segment)

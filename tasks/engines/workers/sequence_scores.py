@@ -26,7 +26,8 @@ from schemas.requests import ScoreRequest
 from tasks.data.formatting import pad_id
 from tasks.engines.workers.data_parallel import map_in_order
 from tasks.engines.workers.micro_batches import chunks, group_order
-from tasks.engines.workers.token_batch import pack, pack_shared, response_logprobs
+from tasks.engines.workers.packing import pack, pack_shared
+from tasks.engines.workers.token_batch import response_logprobs
 from tasks.engines.workers.torch_logprobs import load_lm
 
 
@@ -106,7 +107,7 @@ def step_logits(model, prompts: list[list[int]], responses: list[list[int]], end
 def rm_scores(model, prompts: list[list[int]], responses: list[list[int]], pad: int):
     """(N,) reward-model scores of prompt + response sequences, read at each response's last token.
 
-    A ranking's K responses share their prompt: on the shared-prefix layout (token_batch.pack_shared) the backbone
+    A ranking's K responses share their prompt: on the shared-prefix layout (packing.pack_shared) the backbone
     computes it once and the head reads each response's last position. A model whose classification head is not its
     `score` layer (transformers' name for decoder-only models) is run on the padded layout instead."""
 
@@ -122,7 +123,7 @@ def rm_scores(model, prompts: list[list[int]], responses: list[list[int]], pad: 
 
 def sequence_logps(model, prompts: list[list[int]], responses: list[list[int]], pad: int):
     """(N,) sum of log π over each response's tokens (EOS included), on the shared-prefix layout: a pair's chosen and
-    rejected responses, given together, share one pass over their prompt (token_batch.pack_shared)."""
+    rejected responses, given together, share one pass over their prompt (packing.pack_shared)."""
 
     batch = pack_shared(prompts, responses, pad)
     logp, _ = response_logprobs(model, batch, with_entropy=False)  # (N, R)

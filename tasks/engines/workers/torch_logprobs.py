@@ -134,17 +134,23 @@ def handle(request: LogprobsRequest, cache=None) -> dict:
         with eval_mode(critic):
             values = _values(critic, prompts, responses, _pad_id(critic), micro, tokens)
         forward += time.time() - t1
-    lst = pl.List(pl.Float32)
     counts = data_parallel.sum_over_ranks(
         counts
     )  # the policy passes' work, over the ranks (the critic's is not counted)
     if data_parallel.rank() != 0:  # every rank holds all the rows; one writes them
         return {}
+    _write(samples, request.out_path, old, ref, entropy, values, teacher)
+    return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0, "peak_rss_gib": peak_rss_gib(), **counts}
+
+
+def _write(samples: pl.DataFrame, out_path: str, old, ref, entropy, values, teacher) -> None:
+    """The logprobs table: a row per sample; ref_logprobs and values null where no pass computed them, and
+    teacher_logprobs only with a teacher."""
+    lst = pl.List(pl.Float32)
     samples.select("prompt_id", "sample_idx").with_columns(
         pl.Series("old_logprobs", old, dtype=lst),
         pl.Series("ref_logprobs", ref if ref is not None else [None] * samples.height, dtype=lst),
         pl.Series("entropy", entropy, dtype=lst),
         pl.Series("values", values if values is not None else [None] * samples.height, dtype=lst),
         *([pl.Series("teacher_logprobs", teacher, dtype=lst)] if teacher is not None else []),
-    ).write_parquet(request.out_path)
-    return {"forward_seconds": forward, "logprobs_seconds": time.time() - t0, "peak_rss_gib": peak_rss_gib(), **counts}
+    ).write_parquet(out_path)

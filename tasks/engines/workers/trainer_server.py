@@ -77,7 +77,7 @@ def make_answer(warm_start):
 def send_weights(request, cache, replicas: list) -> dict:
     """A SendWeightsRequest: the held policy to `replicas` [(name, Ray actor)] through vLLM's weight-transfer API.
     vLLM is imported here, at the first sync: a trainer on a machine without vLLM (the device check) never needs it."""
-    from tasks.engines.workers.weight_transfer import send_held
+    from tasks.engines.workers.weight_transfer_trainer import send_held
 
     return send_held(request, cache, replicas)
 

@@ -16,10 +16,18 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 
-from schemas.requests import GenerationJob, VLLMSettings, WeightUpdateCall, from_wire
+from schemas.requests import (
+    GenerationJob,
+    GenerationReply,
+    JobTiming,
+    VLLMSettings,
+    WeightUpdateCall,
+    from_wire,
+    to_wire,
+)
+from tasks.engines.workers.vllm_weights import Adapters, sampler_probe_gap, sync_weights
 
 
 def head_entropy(steps, k: int) -> float:
@@ -119,7 +127,7 @@ def vllm_lora_rank(rank: int) -> int:
     return fits[0]
 
 
-def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
+def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> tuple[JobTiming, ...]:
     import polars as pl
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -167,133 +175,14 @@ def _run_jobs(llm, jobs: tuple[GenerationJob, ...], lora=None) -> list[dict]:
         rows = _rows(outputs, prompts["prompt_id"].to_list(), "first_top" in top, job.entropy_tokens)
         df = pl.DataFrame(rows, schema={**top, **schema})
         df.write_parquet(job.out_path)
-        timings.append({"generate_seconds": gen_seconds, "tokens": int(df["length"].sum())})
-    return timings
-
-
-def _refresh_lm_head(worker) -> None:
-    """The tied output layer re-packed after an in-place reload (weight_transfer.refresh_lm_head), in a worker."""
-    from tasks.engines.workers.weight_transfer import refresh_lm_head
-
-    refresh_lm_head(worker.model_runner.get_model())
-
-
-def require_weight_files(model_path: str) -> None:
-    from storage import has_weight_files
-
-    if not has_weight_files(model_path):
-        raise ValueError(
-            f"{model_path} holds no weight files (a checkpoint the trainer sends over a process group, "
-            "engines.weight_sync: collective): the sampler cannot load it from disk"
-        )
-
-
-def sync_weights(llm, model_path: str) -> None:
-    """The weights of a checkpoint's files, reloaded in place."""
-    require_weight_files(model_path)
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": model_path})
-    llm.collective_rpc(_refresh_lm_head)
-    llm.reset_prefix_cache()
-
-
-class Adapters:
-    """The LoRA adapter the engine samples with: a checkpoint's adapter is loaded once (its bytes, not the model's),
-    the previous one dropped; the engine's own weights (the base model) never change."""
-
-    def __init__(self, llm, base_path: str):
-        self.llm, self.base, self.next_id, self.current = llm, os.path.abspath(base_path), 1, None
-
-    def request_for(self, model_path: str):
-        """The LoRARequest for an adapter checkpoint (loaded now), or None for the base model itself."""
-        from tasks.engines.workers.lora import is_adapter
-
-        if not is_adapter(model_path):
-            if os.path.abspath(model_path) != self.base:
-                raise ValueError(f"{model_path} is neither this engine's base model ({self.base}) nor an adapter on it")
-            return None
-        self._check_base(model_path)
-        require_weight_files(model_path)
-        return self._load(os.path.abspath(model_path))
-
-    def received(self, folder: str, model_path: str):
-        """The LoRARequest for an adapter received from the trainer into `folder` (removed once loaded)."""
-        self._check_base(model_path)
-        try:
-            return self._load(folder)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-    def _check_base(self, model_path: str) -> None:
-        from tasks.engines.workers.lora import adapter_base
-
-        if os.path.abspath(adapter_base(model_path)) != self.base:
-            raise ValueError(
-                f"the adapter in {model_path} is on {adapter_base(model_path)}, and this engine runs {self.base}"
-            )
-
-    def _load(self, folder: str):
-        """Load the adapter in `folder` now (vLLM reads its files at once), in place of the current one."""
-        from vllm.lora.request import LoRARequest
-
-        if self.current is not None:
-            self.llm.llm_engine.remove_lora(self.current.lora_int_id)
-        self.current = None  # a load that fails halfway leaves no adapter named
-        request = LoRARequest(f"adapter{self.next_id}", self.next_id, folder)
-        self.next_id += 1
-        self.llm.llm_engine.add_lora(request)
-        self.current = request
-        return request
-
-
-def sampler_probe_gap(llm, model_path: str, lora=None) -> float | None:
-    """Mean |log π_sampler − log π_trainer| on the checkpoint's probe sequences (tasks/engines/workers/sync_probe.py);
-    None for a model folder without a probe (one a trainer of ours did not write)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from tasks.engines.workers.sync_probe import mean_abs_gap, read_probe
-
-    probe = read_probe(model_path)
-    if probe is None:
-        return None
-    if llm.llm_engine.vllm_config.lora_config is not None:
-        return mean_abs_gap(_forced_logprobs(llm, probe["token_ids"], lora), probe["logprobs"])
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in probe["token_ids"]], params, use_tqdm=False)
-    # prompt_logprobs[t] (t ≥ 1) maps the prompt's own token t to its logprob given the tokens before it.
-    sampler = [
-        [step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], ids[1:])]
-        for o, ids in zip(outs, probe["token_ids"])
-    ]
-    return mean_abs_gap(sampler, probe["logprobs"])
-
-
-def _forced_logprobs(llm, sequences: list[list[int]], lora) -> list[list[float]]:
-    """log π(seq[t] | seq[:t]) for t ≥ 1, one request per position: the prefix as the prompt, the next token the only
-    one allowed, and its logprob taken before that restriction (vLLM reports the raw model's logprobs). With LoRA
-    enabled vLLM-CPU cannot compute prompt_logprobs (its LoRA logits kernel is indexed per request, not per prompt
-    position)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    positions = [(seq[:t], seq[t]) for seq in sequences for t in range(1, len(seq))]
-    params = [
-        SamplingParams(max_tokens=1, logprobs=0, temperature=1.0, allowed_token_ids=[tok]) for _, tok in positions
-    ]
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p, _ in positions], params, use_tqdm=False, lora_request=lora
-    )
-    flat = [o.outputs[0].logprobs[0][tok].logprob for o, (_, tok) in zip(outs, positions)]
-    out, at = [], 0
-    for seq in sequences:
-        out.append(flat[at : at + len(seq) - 1])
-        at += len(seq) - 1
-    return out
+        timings.append(JobTiming(generate_seconds=gen_seconds, tokens=int(df["length"].sum())))
+    return tuple(timings)
 
 
 def make_answer(settings: VLLMSettings):
-    """Resident mode: start one engine, then answer its messages: a GenerateRequest, or a WeightUpdateCall (one step of
-    a sync from the trainer through vLLM's weight-transfer API, engines.weight_sync collective).
+    """Resident mode: start one engine, then answer its messages: a GenerateRequest (answered with a GenerationReply,
+    on the wire), or a WeightUpdateCall (one step of a sync from the trainer through vLLM's weight-transfer API,
+    engines.weight_sync collective).
 
     A `generate` for other weights than the engine holds first syncs them in place from the checkpoint's files (tied
     embeddings included). After the start and after every sync the answer carries `sync_logprob_gap`, the sampler's gap
@@ -314,53 +203,15 @@ def make_answer(settings: VLLMSettings):
     # a share of the machine's memory, which on a 135M model grew to 23 GB resident.
     reserved = llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
     kv_cache_gib = reserved / 2**30 if reserved else None
-    state = {"current": base, "start_seconds": time.time() - t0, "lora": None}
+    state = {"current": base, "start_seconds": time.time() - t0, "lora": None, "asleep": False}
+    state.update(sync_t0=0.0, sync_bytes=0, adapter_dir=None)  # a weight sync's, between its calls (_weight_call)
     state["gap"] = sampler_probe_gap(llm, state["current"])
-
-    def awake() -> None:
-        """engines.colocate_sleep: the engine back on its GPU (weights restored, KV cache reallocated) before anything
-        reads or writes its weights; the probe after the next sync checks they are the trainer's (TRL #5312: after a
-        sleep, the weights once silently never reached the sampler)."""
-        if state.get("asleep"):
-            llm.wake_up()
-            state["asleep"] = False
-
-    transfer = {"t0": 0.0, "bytes": 0, "adapter_dir": None}
-
-    def weight_call(call: WeightUpdateCall) -> dict:
-        """One of vLLM's weight-sync calls, made by the trainer's client (tasks/engines/workers/weight_transfer.py);
-        the finish answers with the sync's seconds, bytes and probe gap."""
-        from tasks.engines.workers.weight_transfer import adapter_folder, tensor_bytes
-
-        awake()
-        if call.op == "init":
-            llm.init_weight_transfer_engine({"init_info": call.info})
-        elif call.op == "start":
-            state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
-            transfer.update(t0=time.time(), adapter_dir=None)
-            llm.start_weight_update()
-        elif call.op == "update":
-            info = dict(call.info)
-            if adapters is not None:  # LoRA: the adapter written as a folder, loaded at the finish
-                info["adapter_dir"] = transfer["adapter_dir"] = adapter_folder(call.model_path)
-            transfer["bytes"] = sum(tensor_bytes(info["dtype_names"], info["shapes"]))
-            llm.update_weights({"update_info": info})
-        else:
-            llm.finish_weight_update()
-            if transfer["adapter_dir"] is not None:
-                state["lora"] = adapters.received(transfer["adapter_dir"], call.model_path)
-            else:
-                llm.reset_prefix_cache()
-            state["current"], seconds = call.model_path, time.time() - transfer["t0"]
-            state["gap"] = sampler_probe_gap(llm, state["current"], state["lora"])
-            return {"sync_seconds": seconds, "sync_bytes": transfer["bytes"], "sync_logprob_gap": state["gap"]}
-        return {}
 
     def answer(msg: dict) -> dict:
         request = from_wire(msg["request"])
+        _awake(llm, state)
         if isinstance(request, WeightUpdateCall):
-            return weight_call(request)
-        awake()
+            return _weight_call(llm, adapters, state, request)
         sync_seconds = 0.0
         if request.model_path != state["current"]:
             state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
@@ -375,19 +226,57 @@ def make_answer(settings: VLLMSettings):
         if settings.sleep:  # the trainer, colocated, may run next: its GPU memory back until the next request
             llm.sleep(level=1)
             state["asleep"] = True
-        resp = {
-            "engine_start_seconds": state["start_seconds"],
-            "sync_seconds": sync_seconds,
-            "sync_logprob_gap": state["gap"],
-            "jobs": timings,
-            "vllm_version": vllm.__version__,
-            "peak_rss_gib": peak_rss_gib(),
-            "kv_cache_gib": kv_cache_gib,
-        }
+        reply = GenerationReply(
+            engine_start_seconds=state["start_seconds"],
+            sync_seconds=sync_seconds,
+            sync_logprob_gap=state["gap"],
+            jobs=timings,
+            vllm_version=vllm.__version__,
+            peak_rss_gib=peak_rss_gib(),
+            kv_cache_gib=kv_cache_gib,
+        )
         state["start_seconds"] = 0.0  # only the first answer pays the start
-        return resp
+        return to_wire(reply)
 
     return answer
+
+
+def _awake(llm, state: dict) -> None:
+    """engines.colocate_sleep: the engine back on its GPU (weights restored, KV cache reallocated) before anything reads
+    or writes its weights; the probe after the next sync checks they are the trainer's (TRL #5312: after a sleep, the
+    weights once silently never reached the sampler)."""
+    if state["asleep"]:
+        llm.wake_up()
+        state["asleep"] = False
+
+
+def _weight_call(llm, adapters: Adapters | None, state: dict, call: WeightUpdateCall) -> dict:
+    """One of vLLM's weight-sync calls, made by the trainer's client (tasks/engines/workers/weight_transfer.py); the
+    finish answers with the sync's seconds, bytes and probe gap."""
+    from tasks.engines.workers.weight_transfer import adapter_folder, tensor_bytes
+
+    if call.op == "init":
+        llm.init_weight_transfer_engine({"init_info": call.info})
+    elif call.op == "start":
+        state["current"] = None  # a sync that fails halfway leaves weights that match no checkpoint
+        state.update(sync_t0=time.time(), adapter_dir=None)
+        llm.start_weight_update()
+    elif call.op == "update":
+        info = dict(call.info)
+        if adapters is not None:  # LoRA: the adapter written as a folder, loaded at the finish
+            info["adapter_dir"] = state["adapter_dir"] = adapter_folder(call.model_path)
+        state["sync_bytes"] = sum(tensor_bytes(info["dtype_names"], info["shapes"]))
+        llm.update_weights({"update_info": info})
+    else:
+        llm.finish_weight_update()
+        if state["adapter_dir"] is not None:
+            state["lora"] = adapters.received(state["adapter_dir"], call.model_path)
+        else:
+            llm.reset_prefix_cache()
+        state["current"], seconds = call.model_path, time.time() - state["sync_t0"]
+        state["gap"] = sampler_probe_gap(llm, state["current"], state["lora"])
+        return {"sync_seconds": seconds, "sync_bytes": state["sync_bytes"], "sync_logprob_gap": state["gap"]}
+    return {}
 
 
 def warm() -> None:
