@@ -30,10 +30,6 @@ NO_FILES = ["--set", "data.train_files=[]", "--set", "data.eval_files=[]"]  # da
         (["--set", "kl.placement"], "expected key=value"),
         (["--algo", "nope"], "unknown --algo 'nope'"),
         (
-            [*NO_FILES, "--set", "data.sources=[{name: g, reasoning_gym: {task: nope}}]"],
-            "reasoning-gym has no task 'nope'",
-        ),
-        (
             ["--set", "task={name: reasoning_gym, tasks: {leg_counting: {}}}"],
             "the task reasoning_gym is gone: mix reasoning-gym's tasks with data.sources",
         ),
