@@ -244,7 +244,7 @@ def _run_with_test(spawn, command: list[str], *, test: str, settings: SandboxCon
     names the outcome better than the runner's "exited")."""
     to_program, from_runner = os.pipe()
     to_runner, from_program = os.pipe()
-    proc = runner = None
+    held, proc, runner = [to_program, from_runner, to_runner, from_program], None, None
     try:
         proc = spawn([*command, str(to_program), str(from_program)], pass_fds=(to_program, from_program))
         runner = subprocess.Popen(
@@ -252,8 +252,8 @@ def _run_with_test(spawn, command: list[str], *, test: str, settings: SandboxCon
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             pass_fds=(to_runner, from_runner), start_new_session=True,
         )  # fmt: skip
-        for fd in (to_program, from_runner, to_runner, from_program):  # the two processes hold them now
-            os.close(fd)
+        while held:  # the two processes hold them now: the runner sees the program's end as the pipe's
+            os.close(held.pop())
         try:
             out, _ = runner.communicate(test, timeout=settings.timeout_s)
         except subprocess.TimeoutExpired:
@@ -270,6 +270,8 @@ def _run_with_test(spawn, command: list[str], *, test: str, settings: SandboxCon
                 pass
         return proc.poll(), verdict
     finally:
+        for fd in held:  # a start that failed
+            os.close(fd)
         if runner is not None:
             _stop(runner, reaper=False)
         if proc is not None:
