@@ -20,6 +20,7 @@ from tasks.stages.sft import sft_data_task
 from tasks.stages.start_engines import start_engines
 from tasks.stages.summary import summary_task
 from tasks.stages.tracking import track_task
+from tasks.stages.tripwires import TripwireStop, tripwires_task
 
 
 @flow(name="rl-iteration", flow_run_name="{run_id}-iter-{iteration}")
@@ -56,7 +57,8 @@ def iterations(run_id: str, storage_root: str, plan: RunPlan):
 
 @flow(name="rl", flow_run_name="{run_id}")
 def rl_run(run_id: str, storage_root: str = "runs") -> dict:
-    """Eval the starting model, run every iteration (eval every N and at the end), write summary.json."""
+    """Eval the starting model, run every iteration (eval every N and at the end; a tripwire set to `stop` ends the run
+    after the iteration it fires on), write summary.json."""
     start_engines(
         storage_root, run_id
     )  # the engines load while the first stages run (a no-op if the command started them)
@@ -66,9 +68,12 @@ def rl_run(run_id: str, storage_root: str = "runs") -> dict:
         sft_data_task(storage_root, run_id, plan.model_path)
     try:
         eval_task(storage_root, run_id, 0)
-        for _ in iterations(run_id, storage_root, plan):
+        for k in iterations(run_id, storage_root, plan):
+            stop = tripwires_task(storage_root, run_id, k)  # iteration k's tripwires: logged, and the line of a `stop`
             if plan.tracking:
-                track_task(storage_root, run_id)  # iteration k's figures, with its eval
+                track_task(storage_root, run_id)  # iteration k's figures, with its eval and tripwires
+            if stop:
+                raise TripwireStop(stop)  # after iteration k's tables, eval and tracking are written
     finally:
         release_engines_task()
     summary = summary_task(storage_root, run_id)

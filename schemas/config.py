@@ -1438,7 +1438,28 @@ class CheckpointConfig(Section):
     )
 
 
+class TripwireConfig(Section):
+    action: Literal["warn", "stop", "off"] | None = Field(
+        None,
+        description="What a firing does: `warn` logs one line naming the figure and the iteration; `stop` ends the "
+        "run with that line and exit status 1, after the iteration's tables are written; `off` never checks. "
+        "Default: the rule's own (docs/tripwires.md).",
+    )
+    bound: float | None = Field(
+        None, description="The rule fires when its figure is at or above this; default: the rule's own."
+    )
+
+
 class RLConfig(Section):
+    # Tripwires change no stage's data: whether the run goes on after an iteration, not what any stage writes.
+    PLACEMENT_KEYS: ClassVar[frozenset[str]] = frozenset({"tripwires"})
+    tripwires: dict[registered("tasks.algos.tripwires:TRIPWIRES"), TripwireConfig] = Field(
+        {},
+        description="Per rule (truncated_at_zero_reward, zero_variance_streak, logprob_gap, answer_collapse, "
+        "repetition, reward_up_eval_down), its action (warn, stop, off) and bound, over the defaults: each figure is "
+        "recorded every iteration in runs/RUN/tripwires.json and shown by `rlpipe show`, the report and the trackers "
+        "(docs/tripwires.md).",
+    )
     iterations: int = Field(
         10,
         ge=1,

@@ -93,6 +93,11 @@ class RunLayout:
         return self.checkpoint_dir(iteration) / "critic"
 
     @property
+    def tripwires_path(self) -> Path:
+        """Each iteration's tripwire figures and the lines of those that fired (tasks/stages/tripwires.py)."""
+        return self.run_dir / "tripwires.json"
+
+    @property
     def tracking_state_path(self) -> Path:
         """What experiment tracking has logged, and its MLflow run (tasks/stages/tracking.py)."""
         return self.run_dir / "tracking.json"

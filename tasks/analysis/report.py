@@ -15,6 +15,7 @@ from storage import RunLayout, read_manifest, scan
 from tasks.algos.metrics import split_by_source
 from tasks.analysis.agent_stats import per_iteration
 from tasks.analysis.reward_hacking import Flag, hacking_flags, repetition_rate
+from tasks.analysis.show import tripwire_lines
 
 # (file stem, title, y label, train_metrics columns): one line per column, x = iteration.
 LINE_PLOTS = [
@@ -171,12 +172,13 @@ def write_report(run_id: str, root: str = "runs") -> Path:
     figures.append(("stage_seconds", "Time per stage"))
     flags = hacking_flags(metrics, evals, repetition)
     path = layout.report_path
-    path.write_text(_html(run_id, metrics, evals, flags, figures))
+    path.write_text(_html(run_id, metrics, evals, flags, figures, tripwire_lines(layout)))
     return path
 
 
-def _html(run_id: str, metrics: pl.DataFrame, evals: pl.DataFrame, flags: list[Flag], figures) -> str:
+def _html(run_id: str, metrics: pl.DataFrame, evals: pl.DataFrame, flags: list[Flag], figures, tripwires=()) -> str:
     esc = html.escape
+    trips = "".join(f"<li>{esc(line)}</li>" for line in tripwires) or "<li>none fired</li>"
     flag_rows = "".join(
         f"<tr class={'raised' if f.raised else 'ok'}><td>{esc(f.name)}</td><td>{'RAISED' if f.raised else 'ok'}</td>"
         f"<td>{esc(f.evidence)}</td></tr>"
@@ -199,6 +201,8 @@ tr.raised td{{background:#fdd}} figure{{display:inline-block;margin:8px}}</style
 {metrics["iteration"].min()}–{metrics["iteration"].max()}).</p>
 <h2>Reward-hacking flags</h2>
 <table><tr><th>check</th><th>status</th><th>evidence</th></tr>{flag_rows}</table>
+<h2>Tripwires</h2>
+<ul>{trips}</ul>
 <h2>Eval (greedy, rule-judged)</h2>
 <table><tr><th>iteration</th><th>accuracy</th></tr>{eval_rows}</table>
 <h2>Per iteration</h2>{images}

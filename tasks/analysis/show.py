@@ -200,7 +200,17 @@ def show_run(run_id: str, root: str, console: Console, wide: bool = False) -> No
         if agent is not None:
             out.print(agent)
     out.print(eval_table(layout))
+    for line in tripwire_lines(layout):
+        out.print(line, markup=False, highlight=False)
     out.print(disk_table(disk_use(layout)))
+
+
+def tripwire_lines(layout: RunLayout) -> list[str]:
+    """The line of every tripwire that fired, in iteration order (runs/RUN/tripwires.json; none before any ran)."""
+    if not layout.tripwires_path.exists():
+        return []
+    state = json.loads(layout.tripwires_path.read_text())
+    return [line for it in sorted(state, key=int) for line in state[it].get("fired", [])]
 
 
 def disk_use(layout: RunLayout) -> dict:

@@ -1,8 +1,8 @@
 """Experiment tracking (opt-in, `tracking: [tensorboard, mlflow]`): the figures of each complete RL iteration, copied to
 the tools users watch curves in. The Parquet tables stay the record; nothing here is read back by a stage.
 
-- TensorBoard: scalars `train/<train_metrics column>` and `eval/<figure>` at step = the iteration, in event files under
-  runs/RUN/tensorboard (torch's SummaryWriter).
+- TensorBoard: scalars `train/<train_metrics column>`, `tripwire/<figure>` and `eval/<figure>` at step = the
+  iteration, in event files under runs/RUN/tensorboard (torch's SummaryWriter).
 - MLflow: one MLflow run per rlpipe run (named after it), its params the resolved config (flattened keys), its metrics
   the same scalars at step = the iteration, the summary logged as `summary.json` and the run ended with it. The store is
   `tracking_uri`, else $MLFLOW_TRACKING_URI, else SQLite in the run folder (runs/RUN/mlflow.db, artifacts beside it).
@@ -44,6 +44,10 @@ def pending_steps(layout: RunLayout, logged: dict) -> list[tuple[int, dict[str, 
         if it > logged.get("train", 0) and read_manifest(layout, "train_metrics", it, verify=False) is not None:
             row = read_stage(layout, "train_metrics", it).row(0, named=True)
             steps.setdefault(it, {}).update({f"train/{k}": v for k, v in scalars(row).items() if k != "iteration"})
+    tripwires = json.loads(layout.tripwires_path.read_text()) if layout.tripwires_path.exists() else {}
+    for it, step in steps.items():  # the tripwires' figures (tasks/stages/tripwires.py) beside the iteration's metrics
+        figures = tripwires.get(str(it), {}).get("figures", {})
+        step.update({f"tripwire/{k}": v for k, v in scalars(figures).items()})
     for it in (k for k in layout.iterations("eval") if k not in logged.get("eval", [])):
         manifest = read_manifest(layout, "eval", it, verify=False)
         if manifest is not None:
