@@ -14,7 +14,7 @@ import polars as pl
 from schemas.errors import UserError
 from storage import read_manifest, read_stage, scan
 from storage.stage_io import write_bytes_atomic
-from tasks.algos.tripwires import Firing, fired, iteration_figures
+from tasks.algos.tripwires import TRIPWIRES, Firing, fired, iteration_figures
 from tasks.stages.common import load_run, stage_task
 from tasks.stages.evaluate import sources_of
 
@@ -25,8 +25,6 @@ class TripwireStop(UserError, RuntimeError):
 
 def settings(tripwires: dict) -> dict[str, tuple[float, str]]:
     """rl.tripwires as fired() takes it: rule → (bound, action), the rule's defaults where the config leaves them."""
-    from tasks.algos.tripwires import TRIPWIRES
-
     out = {}
     for name, cfg in tripwires.items():
         rule = TRIPWIRES.entry(name)
